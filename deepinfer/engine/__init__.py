@@ -1,0 +1,1 @@
+"""What a worker runs: models, weights, tokenizer, scheduler, sampler, engine loop. No sockets."""

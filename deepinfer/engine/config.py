@@ -1,0 +1,134 @@
+"""Model and engine configuration.
+
+`ModelConfig` is the architecture description every loader produces (from a Hugging Face
+config.json or from GGUF metadata) and every model consumes. `EngineConfig` holds the knobs of
+one engine instance (KV memory budget, batching limits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ConfigError(ValueError):
+    """A model configuration we cannot serve; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder: GQA, RoPE, RMSNorm, SwiGLU, optional attention bias."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # None or a dict with "rope_type" in SUPPORTED_ROPE_TYPES plus that type's parameters,
+    # spelled as in Hugging Face configs ("factor", "original_max_position_embeddings", ...).
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        rope_type = self.rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of fp32 K and V for one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
+        `rope_parameters` spellings)."""
+        model_type = d.get("model_type", "llama")
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        rope_params = dict(d.get("rope_parameters") or {})
+        rope_scaling = d.get("rope_scaling") or None
+        rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            if "type" in rope_scaling and "rope_type" not in rope_scaling:
+                rope_scaling["rope_type"] = rope_scaling.pop("type")
+            if rope_scaling.get("rope_type", "default") == "default":
+                rope_scaling = None
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; its config does not say so.
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class EngineConfig:
+    """Limits of one engine instance."""
+
+    block_size: int = 16
+    # Bytes of KV cache to preallocate; `num_kv_blocks` overrides it when set.
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    # Context limit; None means the model's max_position_embeddings.
+    max_model_len: int | None = None
+    device: str = "cpu"
+    num_threads: int | None = None
+    # Use the compiled paged-attention kernel for decode rows when it builds; the torch path otherwise.
+    use_native_kernels: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError("block_size must be positive")
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")

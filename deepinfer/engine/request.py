@@ -1,0 +1,177 @@
+"""Request records: what a caller asks for (`SamplingParams`), what the engine tracks (`Request`) and
+what it hands back (`RequestOutput`)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked; the message says which field and why."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token id or stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed inside the engine
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, will recompute its KV
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. Defaults are greedy with no limits but `max_tokens`.
+
+    temperature 0 means greedy; top_k 0 (or -1) and top_p 1 and min_p 0 disable those filters;
+    repetition_penalty 1 and presence/frequency penalties 0 disable penalties. `seed` makes sampling
+    reproducible for this request whatever else shares the batch. `logprobs` asks for the chosen
+    token's log-probability plus that many top alternatives (0: only the chosen token's; None: none).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    # Also stop on the model's end-of-sequence tokens.
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    MAX_LOGPROBS = 20
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise bad("max_tokens", "must be a positive integer")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise InvalidRequestError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise bad("seed", "must be an integer in [0, 2**63)")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise InvalidRequestError(f"stop token id {t!r} is outside the vocabulary")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    # The top-n alternatives at this position, best first: (token_id, logprob).
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+_request_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request. The scheduler advances `num_computed_tokens` towards
+    `num_tokens`; when it catches up, the sampled token is appended to `output_token_ids`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower is served first; ties by arrival
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: tuple[int, ...] = ()
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Logprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Leading prompt tokens whose KV came from a cache instead of being computed (first admission).
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    seq_no: int = field(default_factory=lambda: next(_request_counter))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrival_time, self.seq_no)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+@dataclass
+class RequestOutput:
+    """What one `step()` reports about one request: the tokens it gained this step (`new_token_ids`)
+    and, once finished, the finish reason. `token_ids` is everything generated so far."""
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    usage: Usage
+    logprobs: list[Logprob] | None = None
+    error: str | None = None
+    text: str | None = None  # filled by callers that detokenize

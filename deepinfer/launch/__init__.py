@@ -1,0 +1,1 @@
+"""deepinfer-launch: the command line, topology, supervisor, systemd units."""

@@ -1,0 +1,1 @@
+"""The wire contract between services: message types, codec, framing, socket helpers."""

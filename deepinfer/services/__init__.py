@@ -1,0 +1,1 @@
+"""One module per process role (router, tokenizer, prefill, decode, kvcache, balancer)."""
