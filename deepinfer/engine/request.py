@@ -164,7 +164,8 @@ class Usage:
 @dataclass
 class RequestOutput:
     """What one `step()` reports about one request: the tokens it gained this step (`new_token_ids`)
-    and, once finished, the finish reason. `token_ids` is everything generated so far."""
+    and, once finished, the finish reason. `token_ids` (every generated token), `logprobs` and
+    `text` are filled on the final output only."""
 
     request_id: str
     new_token_ids: list[int]

@@ -1,0 +1,86 @@
+"""Paged attention over a batch that mixes decode rows and prefill chunks.
+
+A step's tokens are laid out row after row: first the single-token rows (decodes, and prefill
+chunks of one token), then the multi-token prefill chunks. Every row reads its context through its
+block table straight from the KV tensor; nothing is concatenated per step.
+
+* Single-token rows go through `paged_decode_attention`: the native kernel reads K/V in place
+  (a pure-torch gather is the fallback when the kernel cannot be built).
+* Each multi-token chunk gathers its own context blocks once and runs one causal SDPA; a chunk with
+  no earlier context attends to its fresh K/V directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.engine import kernels
+
+
+@dataclass
+class PrefillChunk:
+    """One multi-token row: query tokens [q_start, q_start + q_len) of the step, attending to the
+    first `context_len` tokens of its sequence (the chunk's own tokens are the last q_len of them)."""
+
+    q_start: int
+    q_len: int
+    context_len: int
+    block_ids: torch.Tensor  # int64, the blocks covering context_len tokens
+
+
+@dataclass
+class AttentionMetadata:
+    # Where each of the step's T tokens writes its K/V.
+    slot_blocks: torch.Tensor  # [T] int64
+    slot_offsets: torch.Tensor  # [T] int64
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor | None = None  # [num_decode] int32
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    use_native: bool = True
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store the step's new K/V ([T, kv_heads, head_dim]) into the layer's cache views
+    ([num_blocks, block_size, kv_heads, head_dim], strided in dim 0)."""
+    index = (meta.slot_blocks, meta.slot_offsets)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: this step's fresh [T, kv_heads, head_dim] (already written to
+    the cache). Returns [T, heads, head_dim]."""
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        decode = kernels.paged_decode_attention if meta.use_native else kernels.paged_decode_attention_reference
+        decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out=out[:nd])
+    block_size = k_cache.shape[1]
+    for chunk in meta.prefills:
+        rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        qh = q[rows].transpose(0, 1)  # [heads, q_len, D]
+        if chunk.context_len == chunk.q_len:
+            kh, vh = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            kh = _gather(k_cache, chunk, block_size)
+            vh = _gather(v_cache, chunk, block_size)
+            # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
+            mask = torch.ones(chunk.q_len, chunk.context_len, dtype=torch.bool).tril(
+                chunk.context_len - chunk.q_len
+            )
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, chunk: PrefillChunk, block_size: int) -> torch.Tensor:
+    """[kv_heads, context_len, D] copy of one sequence's context."""
+    blocks = cache.index_select(0, chunk.block_ids)  # [nb, bs, kvh, D]
+    return blocks.flatten(0, 1)[: chunk.context_len].transpose(0, 1)

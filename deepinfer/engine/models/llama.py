@@ -1,0 +1,90 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral without sliding window) over a paged KV cache.
+
+Weights arrive in the engine's names (see `deepinfer.engine.weights`) and are fused here: Q/K/V into
+one projection and gate/up into another, so each layer runs four matmuls. The model is stateless
+apart from its weights: the KV tensor and the step's attention metadata are passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.engine.attention import AttentionMetadata, paged_attention, write_kv
+from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.models.rope import RotaryTable, apply_rotary
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_attn_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], max_positions: int,
+                 device: str = "cpu") -> None:
+        self.config = config
+        c = config
+        sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
+        self.embed = sd["embed_tokens"]
+        self.norm = sd["norm"]
+        self.lm_head = self.embed if c.tie_word_embeddings else sd["lm_head"]
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([sd[p + "q_bias"], sd[p + "k_bias"], sd[p + "v_bias"]])
+            self.layers.append(
+                _Layer(
+                    input_norm=sd[p + "input_norm"],
+                    qkv=torch.cat([sd[p + "q_proj"], sd[p + "k_proj"], sd[p + "v_proj"]]),
+                    qkv_bias=bias,
+                    o_proj=sd[p + "o_proj"],
+                    post_attn_norm=sd[p + "post_attn_norm"],
+                    gate_up=torch.cat([sd[p + "gate_proj"], sd[p + "up_proj"]]),
+                    down=sd[p + "down_proj"],
+                )
+            )
+        self.rotary = RotaryTable(c, max_positions)
+        self.scale = c.head_dim**-0.5
+        self._q_dim = c.num_heads * c.head_dim
+        self._kv_dim = c.num_kv_heads * c.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64. kv: [num_blocks, layers, 2, block_size, kv_heads, head_dim].
+        Returns fp32 logits [len(logits_rows), vocab] for the requested token rows."""
+        c = self.config
+        T = input_ids.shape[0]
+        eps = c.rms_norm_eps
+        cos, sin = self.rotary.lookup(positions)
+        x = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qk = apply_rotary(qkv[:, : self._q_dim + self._kv_dim].view(T, -1, c.head_dim), cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            v = qkv[:, self._q_dim + self._kv_dim :].view(T, c.num_kv_heads, c.head_dim)
+            k_cache, v_cache = kv[:, i, 0], kv[:, i, 1]
+            write_kv(k_cache, v_cache, k, v, meta)
+            o = paged_attention(q.contiguous(), k, v, k_cache, v_cache, meta, self.scale)
+            x = x + F.linear(o.view(T, self._q_dim), layer.o_proj)
+            h = rms_norm(x, layer.post_attn_norm, eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = rms_norm(x[logits_rows], self.norm, eps)
+        return F.linear(x, self.lm_head)
