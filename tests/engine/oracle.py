@@ -1,0 +1,78 @@
+"""Helpers for comparing the engine with Hugging Face transformers on the same weights.
+
+The rule every oracle test applies: greedy tokens must equal transformers' token for token; where
+one differs, the oracle's own top-2 logit gap at that position must be a near-tie (< NEAR_TIE), or
+the test fails. After such a tie the two continuations legitimately diverge and are not compared.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEAR_TIE = 1e-3
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """transformers' greedy continuation of `prompt`, exactly `n` tokens (EOS ignored)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        # An explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding.
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def hf_top2_gap(hf_model, tokens: list[int]) -> float:  # type: ignore[no-untyped-def]
+    """Gap between the oracle's two best logits for the token after `tokens`."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([tokens])).logits[0, -1]
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_same_greedy(hf_model, prompt: list[int], ours: list[int], ref: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Equal, or equal up to a position where the oracle itself is at a near-tie."""
+    assert len(ours) == len(ref), f"length {len(ours)} != oracle's {len(ref)}"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            gap = hf_top2_gap(hf_model, prompt + ref[:i])
+            assert gap < NEAR_TIE, (
+                f"token {i} differs (ours {a}, oracle {b}) and the oracle's top-2 gap there is {gap:.2e}, "
+                f"not a near-tie (< {NEAR_TIE})"
+            )
+            return
+
+
+def hf_model_from_loaded(config, state_dict):  # type: ignore[no-untyped-def]
+    """A transformers LlamaForCausalLM holding exactly our (e.g. GGUF-dequantised) weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = config
+    hf_config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=c.attention_bias,
+    )
+    names = {"input_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
+             "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight", "down_proj": "mlp.down_proj.weight"}
+    for p in ("q", "k", "v", "o"):
+        names[f"{p}_proj"] = f"self_attn.{p}_proj.weight"
+        names[f"{p}_bias"] = f"self_attn.{p}_proj.bias"
+    hf_sd = {}
+    for key, t in state_dict.items():
+        if key.startswith("layers."):
+            _, i, name = key.split(".", 2)
+            hf_sd[f"model.layers.{i}.{names[name]}"] = t
+        else:
+            hf_sd[{"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight",
+                   "lm_head": "lm_head.weight"}[key]] = t
+    model = LlamaForCausalLM(hf_config)
+    missing, unexpected = model.load_state_dict(hf_sd, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    if c.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
