@@ -1,0 +1,169 @@
+"""Model weights from a Hugging Face directory or a GGUF file, as one fp32 state dict in our names.
+
+Naming contract (every loader produces it, every model consumes it; fp32 tensors, projections
+shaped [out, in] like `nn.Linear.weight`, Q/K in Hugging Face's rotary layout):
+
+    embed_tokens             [vocab, hidden]
+    norm                     [hidden]                  final RMSNorm weight
+    lm_head                  [vocab, hidden]           absent when config.tie_word_embeddings
+    layers.{i}.input_norm    [hidden]                  RMSNorm before attention
+    layers.{i}.post_attn_norm [hidden]                 RMSNorm before the MLP
+    layers.{i}.q_proj        [num_heads·head_dim, hidden]
+    layers.{i}.k_proj        [num_kv_heads·head_dim, hidden]
+    layers.{i}.v_proj        [num_kv_heads·head_dim, hidden]
+    layers.{i}.o_proj        [hidden, num_heads·head_dim]
+    layers.{i}.q_bias        [num_heads·head_dim]      q/k/v biases only when config.attention_bias
+    layers.{i}.k_bias        [num_kv_heads·head_dim]
+    layers.{i}.v_bias        [num_kv_heads·head_dim]
+    layers.{i}.gate_proj     [intermediate, hidden]
+    layers.{i}.up_proj       [intermediate, hidden]
+    layers.{i}.down_proj     [hidden, intermediate]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.gguf import UnsupportedWeightError, load_gguf
+
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+_HF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "embed_tokens",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+}
+# Buffers some checkpoints carry that are recomputed from the config.
+_HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    fingerprint: str
+    source: Path
+
+
+def load_model_weights(path: str | os.PathLike[str]) -> LoadedModel:
+    """Load a Hugging Face model directory (config.json + *.safetensors) or a `.gguf` file."""
+    source = Path(path)
+    if source.is_file() and source.suffix == ".gguf":
+        config, state = load_gguf(source)
+    elif source.is_dir() and (source / "config.json").is_file() and any(source.glob("*.safetensors")):
+        config, state = load_hf_dir(source)
+    else:
+        raise FileNotFoundError(
+            f"no model at {str(source)!r}: expected a .gguf file or a directory holding config.json "
+            "and *.safetensors"
+        )
+    check_state_dict(config, state)
+    return LoadedModel(config, state, model_fingerprint(config, state), source)
+
+
+def load_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and fp32 state dict (our names) of a Hugging Face model directory, sharded or not."""
+    root = Path(path)
+    config = ModelConfig.from_hf_dict(json.loads((root / "config.json").read_text()))
+    generation = root / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        merged = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
+        config = dataclasses.replace(config, eos_token_ids=merged)
+    state: dict[str, torch.Tensor] = {}
+    for shard in _safetensors_files(root):
+        with safe_open(str(shard), framework="pt") as f:
+            for hf_name in f.keys():
+                if _HF_IGNORED.fullmatch(hf_name):
+                    continue
+                name = hf_to_our_name(hf_name)
+                if name == "lm_head" and config.tie_word_embeddings:
+                    continue
+                state[name] = f.get_tensor(hf_name).to(torch.float32).contiguous()
+    return config, state
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / s for s in shards]
+    return sorted(root.glob("*.safetensors"))
+
+
+def hf_to_our_name(hf_name: str) -> str:
+    if hf_name in _HF_GLOBAL_NAMES:
+        return _HF_GLOBAL_NAMES[hf_name]
+    m = _HF_LAYER.fullmatch(hf_name)
+    if m and m.group(2) in _HF_LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
+    raise UnsupportedWeightError(f"checkpoint tensor {hf_name!r} has no place in a Llama-family model")
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every name of the naming contract this config needs, with its shape."""
+    h, v, f = config.hidden_size, config.vocab_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (v, h), "norm": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (v, h)
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        layer = {"input_norm": (h,), "post_attn_norm": (h,), "q_proj": (q, h), "k_proj": (kv, h)}
+        layer |= {"v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (f, h), "up_proj": (f, h)}
+        layer["down_proj"] = (h, f)
+        if config.attention_bias:
+            layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+        shapes.update({p + n: s for n, s in layer.items()})
+    return shapes
+
+
+def check_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming every missing, unexpected or misshapen tensor."""
+    expected = expected_shapes(config)
+    problems = [f"missing {n}" for n in expected if n not in state]
+    problems += [f"unexpected {n}" for n in state if n not in expected]
+    problems += [
+        f"{n} has shape {tuple(state[n].shape)}, expected {shape}"
+        for n, shape in expected.items()
+        if n in state and tuple(state[n].shape) != shape
+    ]
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; … {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise ValueError(f"weights do not match the model config: {shown}")
+
+
+def model_fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> str:
+    """sha256 hex over the config and every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    h.update(json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous()
+        header = {"name": name, "dtype": str(t.dtype), "shape": list(t.shape)}
+        h.update(b"\0" + json.dumps(header, sort_keys=True, separators=(",", ":")).encode() + b"\0")
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()

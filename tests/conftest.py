@@ -1,0 +1,78 @@
+"""Shared fixtures.
+
+* `smollm2_path` — the real SmolLM2-135M-Instruct Q4_1 GGUF, fetched into the cache on first use
+  (tests using it are marked `smollm2`).
+* `tiny_hf_model` — a factory for tiny random-weight Hugging Face models (`llama` or `qwen2`) saved
+  with `save_pretrained`; each distinct configuration is built once per session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deepinfer.engine.fetch import fetch_smollm2
+
+TINY_CONFIG: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    path: Path  # the save_pretrained directory
+    config: Any  # the transformers config
+    state_dict: dict[str, torch.Tensor]  # Hugging Face names, fp32
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return fetch_smollm2(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyModel]:
+    built: dict[tuple[Any, ...], TinyModel] = {}
+
+    def make(architecture: str = "llama", *, seed: int = 0, max_shard_size: str | None = None, **overrides: Any):
+        key = (architecture, seed, max_shard_size, tuple(sorted(overrides.items())))
+        if key not in built:
+            built[key] = _build(tmp_path_factory.mktemp(architecture), architecture, seed, max_shard_size, overrides)
+        return built[key]
+
+    return make
+
+
+def _build(
+    path: Path, architecture: str, seed: int, max_shard_size: str | None, overrides: dict[str, Any]
+) -> TinyModel:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_class, model_class = classes[architecture]
+    config = config_class(**{**TINY_CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        # Default init leaves norms at 1 and biases at 0; random values catch any swapped tensor.
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    state = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+    return TinyModel(path, config, state)
