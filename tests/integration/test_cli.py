@@ -1,0 +1,65 @@
+"""deepinfer-launch as a user runs it: a real process on the real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.smollm2
+
+
+def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepinfer.launch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_fetch_prints_the_path_last(smollm2_path):
+    out = launch("fetch", "smollm2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == str(smollm2_path)
+
+
+def test_generate_json_from_prompts_file_in_input_order(smollm2_path, tmp_path):
+    prompts = ["What is the capital of France?", "Count from one to five.", "Say hello in German."]
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(prompts) + "\n")
+    out = launch("generate", "--model", str(smollm2_path), "--prompts-file", str(f), "--chat", "--json",
+                 "--max-tokens", "16", "--threads", "2")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    assert len(lines) == 3
+    for line in lines:
+        assert set(line) >= {"text", "token_ids", "finish_reason", "usage"}
+        assert line["finish_reason"] in ("stop", "length")
+        assert line["usage"]["completion_tokens"] == len(line["token_ids"]) > 0
+        assert line["usage"]["cached_tokens"] == 0
+    assert "Paris" in lines[0]["text"]
+    # Same prompt alone: same greedy answer (batching does not change results).
+    alone = launch("generate", "--model", "smollm2", "--prompt", prompts[0], "--chat", "--json",
+                   "--max-tokens", "16", "--threads", "2")
+    assert json.loads(alone.stdout.strip())["token_ids"] == lines[0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["--prompt", "hi", "--top-p", "0"], "top_p"),
+        (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["--prompt", "x " * 9000], "context limit"),
+        ([], "--prompt"),
+    ],
+)
+def test_bad_input_is_a_clear_error(smollm2_path, args, message):
+    out = launch("generate", "--model", str(smollm2_path), *args)
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    out = launch("generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi")
+    assert out.returncode != 0 and "missing.gguf" in out.stderr and "Traceback" not in out.stderr
