@@ -1,0 +1,611 @@
+/*
+ * Paged attention for decode rows (one query token per sequence), fp32, CPU.
+ *
+ * Reads K/V in place through the block tables: no gather, no copy of the context.
+ * Plain C (no torch headers) so it builds in about a second; loaded with ctypes.
+ *
+ * Layout (element strides, as passed by the Python wrapper):
+ *   q            [B, num_heads, head_dim]                 head_dim contiguous, other strides given
+ *   k, v         [num_blocks, block_size, num_kv_heads, head_dim]
+ *                inner three dims contiguous, dim-0 stride given (the layer view of a
+ *                [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] tensor)
+ *   block_tables [B, bt_stride] int32, row b's first ceil(ctx/block_size) entries are used
+ *   context_lens [B] int32
+ *   out          [B, num_heads, head_dim]                 head_dim contiguous, other strides given
+ *
+ * Work is split over (sequence, kv_head[, context partition]) items with OpenMP. An item
+ * handles all query heads of its GQA group together, so each K/V row is read from memory
+ * once for the whole group. Single pass with an online softmax (running max and sum),
+ * processed a block at a time. When there are too few (sequence, kv_head) items to keep
+ * every thread busy, long contexts are split into partitions whose partial results
+ * (max, sum, unnormalised accumulator) are merged in a second step.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PA_AVX2 1
+#else
+#define PA_AVX2 0
+#endif
+
+/* Prefetch this many tokens ahead (rounded up to whole blocks); 0 disables. */
+#ifndef PA_PREFETCH_TOKENS
+#define PA_PREFETCH_TOKENS 16
+#endif
+/* Below this many multiply-adds per call (context tokens x heads x head_dim, for QK) stay on
+ * one thread: a fork/join of the OpenMP team costs microseconds. */
+#ifndef PA_MIN_PARALLEL_WORK
+#define PA_MIN_PARALLEL_WORK (256 * 1024)
+#endif
+#ifndef PA_PREFETCH_LOCALITY
+#define PA_PREFETCH_LOCALITY 2
+#endif
+
+#define PA_LOG2E 1.4426950408889634f
+
+/* Return codes (kept in sync with paged_attention.py). */
+#define PA_OK 0
+#define PA_ERR_CONTEXT_LEN -1 /* context_lens[b] < 0 or > max_blocks * block_size */
+#define PA_ERR_BLOCK_ID -2    /* a used block table entry is outside [0, num_blocks) */
+#define PA_ERR_NOMEM -3
+
+int pa_version(void) { return 1; }
+
+int pa_has_avx2(void) { return PA_AVX2; }
+
+int pa_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* exp2 of an array, in place.                                                          */
+
+#if PA_AVX2
+/* 2^x for x <= 0 (scores minus their max); accurate to a few ulp. Inputs below -126
+ * flush to 0. */
+static inline __m256 exp2_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    __m256 xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, xi); /* f in [-0.5, 0.5] */
+    /* degree-7 Taylor polynomial of 2^f = e^(f ln2) on [-0.5, 0.5]: truncation error < 1e-8 */
+    __m256 p = _mm256_set1_ps(1.5252733804059840e-5f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-4f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(xi), _mm256_set1_epi32(127)), 23);
+    __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    /* exact zero for the -126 clamp (keeps fully masked / -inf inputs at 0) */
+    return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GT_OQ));
+}
+#endif
+
+/* x[i] = 2^(x[i] - m); returns the sum. */
+static inline float exp2_sub_sum(float *restrict x, int n, float m) {
+    int i = 0;
+    float s = 0.0f;
+#if PA_AVX2
+    __m256 vm = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    if (i < n) {
+        float tmp[8];
+        int r = n - i;
+        for (int j = 0; j < 8; ++j) tmp[j] = j < r ? x[i + j] - m : -INFINITY;
+        __m256 e = exp2_ps(_mm256_loadu_ps(tmp));
+        _mm256_storeu_ps(tmp, e);
+        vs = _mm256_add_ps(vs, e);
+        for (int j = 0; j < r; ++j) x[i + j] = tmp[j];
+        i = n;
+    }
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(vs), _mm256_extractf128_ps(vs, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    s = _mm_cvtss_f32(lo);
+#endif
+    for (; i < n; ++i) {
+        float e = exp2f(x[i] - m);
+        x[i] = e;
+        s += e;
+    }
+    return s;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* scores[j] = dot(q, k_j) for n rows k_j = k + j * tok_stride.                          */
+
+static inline void prefetch_rows(const float *base, int64_t tok_stride, int n, int D) {
+#if defined(__GNUC__)
+    for (int j = 0; j < n; ++j) {
+        const char *r = (const char *)(base + (int64_t)j * tok_stride);
+        for (int off = 0; off < D * (int)sizeof(float); off += 64) __builtin_prefetch(r + off, 0, PA_PREFETCH_LOCALITY);
+    }
+#else
+    (void)base; (void)tok_stride; (void)n; (void)D;
+#endif
+}
+
+#if PA_AVX2
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                             __m256 a6, __m256 a7) {
+    /* returns [sum(a0), ..., sum(a7)] */
+    __m256 t0 = _mm256_hadd_ps(a0, a1);
+    __m256 t1 = _mm256_hadd_ps(a2, a3);
+    __m256 t2 = _mm256_hadd_ps(a4, a5);
+    __m256 t3 = _mm256_hadd_ps(a6, a7);
+    t0 = _mm256_hadd_ps(t0, t1); /* [a0 a1 a2 a3 | a0 a1 a2 a3] (lo-lane, hi-lane partials) */
+    t2 = _mm256_hadd_ps(t2, t3); /* [a4 a5 a6 a7 | a4 a5 a6 a7] */
+    __m256 lo = _mm256_permute2f128_ps(t0, t2, 0x20);
+    __m256 hi = _mm256_permute2f128_ps(t0, t2, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+static inline float hmax8(__m256 a) {
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float hsum8(__m256 a) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* head_dim % 8 == 0; returns max_j scores[j] (n >= 1) */
+static float qk_scores_avx2(const float *restrict q, const float *restrict k, int64_t tok_stride, int n, int D,
+                            float *restrict scores, const float *pf, int pf_n) {
+    int j = 0, pj = 0;
+    const int per_group = pf ? (pf_n + (n + 7) / 8 - 1) / ((n + 7) / 8) : 0; /* spread over groups of 8 */
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) {
+        const float *k0 = k + (int64_t)j * tok_stride;
+        if (pj < pf_n) {
+            const int c = (pf_n - pj) < per_group ? (pf_n - pj) : per_group;
+            prefetch_rows(pf + (int64_t)pj * tok_stride, tok_stride, c, D);
+            pj += c;
+        }
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+               a3 = _mm256_setzero_ps(), a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps(),
+               a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            __m256 qd = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + tok_stride + d), a1);
+            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * tok_stride + d), a2);
+            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * tok_stride + d), a3);
+            a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 4 * tok_stride + d), a4);
+            a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 5 * tok_stride + d), a5);
+            a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 6 * tok_stride + d), a6);
+            a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 7 * tok_stride + d), a7);
+        }
+        const __m256 s = hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
+        vmax = _mm256_max_ps(vmax, s);
+        _mm256_storeu_ps(scores + j, s);
+    }
+    float m = hmax8(vmax);
+    if (pj < pf_n) prefetch_rows(pf + (int64_t)pj * tok_stride, tok_stride, pf_n - pj, D);
+    for (; j < n; ++j) {
+        const float *kj = k + (int64_t)j * tok_stride;
+        __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 16 <= D; d += 16) {
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
+            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(kj + d + 8), b);
+        }
+        if (d < D) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
+        const float sj = hsum8(_mm256_add_ps(a, b));
+        scores[j] = sj;
+        m = sj > m ? sj : m;
+    }
+    return m;
+}
+
+/* acc[0:D] += sum_j p[j] * v_j, head_dim % 8 == 0. Keeps >= 8 independent FMA chains in flight
+ * (FMA latency 4 x 2 ports): 64 dims at a time, else 32 dims x 2 token phases, else 8 dims x 4
+ * token phases. */
+static void pv_accum_avx2(const float *restrict p, const float *restrict v, int64_t tok_stride, int n, int D,
+                          float *restrict acc, const float *pf, int pf_n) {
+    int d = 0;
+    if (pf) prefetch_rows(pf, tok_stride, pf_n, D);
+    for (; d + 64 <= D; d += 64) {
+        __m256 c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_loadu_ps(acc + d + 8),
+               c2 = _mm256_loadu_ps(acc + d + 16), c3 = _mm256_loadu_ps(acc + d + 24),
+               c4 = _mm256_loadu_ps(acc + d + 32), c5 = _mm256_loadu_ps(acc + d + 40),
+               c6 = _mm256_loadu_ps(acc + d + 48), c7 = _mm256_loadu_ps(acc + d + 56);
+        const float *vj = v + d;
+        for (int j = 0; j < n; ++j, vj += tok_stride) {
+            const __m256 pj = _mm256_broadcast_ss(p + j);
+            c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), c0);
+            c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), c1);
+            c2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), c2);
+            c3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), c3);
+            c4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 32), c4);
+            c5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 40), c5);
+            c6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 48), c6);
+            c7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 56), c7);
+        }
+        _mm256_storeu_ps(acc + d, c0);
+        _mm256_storeu_ps(acc + d + 8, c1);
+        _mm256_storeu_ps(acc + d + 16, c2);
+        _mm256_storeu_ps(acc + d + 24, c3);
+        _mm256_storeu_ps(acc + d + 32, c4);
+        _mm256_storeu_ps(acc + d + 40, c5);
+        _mm256_storeu_ps(acc + d + 48, c6);
+        _mm256_storeu_ps(acc + d + 56, c7);
+    }
+    if (d + 32 <= D) {
+        __m256 c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_loadu_ps(acc + d + 8),
+               c2 = _mm256_loadu_ps(acc + d + 16), c3 = _mm256_loadu_ps(acc + d + 24);
+        __m256 e0 = _mm256_setzero_ps(), e1 = _mm256_setzero_ps(), e2 = _mm256_setzero_ps(),
+               e3 = _mm256_setzero_ps();
+        const float *vj = v + d;
+        int j = 0;
+        for (; j + 2 <= n; j += 2, vj += 2 * tok_stride) {
+            const __m256 pa = _mm256_broadcast_ss(p + j), pb = _mm256_broadcast_ss(p + j + 1);
+            c0 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj), c0);
+            c1 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 8), c1);
+            c2 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 16), c2);
+            c3 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 24), c3);
+            e0 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vj + tok_stride), e0);
+            e1 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vj + tok_stride + 8), e1);
+            e2 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vj + tok_stride + 16), e2);
+            e3 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vj + tok_stride + 24), e3);
+        }
+        if (j < n) {
+            const __m256 pa = _mm256_broadcast_ss(p + j);
+            c0 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj), c0);
+            c1 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 8), c1);
+            c2 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 16), c2);
+            c3 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 24), c3);
+        }
+        _mm256_storeu_ps(acc + d, _mm256_add_ps(c0, e0));
+        _mm256_storeu_ps(acc + d + 8, _mm256_add_ps(c1, e1));
+        _mm256_storeu_ps(acc + d + 16, _mm256_add_ps(c2, e2));
+        _mm256_storeu_ps(acc + d + 24, _mm256_add_ps(c3, e3));
+        d += 32;
+    }
+    for (; d < D; d += 8) {
+        __m256 c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(),
+               c3 = _mm256_setzero_ps();
+        const float *vj = v + d;
+        int j = 0;
+        for (; j + 4 <= n; j += 4, vj += 4 * tok_stride) {
+            c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vj), c0);
+            c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 1), _mm256_loadu_ps(vj + tok_stride), c1);
+            c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 2), _mm256_loadu_ps(vj + 2 * tok_stride), c2);
+            c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 3), _mm256_loadu_ps(vj + 3 * tok_stride), c3);
+        }
+        for (; j < n; ++j, vj += tok_stride) c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vj), c0);
+        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
+    }
+}
+#endif
+
+/* Generic versions: any head_dim; written so gcc vectorises the head_dim loops. */
+static float qk_scores_generic(const float *restrict q, const float *restrict k, int64_t tok_stride, int n,
+                               int D, float *restrict scores) {
+    float m = -INFINITY;
+    for (int j = 0; j < n; ++j) {
+        const float *restrict kj = k + (int64_t)j * tok_stride;
+        float s = 0.0f;
+        for (int d = 0; d < D; ++d) s += q[d] * kj[d];
+        scores[j] = s;
+        m = s > m ? s : m;
+    }
+    return m;
+}
+
+static void pv_accum_generic(const float *restrict p, const float *restrict v, int64_t tok_stride, int n, int D,
+                             float *restrict acc) {
+    for (int j = 0; j < n; ++j) {
+        const float *restrict vj = v + (int64_t)j * tok_stride;
+        const float pj = p[j];
+        for (int d = 0; d < D; ++d) acc[d] += pj * vj[d];
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    const float *k;
+    const float *v;
+    int64_t k_block_stride, k_tok_stride;
+    int64_t v_block_stride, v_tok_stride;
+    int block_size, G, D;
+    int pf_dist; /* prefetch distance in blocks (0: off) */
+} pa_geom;
+
+/*
+ * Attend G query heads (qs: [G, D], already multiplied by scale * log2(e)) over tokens
+ * [tok_begin, tok_end) of one sequence, for one kv head (k/v already offset to it).
+ * tok_begin is a multiple of block_size. Output: m[G] (running max, log2 domain),
+ * l[G] (sum), acc[G, D] (unnormalised). scores: scratch of G * block_size floats.
+ */
+static void attend_range(const pa_geom *g, const float *restrict qs, const int32_t *restrict btab,
+                         int tok_begin, int tok_end, float *restrict m, float *restrict l,
+                         float *restrict acc, float *restrict scores) {
+    const int G = g->G, D = g->D, bs = g->block_size;
+    const int vec = PA_AVX2 && (D % 8 == 0);
+    (void)vec;
+    for (int h = 0; h < G; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+    /* the first pf_dist blocks are not covered by the look-ahead below */
+    for (int i = 0, t = tok_begin; i < g->pf_dist && t < tok_end; ++i, t += bs) {
+        const int64_t nb = btab[t / bs];
+        const int nn = (tok_end - t) < bs ? (tok_end - t) : bs;
+        prefetch_rows(g->k + nb * g->k_block_stride, g->k_tok_stride, nn, D);
+        prefetch_rows(g->v + nb * g->v_block_stride, g->v_tok_stride, nn, D);
+    }
+
+    for (int t0 = tok_begin; t0 < tok_end; t0 += bs) {
+        const int bi = t0 / bs;
+        const int n = (tok_end - t0) < bs ? (tok_end - t0) : bs;
+        const int64_t blk = btab[bi];
+        const float *kb = g->k + blk * g->k_block_stride;
+        const float *vb = g->v + blk * g->v_block_stride;
+
+        /* Software prefetch (into L2) of the block pf_dist blocks ahead: blocks are scattered,
+         * so the hardware prefetchers cannot see them coming. The rows are shared out over the
+         * G heads' passes (K rows spread over each QK pass, V rows at the start of each PV
+         * pass) so requests stay in flight while computing instead of arriving in one burst. */
+        const float *pfk = NULL, *pfv = NULL;
+        int nn = 0;
+        const int tp = t0 + g->pf_dist * bs;
+        if (g->pf_dist > 0 && tp < tok_end) {
+            const int64_t nb = btab[bi + g->pf_dist];
+            nn = (tok_end - tp) < bs ? (tok_end - tp) : bs;
+            pfk = g->k + nb * g->k_block_stride;
+            pfv = g->v + nb * g->v_block_stride;
+            if (!vec) { /* the generic path takes no prefetch pointers: fetch it all now */
+                prefetch_rows(pfk, g->k_tok_stride, nn, D);
+                prefetch_rows(pfv, g->v_tok_stride, nn, D);
+            }
+        }
+
+        for (int h = 0; h < G; ++h) {
+            float *sc = scores + (size_t)h * bs;
+            float bm;
+            /* this head's share of the rows to prefetch (spread so memory stays busy) */
+            const int64_t r0 = (int64_t)h * nn / G, r1 = (int64_t)(h + 1) * nn / G;
+            (void)r0;
+            (void)r1;
+#if PA_AVX2
+            if (vec)
+                bm = qk_scores_avx2(qs + (size_t)h * D, kb, g->k_tok_stride, n, D, sc,
+                                    pfk ? pfk + r0 * g->k_tok_stride : NULL, r1 - r0);
+            else
+#endif
+                bm = qk_scores_generic(qs + (size_t)h * D, kb, g->k_tok_stride, n, D, sc);
+            float *ah = acc + (size_t)h * D;
+            if (bm > m[h]) {
+                if (m[h] != -INFINITY) {
+                    const float corr = exp2f(m[h] - bm);
+                    l[h] *= corr;
+                    for (int d = 0; d < D; ++d) ah[d] *= corr;
+                }
+                m[h] = bm;
+            }
+            l[h] += exp2_sub_sum(sc, n, m[h]);
+#if PA_AVX2
+            if (vec)
+                pv_accum_avx2(sc, vb, g->v_tok_stride, n, D, ah, pfv ? pfv + r0 * g->v_tok_stride : NULL,
+                              r1 - r0);
+            else
+#endif
+                pv_accum_generic(sc, vb, g->v_tok_stride, n, D, ah);
+        }
+    }
+}
+
+/*
+ * params (int64, in this order): B, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+ * max_blocks, q_stride_b, q_stride_h, out_stride_b, out_stride_h, block_table_stride,
+ * k_block_stride, k_token_stride, v_block_stride, v_token_stride (strides in elements).
+ * Packed in one array so the ctypes call stays cheap (the engine calls this once per layer).
+ * Returns PA_OK or a negative error code (nothing is written to out on a validation error).
+ */
+#define PA_NUM_PARAMS 16
+
+int pa_num_params(void) { return PA_NUM_PARAMS; }
+
+int pa_paged_decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
+                                  const int32_t *context_lens, float *out, const int64_t *params, float scale,
+                                  int num_threads) {
+    const int64_t B = params[0], num_heads = params[1], num_kv_heads = params[2], head_dim = params[3],
+                  block_size = params[4], num_blocks = params[5], max_blocks = params[6],
+                  q_stride_b = params[7], q_stride_h = params[8], out_stride_b = params[9],
+                  out_stride_h = params[10], bt_stride = params[11], k_block_stride = params[12],
+                  k_tok_stride = params[13], v_block_stride = params[14], v_tok_stride = params[15];
+    const int G = (int)(num_heads / num_kv_heads);
+    const int D = (int)head_dim;
+    const int bs = (int)block_size;
+    if (num_threads < 1) num_threads = 1;
+
+    /* Validate the parts of the block tables that will be read. */
+    int64_t total_blocks = 0, total_tokens = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t c = context_lens[b];
+        if (c < 0 || c > max_blocks * block_size) return PA_ERR_CONTEXT_LEN;
+        const int64_t nb = (c + block_size - 1) / block_size;
+        const int32_t *row = block_tables + b * bt_stride;
+        for (int64_t i = 0; i < nb; ++i)
+            if (row[i] < 0 || row[i] >= num_blocks) return PA_ERR_BLOCK_ID;
+        total_blocks += nb;
+        total_tokens += c;
+    }
+    /* Too little work to pay for waking the thread team: run on the calling thread. */
+    if (total_tokens * num_heads * head_dim < PA_MIN_PARALLEL_WORK) num_threads = 1;
+
+    /* Partitioning: split long contexts only when (sequence, kv_head) pairs are too few. */
+    const int64_t pairs = B * num_kv_heads;
+    const int64_t target_items = 4 * (int64_t)num_threads;
+    int64_t part_blocks = max_blocks > 0 ? max_blocks : 1;
+    if (num_threads > 1 && pairs < target_items && total_blocks > 0) {
+        int64_t pb = (total_blocks * num_kv_heads + target_items - 1) / target_items;
+        const int64_t min_pb = (256 + block_size - 1) / block_size; /* at least ~256 tokens per part */
+        if (pb < min_pb) pb = min_pb;
+        if (pb < part_blocks) part_blocks = pb;
+    }
+    const int64_t part_tokens = part_blocks * block_size;
+
+    /* Items: per sequence, nparts(b) partitions × num_kv_heads. */
+    int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!item_start) return PA_ERR_NOMEM;
+    int64_t n_items = 0, n_split_items = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        item_start[b] = n_items;
+        const int64_t c = context_lens[b];
+        int64_t np = (c + part_tokens - 1) / part_tokens;
+        if (np < 1) np = 1;
+        n_items += np * num_kv_heads;
+        if (np > 1) n_split_items += np * num_kv_heads;
+    }
+    item_start[B] = n_items;
+
+    /* Scratch for partial results of split sequences: per item G*(D+2) floats.
+     * Indexed by item (simple; only allocated when splitting happens). */
+    float *partials = NULL;
+    const int64_t pstride = (int64_t)G * (D + 2);
+    if (n_split_items > 0) {
+        partials = (float *)malloc(sizeof(float) * (size_t)(n_items * pstride));
+        if (!partials) {
+            free(item_start);
+            return PA_ERR_NOMEM;
+        }
+    }
+
+    pa_geom geom;
+    geom.k_block_stride = k_block_stride;
+    geom.k_tok_stride = k_tok_stride;
+    geom.v_block_stride = v_block_stride;
+    geom.v_tok_stride = v_tok_stride;
+    geom.block_size = bs;
+    geom.G = G;
+    geom.D = D;
+    geom.pf_dist = PA_PREFETCH_TOKENS > 0 ? (PA_PREFETCH_TOKENS + bs - 1) / bs : 0;
+    const float qmul = scale * PA_LOG2E;
+    int err = PA_OK;
+
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n_items > 1)
+    {
+        /* per-thread scratch: scaled q [G*D], acc [G*D], m [G], l [G], scores [G*bs] */
+        float *buf = (float *)malloc(sizeof(float) * ((size_t)G * (2 * (size_t)D + 2 + (size_t)bs)));
+        if (!buf) {
+#pragma omp atomic write
+            err = PA_ERR_NOMEM;
+        }
+        float *qs = buf, *acc = buf ? buf + (size_t)G * D : NULL;
+        float *m = acc ? acc + (size_t)G * D : NULL, *l = m ? m + G : NULL, *sc = l ? l + G : NULL;
+        pa_geom gl = geom;
+        int64_t b = 0; /* sequence of the current item (each thread sees increasing item numbers) */
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            if (!buf) continue;
+            if (it < item_start[b] || it >= item_start[b + 1]) {
+                /* binary search; item_start is strictly increasing (>= num_kv_heads items per row) */
+                int64_t lo = 0, hi = B - 1;
+                while (lo < hi) {
+                    const int64_t mid = (lo + hi + 1) / 2;
+                    if (item_start[mid] <= it)
+                        lo = mid;
+                    else
+                        hi = mid - 1;
+                }
+                b = lo;
+            }
+            const int64_t local = it - item_start[b];
+            const int64_t kvh = local % num_kv_heads;
+            const int64_t part = local / num_kv_heads;
+            const int64_t nparts = (item_start[b + 1] - item_start[b]) / num_kv_heads;
+            const int64_t c = context_lens[b];
+            const int64_t t_begin = part * part_tokens;
+            const int64_t t_end = (t_begin + part_tokens) < c ? (t_begin + part_tokens) : c;
+
+            for (int h = 0; h < G; ++h) {
+                const float *qh = q + b * q_stride_b + (kvh * G + h) * q_stride_h;
+                float *qsh = qs + (size_t)h * D;
+                for (int d = 0; d < D; ++d) qsh[d] = qh[d] * qmul;
+            }
+            gl.k = k + kvh * D;
+            gl.v = v + kvh * D;
+
+            float *orow = out + b * out_stride_b + kvh * G * out_stride_h;
+            if (c == 0) {
+                for (int h = 0; h < G; ++h) memset(orow + h * out_stride_h, 0, sizeof(float) * (size_t)D);
+                continue;
+            }
+            attend_range(&gl, qs, block_tables + b * bt_stride, (int)t_begin, (int)t_end, m, l, acc, sc);
+
+            if (nparts == 1) {
+                for (int h = 0; h < G; ++h) {
+                    const float inv = 1.0f / l[h];
+                    const float *ah = acc + (size_t)h * D;
+                    float *oh = orow + h * out_stride_h;
+                    for (int d = 0; d < D; ++d) oh[d] = ah[d] * inv;
+                }
+            } else {
+                float *pp = partials + it * pstride;
+                memcpy(pp, m, sizeof(float) * G);
+                memcpy(pp + G, l, sizeof(float) * G);
+                memcpy(pp + 2 * G, acc, sizeof(float) * (size_t)G * D);
+            }
+        }
+
+        /* Merge partitions of split sequences. */
+        if (n_split_items > 0) {
+#pragma omp for schedule(static)
+            for (int64_t pr = 0; pr < pairs; ++pr) {
+                const int64_t bb = pr / num_kv_heads, kvh = pr % num_kv_heads;
+                const int64_t nparts = (item_start[bb + 1] - item_start[bb]) / num_kv_heads;
+                if (nparts <= 1 || !buf) continue;
+                float *orow = out + bb * out_stride_b + kvh * G * out_stride_h;
+                for (int h = 0; h < G; ++h) {
+                    float gm = -INFINITY;
+                    for (int64_t p = 0; p < nparts; ++p) {
+                        const float *pp = partials + (item_start[bb] + p * num_kv_heads + kvh) * pstride;
+                        if (pp[h] > gm) gm = pp[h];
+                    }
+                    float *oh = orow + h * out_stride_h;
+                    float lsum = 0.0f;
+                    for (int d = 0; d < D; ++d) oh[d] = 0.0f;
+                    for (int64_t p = 0; p < nparts; ++p) {
+                        const float *pp = partials + (item_start[bb] + p * num_kv_heads + kvh) * pstride;
+                        const float w = exp2f(pp[h] - gm);
+                        lsum += w * pp[G + h];
+                        const float *ah = pp + 2 * G + (size_t)h * D;
+                        for (int d = 0; d < D; ++d) oh[d] += w * ah[d];
+                    }
+                    const float inv = 1.0f / lsum;
+                    for (int d = 0; d < D; ++d) oh[d] *= inv;
+                }
+            }
+        }
+        free(buf);
+    }
+
+    free(partials);
+    free(item_start);
+    return err;
+}
