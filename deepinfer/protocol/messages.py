@@ -1,0 +1,410 @@
+"""The mesh's messages: every record that crosses a socket, in one place.
+
+Type bytes are grouped by edge; a range is reserved for each part still to come:
+
+  0x01–0x0F  session and control (handshake, heartbeats, abort, errors, shutdown)
+  0x10–0x1F  client ↔ router
+  0x20–0x2F  router ↔ tokenizer ↔ decode worker
+  0x30–0x3F  router → prefill worker ↔ decode worker (P/D handoff)
+  0x40–0x4F  reserved: cache daemon (lookups, block fetch/store, KV events)
+  0x50–0x5F  reserved: expert balancer (load reports, placements)
+  0xF0–0xFF  reserved: tests and experiments
+
+Conventions: request ids are the router's strings, unique per router incarnation. Times named `*_time`
+are Unix seconds from the sender's clock (for logs and metrics only: hosts' clocks may differ); durations
+are `*_s` seconds measured on one host. Token ids are ints; block hashes are the raw digest bytes.
+Sequences are lists on the wire and in Python (records are frozen; their lists are never mutated after
+sending). Changing any record's meaning or required fields bumps PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Literal
+
+from deepinfer.protocol.records import compile_all, message, record
+from deepinfer.protocol.tensors import Tensor
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AbortRequest",
+    "DetokenizeBatch",
+    "DetokenizeItem",
+    "EncodeRequest",
+    "EncodeResult",
+    "ErrorCode",
+    "ErrorReply",
+    "FinishReason",
+    "GenerateRequest",
+    "Heartbeat",
+    "Hello",
+    "KvAck",
+    "KvReserve",
+    "KvReserveReply",
+    "KvTransfer",
+    "LogprobWire",
+    "PrefillDone",
+    "PrefillJob",
+    "RequestFinished",
+    "SamplingParamsWire",
+    "Shutdown",
+    "StreamDelta",
+    "TextDeltaItem",
+    "TextDeltas",
+    "Timings",
+    "UsageWire",
+    "Welcome",
+]
+
+PROTOCOL_VERSION = 1
+
+# Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
+# rather than finish_reason "error"; the value exists so the engine's enum maps one to one.
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+ErrorCode = Literal[
+    "overloaded",  # admission refused: queue full by requests or prompt tokens, or shutting down; retry later
+    "invalid_request",  # the request itself is wrong (bad params, prompt too long, no input); do not retry
+    "bad_message",  # the peer's message broke the wire contract (ProtocolError); request_id may be ""
+    "worker_lost",  # a worker holding the request died or stopped making progress
+    "timeout",  # the request's deadline passed
+    "internal",  # a bug or unexpected failure inside a service
+]
+
+
+# --- nested records --------------------------------------------------------------------------------------
+
+
+@record
+class SamplingParamsWire:
+    """Wire twin of engine.request.SamplingParams: same names and defaults; services convert.
+    Values are type-checked here and range-checked by SamplingParams.validate() at the router."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@record
+class LogprobWire:
+    """The chosen token's log-probability and the top alternatives (token_id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@record
+class UsageWire:
+    """Token accounting of one finished request; cached_by_tier splits cached_tokens by where the
+    prefix KV came from ("device", "host", "disk")."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@record
+class Timings:
+    """Latencies of one request as the router saw them (None where a phase did not happen)."""
+
+    e2e_s: float  # arrival at the router → finished
+    ttft_s: float | None = None  # arrival → first text delta sent to the client
+    tpot_s: float | None = None  # mean time per output token after the first
+    queue_s: float | None = None  # arrival → prefill job sent
+    prefill_s: float | None = None  # prefill compute (reported by the prefill worker)
+
+
+@record
+class DetokenizeItem:
+    """One request's new tokens from one decode step."""
+
+    request_id: str
+    offset: int  # generated tokens before token_ids[0]: lets the tokenizer spot gaps and duplicates
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[LogprobWire] | None = None  # one per token id, when the request asked for them
+
+
+@record
+class TextDeltaItem:
+    """One request's new text: `text` decodes `token_ids` (a delta never ends inside a UTF-8 character)."""
+
+    request_id: str
+    offset: int  # generated tokens before token_ids[0]
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None  # the stop string that ended it (not included in text)
+    logprobs: list[LogprobWire] | None = None
+
+
+# --- session and control 0x01–0x0F --------------------------------------------------------------------------
+
+
+@message(0x01)
+class Hello:
+    """Connecting peer → bound peer, first message on every DEALER → ROUTER connection.
+    model_fingerprint / block_hash_scheme are None for peers that hold no model state (clients)."""
+
+    protocol_version: int
+    service: str  # "router", "tokenizer", "prefill", "decode", "kvcache", "balancer", "client"
+    instance: str  # unique name of this process in the mesh (its DEALER identity)
+    model_fingerprint: str | None = None
+    block_hash_scheme: str | None = None
+    capabilities: dict[str, str] = field(default_factory=dict)
+
+
+@message(0x02)
+class Welcome:
+    """Bound peer → connecting peer, reply to Hello. When not accepted, `reason` says why and the bound
+    peer ignores everything else from that identity until a new Hello."""
+
+    protocol_version: int
+    accepted: bool
+    reason: str = ""
+    service: str = ""
+    instance: str = ""
+    model_fingerprint: str | None = None
+    block_hash_scheme: str | None = None
+
+
+@message(0x03)
+class Heartbeat:
+    """Every service → router, periodically. `progress` (steps done) advancing tells a busy worker from a
+    wedged one; a new `incarnation` means the process restarted and lost its in-flight requests."""
+
+    service: str
+    instance: str
+    incarnation: str  # random per process start
+    seq: int  # +1 per heartbeat within an incarnation
+    progress: int  # engine steps (or messages handled) so far, monotonic within an incarnation
+    free_blocks: int = 0
+    total_blocks: int = 0
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0  # requests queued, not yet running
+    queued_prompt_tokens: int = 0  # prompt tokens not yet computed
+    draining: bool = False  # finishing its work, accepts nothing new
+    sent_time: float = 0.0
+
+
+@message(0x04)
+class Shutdown:
+    """Launcher or router → any service: stop; with drain, finish in-flight work first."""
+
+    drain: bool = True
+    reason: str = ""
+
+
+@message(0x05)
+class AbortRequest:
+    """Client → router (cancel); router → tokenizer / prefill / decode (drop the request, free its KV).
+    Aborting an unknown or finished request is a no-op."""
+
+    request_id: str
+    reason: str = ""
+
+
+@message(0x06)
+class ErrorReply:
+    """Any service → whoever sent the request: the request ended (or a message was refused) with an error.
+    Each request ends exactly once, with RequestFinished or ErrorReply."""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+    retry_after_s: float | None = None  # for "overloaded"
+
+
+# --- client ↔ router 0x10–0x1F ---------------------------------------------------------------------------------
+
+
+@message(0x10)
+class GenerateRequest:
+    """Client → router: generate from exactly one of prompt (raw text), messages (chat turns, each
+    {"role", "content"}; the tokenizer applies the chat template) or prompt_token_ids."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParamsWire = field(default_factory=SamplingParamsWire)
+    stream: bool = False
+    priority: int = 0  # lower is served first
+    api_key: str | None = None  # the router derives the tenant (and its cache salt) from it
+    timeout_s: float | None = None  # deadline from arrival; the router ends the request with "timeout"
+
+
+@message(0x11)
+class StreamDelta:
+    """Router → client, for streaming requests: new text and tokens, in order, before RequestFinished."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    offset: int = 0  # generated tokens before token_ids[0]
+    logprobs: list[LogprobWire] | None = None
+
+
+@message(0x12)
+class RequestFinished:
+    """Router → client, once per successful request: the whole output (also when streamed), why it ended,
+    usage and timings."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: UsageWire
+    timings: Timings
+    stop_string: str | None = None
+    logprobs: list[LogprobWire] | None = None
+
+
+# --- router ↔ tokenizer ↔ decode 0x20–0x2F ------------------------------------------------------------------
+
+
+@message(0x20)
+class EncodeRequest:
+    """Router → tokenizer: tokenize (or take prompt_token_ids as they are), hash the full blocks, and set
+    up this request's detokenizer state (stop strings, prompt context) for the decode stream to come."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    cache_salt: str | None = None  # per tenant, set by the router, never taken from the client
+    stop: list[str] = field(default_factory=list)
+
+
+@message(0x21)
+class EncodeResult:
+    """Tokenizer → router, reply to EncodeRequest (failures are ErrorReply "invalid_request")."""
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[bytes]  # one per full block of token_ids, chained (DESIGN §4)
+
+
+@message(0x22)
+class DetokenizeBatch:
+    """Decode worker → the tokenizer named in each request's KvTransfer, once per engine step: the new
+    tokens of every request that gained any (a worker sends one batch per tokenizer per step)."""
+
+    worker: str
+    step: int
+    items: list[DetokenizeItem]
+
+
+@message(0x23)
+class TextDeltas:
+    """Tokenizer → router, batched per received DetokenizeBatch: text deltas, and finishes (including stop
+    strings found by the tokenizer, which the router turns into an AbortRequest to the decode worker)."""
+
+    tokenizer: str
+    items: list[TextDeltaItem]
+
+
+# --- router → prefill ↔ decode 0x30–0x3F ----------------------------------------------------------------------
+
+
+@message(0x30)
+class PrefillJob:
+    """Router → prefill worker: compute the prompt's KV (reusing cached blocks), sample the first token and
+    hand everything to `decode_worker`; the decode stream goes to tokenizer `detokenizer`."""
+
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[bytes]
+    params: SamplingParamsWire
+    decode_worker: str
+    detokenizer: str
+    priority: int = 0
+    arrival_time: float = 0.0
+    expected_cached_blocks: int = 0  # the router's prefix-index estimate, for the worker's metrics
+
+
+@message(0x31)
+class PrefillDone:
+    """Prefill worker → router, once the decode worker acknowledged the KV (KvAck ok): the handoff is done.
+    Failures are ErrorReply instead."""
+
+    request_id: str
+    prefill_worker: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    prefill_s: float = 0.0
+
+
+@message(0x32)
+class KvReserve:
+    """Prefill worker → decode worker, before sending KV: reserve room for the prompt's blocks (and the
+    first tokens of output) under a lease that expires if no KvTransfer arrives."""
+
+    request_id: str
+    num_blocks: int
+    num_tokens: int  # prompt tokens whose KV will arrive
+    max_tokens: int  # the request's output budget, for the decode worker's admission decision
+    prefill_worker: str
+    lease_s: float = 10.0
+
+
+@message(0x33)
+class KvReserveReply:
+    """Decode worker → prefill worker, reply to KvReserve; when not ok the prefill worker tells the router
+    (ErrorReply "overloaded") so it can place the request elsewhere."""
+
+    request_id: str
+    lease_id: str
+    ok: bool
+    reason: str = ""
+    lease_s: float = 0.0  # granted lease
+
+
+@message(0x34)
+class KvTransfer:
+    """Prefill worker → decode worker, under a granted lease: the prompt's KV as one out-of-band frame
+    plus everything the decode worker needs to continue the sequence."""
+
+    request_id: str
+    lease_id: str
+    first_token: int
+    token_ids: list[int]  # the prompt
+    block_hashes: list[bytes]  # of the prompt's full blocks, so the decode worker can cache them later
+    params: SamplingParamsWire
+    block_size: int
+    kv_layout: str  # names kv's dimensions; the receiver refuses a layout or shape it does not use
+    kv: Tensor
+    detokenizer: str
+    first_logprob: LogprobWire | None = None
+    priority: int = 0
+    arrival_time: float = 0.0
+    num_cached_tokens: int = 0
+
+
+@message(0x35)
+class KvAck:
+    """Decode worker → prefill worker, reply to KvTransfer: ok means the KV is installed and the request
+    is running on the decode worker (the prefill worker may release its pinned blocks either way)."""
+
+    request_id: str
+    lease_id: str
+    ok: bool
+    reason: str = ""
+
+
+compile_all(__name__)  # a bad annotation fails at import, not on the first message

@@ -1,0 +1,200 @@
+"""One socket kind per edge (DESIGN §3), configured alike, plus send/receive of whole messages.
+
+* RPC: DEALER (connects, identity = instance name) → ROUTER (binds). ROUTER_MANDATORY makes a send to an
+  identity that is not connected raise EHOSTUNREACH instead of dropping the message silently;
+  ROUTER_HANDOVER lets a restarted peer reclaim its identity without waiting for the old connection to die.
+* pipelines: PUSH → PULL; broadcasts that may be lost: PUB → SUB (subscribe with `type_frame(Cls)` to get
+  one message type). The long-lived side binds.
+* every socket: LINGER 0 (closing never blocks on unsent messages: request-level deadlines recover them),
+  SNDHWM/RCVHWM, and MAXMSGSIZE = limits.max_frame (libzmq applies it per frame and drops a peer that
+  exceeds it, before we ever see the data).
+
+The factories take either a `zmq.Context` or a `zmq.asyncio.Context` and return that context's socket kind.
+A socket belongs to the task or thread that made it. Sync helpers (`send_msg`, `recv_msg`, `recv_routed`)
+work on sync sockets, the `a*` coroutines on asyncio sockets; all receive with copy=False so buffer frames
+(tensors) arrive without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import zmq
+
+from deepinfer.protocol.errors import ProtocolError
+from deepinfer.protocol.framing import decode_frames, encode_frames
+from deepinfer.protocol.limits import DEFAULT_LIMITS, Limits
+
+DEFAULT_HWM = 1000  # messages queued per peer before send blocks (or PUB drops)
+
+
+def _new(ctx: zmq.Context, kind: int, hwm: int, limits: Limits) -> Any:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame)
+    return sock
+
+
+def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None) -> Any:
+    """Bind or connect (exactly one); closes the socket if that fails so no half-made socket leaks."""
+    if (bind is None) == (connect is None):
+        sock.close()
+        raise ValueError("give exactly one of bind= or connect=")
+    try:
+        if bind is not None:
+            sock.bind(bind)
+        else:
+            for endpoint in [connect] if isinstance(connect, str) else connect:
+                sock.connect(endpoint)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def make_router(ctx: zmq.Context, bind: str, *, hwm: int = DEFAULT_HWM, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """The bound side of an RPC edge. Sends need the peer's identity; see `recv_routed`."""
+    sock = _new(ctx, zmq.ROUTER, hwm, limits)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    return _attach(sock, bind, None)
+
+
+def make_dealer(
+    ctx: zmq.Context,
+    connect: str | Sequence[str],
+    identity: str | bytes,
+    *,
+    hwm: int = DEFAULT_HWM,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Any:
+    """The connecting side of an RPC edge, known to the ROUTER by `identity` (the instance name)."""
+    ident = identity.encode() if isinstance(identity, str) else bytes(identity)
+    # libzmq reserves identities starting with a zero byte for ones it generates itself.
+    if not 0 < len(ident) <= 255 or ident[0] == 0:
+        raise ValueError(f"identity must be 1..255 bytes not starting with \\x00, got {ident!r}")
+    sock = _new(ctx, zmq.DEALER, hwm, limits)
+    sock.setsockopt(zmq.ROUTING_ID, ident)
+    return _attach(sock, None, connect)
+
+
+def make_push(
+    ctx: zmq.Context,
+    *,
+    bind: str | None = None,
+    connect: str | Sequence[str] | None = None,
+    hwm: int = DEFAULT_HWM,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Any:
+    return _attach(_new(ctx, zmq.PUSH, hwm, limits), bind, connect)
+
+
+def make_pull(
+    ctx: zmq.Context,
+    *,
+    bind: str | None = None,
+    connect: str | Sequence[str] | None = None,
+    hwm: int = DEFAULT_HWM,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Any:
+    return _attach(_new(ctx, zmq.PULL, hwm, limits), bind, connect)
+
+
+def make_pub(
+    ctx: zmq.Context,
+    *,
+    bind: str | None = None,
+    connect: str | Sequence[str] | None = None,
+    hwm: int = DEFAULT_HWM,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Any:
+    """Messages beyond the HWM are dropped: subscribers detect gaps by sequence numbers and replay."""
+    return _attach(_new(ctx, zmq.PUB, hwm, limits), bind, connect)
+
+
+def make_sub(
+    ctx: zmq.Context,
+    *,
+    bind: str | None = None,
+    connect: str | Sequence[str] | None = None,
+    topics: Iterable[bytes] = (b"",),
+    hwm: int = DEFAULT_HWM,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Any:
+    """`topics` are prefixes of the first frame: b"" for everything, `type_frame(Cls)` for one type."""
+    sock = _new(ctx, zmq.SUB, hwm, limits)
+    for topic in topics:
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
+    return _attach(sock, bind, connect)
+
+
+# --- whole messages -------------------------------------------------------------------------------------------
+
+
+def _frames(msg: Any, identity: bytes | None, limits: Limits) -> list:
+    frames: list = encode_frames(msg, limits)
+    if identity is not None:
+        frames.insert(0, identity)
+    return frames
+
+
+def _routed(frames: list, limits: Limits) -> tuple[bytes, Any]:
+    identity = frames[0].bytes
+    try:
+        return identity, decode_frames(frames[1:], limits)
+    except ProtocolError as e:
+        e.peer = identity
+        raise
+
+
+def _not_router(sock: Any) -> None:
+    if sock.type == zmq.ROUTER:
+        raise TypeError("a ROUTER socket prefixes the sender's identity: use recv_routed / arecv_routed")
+
+
+def send_msg(
+    sock: zmq.Socket,
+    msg: Any,
+    identity: bytes | None = None,
+    *,
+    flags: int = 0,
+    track: bool = False,
+    limits: Limits = DEFAULT_LIMITS,
+) -> zmq.MessageTracker | None:
+    """Send `msg` (to `identity` on a ROUTER). Buffer frames go zero-copy: with track=True the returned
+    tracker tells when their memory may be reused. A ROUTER send to an unknown identity raises
+    zmq.ZMQError(EHOSTUNREACH)."""
+    return sock.send_multipart(_frames(msg, identity, limits), flags=flags, copy=False, track=track)
+
+
+def recv_msg(sock: zmq.Socket, *, flags: int = 0, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Receive and decode one message (not on a ROUTER). Raises ProtocolError for a malformed one — the
+    whole multipart message is consumed either way, so the socket stays in step."""
+    _not_router(sock)
+    return decode_frames(sock.recv_multipart(flags=flags, copy=False), limits)
+
+
+def recv_routed(sock: zmq.Socket, *, flags: int = 0, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, Any]:
+    """Receive (sender identity, message) on a ROUTER; a ProtocolError carries the sender in `.peer`."""
+    return _routed(sock.recv_multipart(flags=flags, copy=False), limits)
+
+
+async def asend_msg(
+    sock: Any, msg: Any, identity: bytes | None = None, *, track: bool = False, limits: Limits = DEFAULT_LIMITS
+) -> zmq.MessageTracker | None:
+    """`send_msg` for a zmq.asyncio socket."""
+    return await sock.send_multipart(_frames(msg, identity, limits), copy=False, track=track)
+
+
+async def arecv_msg(sock: Any, *, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """`recv_msg` for a zmq.asyncio socket."""
+    _not_router(sock)
+    return decode_frames(await sock.recv_multipart(copy=False), limits)
+
+
+async def arecv_routed(sock: Any, *, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, Any]:
+    """`recv_routed` for a zmq.asyncio socket."""
+    return _routed(await sock.recv_multipart(copy=False), limits)
