@@ -10,30 +10,52 @@ or, driven step by step (what a worker service does):
         for out in engine.step(): ...
 
 Every request ends exactly once: its last `RequestOutput` has `finished=True` and a finish reason
-(stop, length, abort or error), and by then all its KV blocks are back in the pool.
+(stop, length, abort or error), and by then all its KV blocks are back in the pool — except a
+prefill-only request that hands off, whose last output has `handoff=True` and whose prompt blocks
+stay held until `release` (or `abort`).
+
+Prefill/decode disaggregation, engine side (the services pick the engines and move the bytes):
+
+    prefill.add_request(rid, ids, params, prefill_only=True)
+    ...                                  # a step() output with handoff=True carries the first token
+    decode.reserve(rid, num_blocks, lease_s=10.0)      # the decode side accepts the job
+    kv = prefill.export_kv(rid)                        # ... sent ...
+    prefill.release(rid)
+    decode.add_prefilled_request(rid, ids, first_token, params, kv, reservation_id=rid)
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
-from deepinfer.cache.block_pool import BlockPool
+from deepinfer.cache.block_pool import BlockPool, NoFreeBlocksError
 from deepinfer.engine.config import EngineConfig, ModelConfig
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.fetch import resolve_model
+from deepinfer.engine.handoff import (
+    HandoffError,
+    Reservations,
+    blocks_for,
+    check_kv,
+    export_blocks,
+    import_blocks,
+)
 from deepinfer.engine.model_runner import ModelRunner, num_blocks_for_budget
 from deepinfer.engine.models.llama import LlamaModel
 from deepinfer.engine.request import (
     FinishReason,
     InvalidRequestError,
+    Logprob,
     Request,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
     Usage,
 )
@@ -53,11 +75,14 @@ class EngineStats:
     num_preemptions: int = 0
     tokens_computed: int = 0  # every token through the model, recomputation after preemption included
     tokens_generated: int = 0
+    handoffs_out: int = 0  # prefill-only requests held for export
+    handoffs_in: int = 0  # requests added with KV computed elsewhere
+    reservations_expired: int = 0
 
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or EngineConfig()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
@@ -78,6 +103,9 @@ class LLMEngine:
             self.pool, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
         self.runner = ModelRunner(model, self.config, num_blocks)
+        self.reservations = Reservations(self.pool)
+        # Reservation leases are measured on this clock (injectable for tests).
+        self._clock = clock
         self.sampler = Sampler()
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else self.model_config.eos_token_ids
         self._generators: dict[str, torch.Generator | None] = {}
@@ -96,11 +124,17 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int], params: SamplingParams,
-                    priority: int = 0) -> str:
-        """Queue a request (text needs a tokenizer). Raises InvalidRequestError, leaving the engine untouched."""
+                    priority: int = 0, *, prefill_only: bool = False) -> str:
+        """Queue a request (text needs a tokenizer). Raises InvalidRequestError, leaving the engine untouched.
+
+        `prefill_only`: compute the prompt (chunked as usual), sample the first token, then stop and
+        hand off: the step's output for it has `finished=True, handoff=True, finish_reason=None` and
+        the first token; its blocks stay held for `export_kv` until `release` or `abort`. If the first
+        token already ends the request (stop token, EOS, stop string, max_tokens=1, context limit),
+        it finishes normally instead and nothing is held.
+        """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._check_id_free(request_id)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
@@ -108,20 +142,30 @@ class LLMEngine:
         else:
             prompt_ids = list(prompt)
         self._validate(prompt_ids, params)
-        req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids)
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer")
-        self._generators[request_id] = make_generator(params.seed)
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids, stop=params.stop,
-                                           skip_special_tokens=True)
-            self._texts[request_id] = (detok, [])
+        req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
+                      prefill_only=prefill_only)
+        self._track(req)
         self.scheduler.add(req)
         return request_id
+
+    def _check_id_free(self, request_id: str) -> None:
+        # A held request's id stays in use until it is released: export_kv and release address it.
+        if request_id in self.scheduler.requests or request_id in self.scheduler.held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+
+    def _track(self, req: Request) -> None:
+        """Per-request engine state beside the scheduler's: the seeded generator, the detokenizer."""
+        self._generators[req.request_id] = make_generator(req.params.seed)
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt_token_ids, stop=req.params.stop,
+                                           skip_special_tokens=True)
+            self._texts[req.request_id] = (detok, [])
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
         params.validate(vocab)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer")
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
@@ -135,10 +179,17 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are freed now and its terminal output comes with the next step().
-        Returns False if the request is unknown or already finished."""
+
+        Also releases a held request of that id (it already had its final, handoff output: no second
+        one comes) and cancels a reservation of that id (services name a decode-side reservation after
+        its request, so one abort covers every point of a handoff). Returns False if nothing of that
+        id was live."""
+        cancelled = self.cancel_reservation(request_id)
+        if self.release(request_id):
+            return True
         req = self.scheduler.requests.get(request_id)
         if req is None:
-            return False
+            return cancelled
         self._finish(req, FinishReason.ABORT)
         self._pending.append(self._output(req, []))
         return True
@@ -150,9 +201,154 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    # -- prefill side of a handoff ------------------------------------------------------------
+
+    @property
+    def num_held(self) -> int:
+        return len(self.scheduler.held)
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        return list(self.scheduler.held)
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        """A contiguous copy of a held request's prompt KV, [ceil(prompt / block_size), layers, 2,
+        block_size, kv_heads, head_dim], block i holding prompt tokens [i * block_size, (i + 1) *
+        block_size); slots past the prompt are zero. The blocks stay held: export again or release."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            raise HandoffError(f"request {request_id!r} is not held for handoff")
+        return export_blocks(self.runner.kv, req.block_ids, len(req.prompt_token_ids))
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's blocks (its KV has been sent, or never will be). False if `request_id`
+        is not held (unknown, already released, or never handed off)."""
+        return self.scheduler.release(request_id) is not None
+
+    # -- decode side of a handoff -------------------------------------------------------------
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return self.reservations.num_blocks
+
+    def reserve(self, reservation_id: str, num_blocks: int, lease_s: float, now: float | None = None) -> bool:
+        """Set `num_blocks` free blocks aside now for KV that is on its way, until `now + lease_s` (now
+        defaults to the engine clock). False, changing nothing, if fewer are free: admission for a
+        handoff is this reservation, and it never preempts running requests."""
+        return self.reservations.reserve(reservation_id, num_blocks, lease_s, self._now(now))
+
+    def expire_reservations(self, now: float | None = None) -> list[str]:
+        """Free every reservation whose lease has run out by `now` (default: the engine clock); returns
+        their ids. `step()` calls it too; an idle worker calls it from a timer."""
+        expired = self.reservations.expire(self._now(now))
+        if expired:
+            self.stats.reservations_expired += len(expired)
+            log.warning("reservation leases expired", reservation_ids=expired)
+        return expired
+
+    def cancel_reservation(self, reservation_id: str) -> bool:
+        """Free a reservation now; False if it is unknown (never made, used, cancelled or expired)."""
+        return self.reservations.cancel(reservation_id)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], first_token: int,
+                              params: SamplingParams, kv: torch.Tensor, reservation_id: str | None = None,
+                              priority: int = 0, first_logprob: Logprob | None = None) -> str:
+        """Continue a request whose prompt a prefill engine computed: `kv` is its `export_kv`, and
+        `first_token` what it sampled, with `first_logprob` when `params.logprobs` is set (ignored
+        otherwise).
+
+        Blocks come from the reservation `reservation_id` (it must exist and hold at least the
+        prompt's ceil(len / block_size) blocks) or, without one, from the free pool (NoFreeBlocksError
+        if short; admission never preempts). `kv` is copied into the first of them. Reserved blocks
+        beyond the prompt's stay with the request for its next tokens, up to as many as its longest
+        possible output needs (prompt + max_tokens - 1 tokens of KV, within the context limit); any
+        beyond that go back to the pool at once.
+
+        The request then runs exactly as if it had been prefilled here: in `running` at once (even
+        past `max_num_seqs`: the reservation was its admission), the seeded generator advanced past
+        the first token's draw, the detokenizer fed the first token. If the first token ends it (stop
+        token, EOS, stop string, max_tokens=1, context limit) its terminal output comes with the next
+        `step()` and its blocks are freed now.
+
+        Outputs never repeat the first token in `new_token_ids` (the caller has it from the handoff);
+        the final output's `token_ids`, `logprobs`, `usage` and `text` cover the whole output, first
+        token included. Raises InvalidRequestError (HandoffError for handoff-specific checks) or
+        NoFreeBlocksError, leaving the engine and the reservation untouched.
+        """
+        prompt_ids = list(prompt_token_ids)
+        self._check_id_free(request_id)
+        self._validate(prompt_ids, params)
+        vocab = self.model_config.vocab_size
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
+            raise InvalidRequestError(f"first token {first_token!r} is outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and (first_logprob is None or first_logprob.token_id != first_token):
+            raise HandoffError("params ask for logprobs: first_logprob must be given, for the first token")
+        check_kv(kv, self.runner.kv, len(prompt_ids))
+        bs = self.config.block_size
+        need = blocks_for(len(prompt_ids), bs)
+        if reservation_id is not None:
+            reservation = self.reservations.get(reservation_id)
+            if reservation is None:
+                raise HandoffError(f"unknown or expired reservation {reservation_id!r}")
+            if len(reservation.block_ids) < need:
+                raise HandoffError(
+                    f"reservation {reservation_id!r} has {len(reservation.block_ids)} blocks; "
+                    f"the prompt's KV needs {need}"
+                )
+            # Still the reservation's: a failed copy leaves it as it was.
+            blocks = reservation.block_ids
+        else:
+            if need > self.pool.num_free:
+                raise NoFreeBlocksError(f"the prompt's KV needs {need} blocks, {self.pool.num_free} free")
+            blocks = self.pool.allocate(need)
+        try:
+            import_blocks(self.runner.kv, blocks[:need], kv)
+        except BaseException:
+            if reservation_id is None:
+                self.pool.free(reversed(blocks))
+            raise
+        if reservation_id is not None:
+            self.reservations.take(reservation_id)
+        # Positions [0, final_len - 1) get KV; the last sampled token's is never computed.
+        final_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        keep = max(need, blocks_for(final_len - 1, bs))
+        self.pool.free(reversed(blocks[keep:]))
+
+        req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids)
+        req.block_ids = blocks[:keep]
+        req.num_computed_tokens = len(prompt_ids)
+        req.output_token_ids.append(first_token)
+        if params.logprobs is not None and first_logprob is not None:
+            req.output_logprobs.append(first_logprob)
+        self._track(req)
+        self._replay_first_draw(req)
+        self.scheduler.add_running(req)
+        self.stats.handoffs_in += 1
+        reason = self._check_stop(req, first_token)
+        if reason is not None:
+            self._finish(req, reason)
+            self._pending.append(self._output(req, []))
+        return request_id
+
+    def _replay_first_draw(self, req: Request) -> None:
+        """The prefill engine's generator drew once, for the first token. Draw the same here, so the
+        next tokens continue the stream a single engine would have used: the sampler draws a fixed
+        amount per step for a seeded row, whatever the logits, so sampling dummy logits replays it."""
+        generator = self._generators[req.request_id]
+        if generator is None:  # unseeded: the global RNG, nothing to reproduce
+            return
+        row = SamplingRow(req.params, req.prompt_token_ids, [], generator)
+        with torch.inference_mode():
+            self.sampler(torch.zeros((1, self.model_config.vocab_size)), [row])
+
+    def _now(self, now: float | None) -> float:
+        return self._clock() if now is None else now
+
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        # Leases hold even where no timer runs: a lost transfer's blocks come back here.
+        self.expire_reservations()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -166,7 +362,9 @@ class LLMEngine:
                 SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, self._generators[r.request_id])
                 for r in sampled
             ]
-            results = self.sampler(logits, rows)
+            # The model returns inference tensors, which the sampler's penalties update in place.
+            with torch.inference_mode():
+                results = self.sampler(logits, rows)
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("step failed", requests=[c.request.request_id for c in sched.chunks])
             for chunk in sched.chunks:
@@ -185,8 +383,18 @@ class LLMEngine:
             reason = self._check_stop(req, token)
             if reason is not None:
                 self._finish(req, reason)
+            elif req.prefill_only:
+                self._hold(req)
             outputs.append(self._output(req, [token]))
         return outputs
+
+    def _hold(self, req: Request) -> None:
+        """End a prefill-only request's life here by handoff, keeping its prompt blocks."""
+        self.scheduler.hold(req)
+        self._generators.pop(req.request_id, None)
+        # The decode side detokenizes the whole output, first token included.
+        self._texts.pop(req.request_id, None)
+        self.stats.handoffs_out += 1
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
@@ -207,7 +415,8 @@ class LLMEngine:
         self._generators.pop(req.request_id, None)
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
-        finished = req.is_finished
+        handoff = req.status == RequestStatus.HELD
+        finished = req.is_finished or handoff
         text = None
         if finished and req.request_id in self._texts:
             detok, pieces = self._texts.pop(req.request_id)
@@ -222,6 +431,7 @@ class LLMEngine:
             logprobs=list(req.output_logprobs) if finished and req.params.logprobs is not None else None,
             error=req.error,
             text=text,
+            handoff=handoff,
         )
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:

@@ -25,6 +25,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, will recompute its KV
+    # A prefill-only request that sampled its first token: out of the queues, its prompt's blocks
+    # kept for export until released. FINISHED with finish_reason None once released.
+    HELD = "held"
     FINISHED = "finished"
 
 
@@ -127,6 +130,9 @@ class Request:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Stop after the first token and hand the prompt's KV to a decode engine (see LLMEngine.add_request).
+    prefill_only: bool = False
+    # None on a FINISHED request means it ended by handoff rather than by finishing.
     finish_reason: FinishReason | None = None
     error: str | None = None
     seq_no: int = field(default_factory=lambda: next(_request_counter))
@@ -165,7 +171,13 @@ class Usage:
 class RequestOutput:
     """What one `step()` reports about one request: the tokens it gained this step (`new_token_ids`)
     and, once finished, the finish reason. `token_ids` (every generated token), `logprobs` and
-    `text` are filled on the final output only."""
+    `text` are filled on the final output only.
+
+    `handoff=True` marks the final output of a prefill-only request that stopped after its first
+    token to continue on a decode engine: `finished` is True (this engine is done with it),
+    `finish_reason` is None (the request itself is not), the first token is in `new_token_ids` and
+    `token_ids` (its logprob in `logprobs`, if asked), `text` is None (the decode side's detokenizer
+    produces the text), and the prompt's KV stays held until `LLMEngine.release`."""
 
     request_id: str
     new_token_ids: list[int]
@@ -176,3 +188,4 @@ class RequestOutput:
     logprobs: list[Logprob] | None = None
     error: str | None = None
     text: str | None = None  # filled by callers that detokenize
+    handoff: bool = False

@@ -15,6 +15,15 @@ Policy:
 * a waiting request is admitted only if its first chunk's blocks are free (admission never preempts),
   and not at all in a step that preempted.
 
+Prefill/decode handoff adds two doors that bypass the waiting queue:
+* `hold` takes a prefill-only request that has sampled its first token out of the queues, keeping
+  its blocks (it is no longer scheduled, so it can never be preempted and its KV stays put) until
+  `release`;
+* `add_running` puts a request whose KV arrived from elsewhere straight into `running`. Its
+  admission was the caller's block reservation, so neither `max_num_seqs` nor the token budget is
+  checked: `running` may briefly exceed `max_num_seqs`, and waiting requests are then not admitted
+  until it drops back below.
+
 The scheduler owns queues and block ids, nothing else: no tensors, no model, no sockets.
 """
 
@@ -69,29 +78,75 @@ class Scheduler:
         # of `running` is the first to be preempted.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # Unfinished requests (waiting or running), by id.
         self.requests: dict[str, Request] = {}
+        # Held requests, by id: not unfinished (nothing left to compute) but owning blocks; their ids
+        # stay in use until released.
+        self.held: dict[str, Request] = {}
 
     # -- queue management -------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._check_new_id(request.request_id)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose first `num_computed_tokens` tokens' KV is already in its
+        `block_ids` (copied in from a prefill engine) directly into `running`; its next chunk is
+        computed in the next step. Blocks beyond those the computed tokens need stay with it and are
+        used as it grows. Bypasses `max_num_seqs` (see the module docstring)."""
+        self._check_new_id(request.request_id)
+        if not 0 < request.num_computed_tokens < request.num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_computed_tokens} of {request.num_tokens} "
+                "tokens computed; add_running needs some computed and at least one still to compute"
+            )
+        if len(request.block_ids) < self._blocks_for(request.num_computed_tokens):
+            raise ValueError(
+                f"request {request.request_id!r} has {len(request.block_ids)} blocks for "
+                f"{request.num_computed_tokens} computed tokens"
+            )
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        bisect.insort(self.running, request, key=Request.sort_key)
+
+    def hold(self, request: Request) -> None:
+        """Take a running request that has nothing left to compute this step (its tokens all have
+        KV but the last sampled one) out of the queues, keeping its blocks until `release`."""
+        if request.status != RequestStatus.RUNNING:
+            raise ValueError(f"only a running request can be held; {request.request_id!r} is {request.status.value}")
+        self.running.remove(request)
+        del self.requests[request.request_id]
+        request.status = RequestStatus.HELD
+        self.held[request.request_id] = request
+
+    def release(self, request_id: str) -> Request | None:
+        """Free a held request's blocks; it becomes FINISHED (finish_reason None: handed off).
+        Returns None, changing nothing, if `request_id` is not held."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return None
+        self._release_blocks(request)
+        request.status = RequestStatus.FINISHED
+        return request
+
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """Remove a request wherever it is and free its blocks. Idempotent."""
+        """Remove a request wherever it is (held included) and free its blocks. Idempotent."""
         if request.status == RequestStatus.FINISHED:
             return
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+        if request.status == RequestStatus.HELD:
+            del self.held[request.request_id]
         else:
-            self.waiting.remove(request)
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            del self.requests[request.request_id]
         self._release_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        del self.requests[request.request_id]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -133,6 +188,10 @@ class Scheduler:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.held:
+            raise ValueError(f"duplicate request id {request_id!r}")
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

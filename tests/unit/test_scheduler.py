@@ -218,3 +218,169 @@ def test_random_workload_keeps_invariants():
         s.finish(r, FinishReason.ABORT)
     assert pool.num_free == 12
     pool.check_integrity()
+
+
+# -- prefill/decode handoff: hold and add_running ---------------------------------------------
+
+
+def handed_off(rid: str, n_prompt: int, block_ids: list[int], first: int = 9, t: float = 0.0) -> Request:
+    """A request whose prompt KV arrived from a prefill engine, with its first token sampled there."""
+    r = make(rid, n_prompt, t=t)
+    r.output_token_ids = [first]
+    r.num_computed_tokens = n_prompt
+    r.block_ids = block_ids
+    return r
+
+
+def test_hold_keeps_blocks_out_of_the_queues_until_release():
+    s = Scheduler(BlockPool(8), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = make("a", 6)
+    s.add(a)
+    assert run_step(s) == {"a": 6}
+    s.hold(a)
+    assert a.status == RequestStatus.HELD and a.block_ids == [0, 1]
+    assert s.running == [] and s.requests == {} and s.held == {"a": a}
+    assert not s.has_unfinished() and s.pool.num_free == 6
+    assert s.schedule().is_empty  # never scheduled, so never preempted: its KV stays put
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add(make("a", 2))  # the id stays in use while held
+    with pytest.raises(ValueError, match="only a running request"):
+        s.hold(a)
+    assert s.release("a") is a
+    assert a.status == RequestStatus.FINISHED and a.finish_reason is None and a.block_ids == []
+    assert s.pool.num_free == 8 and s.held == {}
+    assert s.release("a") is None
+    s.pool.check_integrity()
+
+
+def test_finish_frees_a_held_request():
+    s = Scheduler(BlockPool(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = make("a", 5)
+    s.add(a)
+    run_step(s)
+    s.hold(a)
+    s.finish(a, FinishReason.ABORT)
+    assert s.pool.num_free == 4 and s.held == {} and a.finish_reason == FinishReason.ABORT
+    s.pool.check_integrity()
+
+
+def test_add_running_decodes_in_its_given_blocks():
+    s = Scheduler(BlockPool(8), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = make("a", 3, t=0)
+    s.add(a)
+    assert run_step(s) == {"a": 3}
+    reserved = s.pool.allocate(3)  # what a reservation would hold
+    assert reserved == [1, 2, 3]
+    # 6 prompt tokens need 2 blocks; the third reserved block stays with the request for its outputs.
+    h = handed_off("h", 6, reserved, t=1)
+    s.add_running(h)
+    assert h.status == RequestStatus.RUNNING and s.running == [a, h] and s.requests["h"] is h
+    assert run_step(s) == {"a": 1, "h": 1}  # h computes its first token's KV at position 6, block 2
+    assert h.num_computed_tokens == 7 and h.output_token_ids == [9, 7] and h.block_ids == [1, 2, 3]
+    run_step(s)  # h position 7; a position 4 takes block 4
+    run_step(s)  # h position 8: the spare block 3, no allocation
+    assert h.block_ids == [1, 2, 3] and a.block_ids == [0, 4] and s.pool.num_free == 3
+    run_step(s)
+    run_step(s)
+    run_step(s)  # h position 11 fills block 3; a position 8 takes block 5
+    assert a.block_ids == [0, 4, 5] and h.block_ids == [1, 2, 3]
+    assert run_step(s) == {"a": 1, "h": 1}  # position 12: h needs a fourth block
+    assert h.block_ids == [1, 2, 3, 6] and s.pool.num_free == 1
+    s.finish(h, FinishReason.STOP)
+    assert s.pool.num_free == 5
+    s.pool.check_integrity()
+
+
+def test_add_running_bypasses_max_num_seqs():
+    s = Scheduler(BlockPool(8), block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    a, c = make("a", 2, t=0), make("c", 2, t=2)
+    s.add(a)
+    s.add(c)
+    assert run_step(s) == {"a": 2}
+    s.add_running(handed_off("h", 4, s.pool.allocate(1), t=1))  # admission was the reservation
+    assert len(s.running) == 2
+    assert run_step(s) == {"a": 1, "h": 1}  # h's first token's KV needs a second block: [2]
+    assert s.requests["h"].block_ids == [1, 2]
+    s.finish(a, FinishReason.STOP)
+    assert run_step(s) == {"h": 1}  # still at max_num_seqs: c waits
+    s.finish(s.requests["h"], FinishReason.STOP)
+    assert run_step(s) == {"c": 2}
+
+
+def test_add_running_refuses_inconsistent_requests():
+    s = Scheduler(BlockPool(8), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    s.add(make("w", 2))
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add_running(handed_off("w", 4, [0]))
+    nothing_computed = handed_off("x", 4, [0])
+    nothing_computed.num_computed_tokens = 0
+    with pytest.raises(ValueError, match="computed"):
+        s.add_running(nothing_computed)
+    nothing_left = make("y", 4)
+    nothing_left.num_computed_tokens = 4
+    nothing_left.block_ids = [0]
+    with pytest.raises(ValueError, match="still to compute"):
+        s.add_running(nothing_left)
+    with pytest.raises(ValueError, match="1 blocks for 5 computed"):
+        s.add_running(handed_off("z", 5, [0]))
+    assert s.running == [] and list(s.requests) == ["w"]
+
+
+def test_handed_off_request_is_preempted_and_recomputes_prompt_and_outputs():
+    s = Scheduler(BlockPool(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = make("a", 8, t=0)
+    s.add(a)
+    assert run_step(s) == {"a": 8} and a.block_ids == [0, 1]
+    h = handed_off("h", 8, s.pool.allocate(2), first=5, t=1)
+    s.add_running(h)
+    assert h.block_ids == [2, 3] and s.pool.num_free == 0
+    out = s.schedule()  # a (position 8) and h (position 8) each need a third block: h, the later, goes
+    assert [r.request_id for r in out.preempted] == ["h"] and a.block_ids == [0, 1, 3]
+    assert h.status == RequestStatus.PREEMPTED and h.num_computed_tokens == 0 and h.block_ids == []
+    s.update(out)
+    a.output_token_ids.append(7)
+    s.finish(a, FinishReason.STOP)
+    # Recompute: the prompt plus the first token (which came from the prefill engine) in one chunk.
+    assert run_step(s) == {"h": 9}
+    assert h.output_token_ids == [5, 7] and h.block_ids == [2, 3, 1]
+
+
+def test_random_workload_with_handoffs_keeps_invariants():
+    rng = random.Random(1)
+    pool = BlockPool(16)
+    s = Scheduler(pool, block_size=4, max_num_seqs=4, max_num_batched_tokens=12)
+    live: list[Request] = []
+    for step in range(400):
+        roll = rng.random()
+        if roll < 0.2:
+            r = make(f"r{step}", rng.randint(1, 20), t=step)
+            r.prefill_only = rng.random() < 0.5
+            s.add(r)
+            live.append(r)
+        elif roll < 0.3:
+            n = rng.randint(1, 20)
+            need = -(-n // 4) + rng.randint(0, 2)
+            if need <= pool.num_free:
+                h = handed_off(f"h{step}", n, pool.allocate(need), t=step)
+                s.add_running(h)
+                live.append(h)
+        run_step(s)
+        for r in list(live):
+            if r.status == RequestStatus.RUNNING and r.prefill_only and r.output_token_ids:
+                s.hold(r)
+            elif r.status == RequestStatus.HELD and rng.random() < 0.3:
+                assert s.release(r.request_id) is r
+            elif r.status == RequestStatus.RUNNING and len(r.output_token_ids) > rng.randint(3, 12):
+                s.finish(r, FinishReason.LENGTH)
+            elif rng.random() < 0.02:
+                s.finish(r, FinishReason.ABORT)
+            if r.is_finished:
+                live.remove(r)
+        held = sum(len(r.block_ids) for r in [*s.requests.values(), *s.held.values()])
+        assert held + pool.num_free == pool.num_blocks
+        for r in s.held.values():
+            assert len(r.block_ids) == -(-len(r.prompt_token_ids) // 4) and r.num_computed_tokens == r.num_tokens - 1
+    for r in live:
+        s.finish(r, FinishReason.ABORT)
+    assert pool.num_free == 16
+    pool.check_integrity()
