@@ -1,0 +1,418 @@
+"""The router's pure core: admission, placement and per-request state, fed events by the router shell.
+
+No sockets, no asyncio, no clock reads: every event carries `now` (Unix seconds, as the shell read it;
+durations and deadlines are taken from it) and returns the messages to send as `Outbound` records.
+
+Addresses: `Outbound.dest` is `bytes` for a client (its ZeroMQ ROUTER identity) and `str` for a service
+instance (its name, which is also its DEALER identity). Request ids: the router gives every admitted
+request its own id, `config.id_prefix` + a counter (the shell puts its incarnation in the prefix to make
+ids unique across router restarts); services only see that id, clients only their own. A client may
+reuse an id once its request has ended; a duplicate of a live id is refused (`invalid_request`, the
+original goes on — the client broke the contract, so its view of that id is ambiguous).
+
+Decisions:
+* Admission happens at arrival, from an estimate of the prompt's tokens (len(prompt_token_ids), else a
+  quarter of the characters). "Queued" means not yet decoding: tokenizing, waiting for placement or in
+  prefill. Past `max_queued_requests`, or past `max_queued_prompt_tokens` with anything else queued
+  (a lone prompt is never refused for its size: the tokenizer bounds it by the context), the request is
+  refused at once with `overloaded`; so it is with no live tokenizer or worker. When the encoding
+  gives the exact count, it replaces the estimate, and a request that then breaks the token limit
+  (with others queued) ends with `overloaded` before any prefill is spent on it.
+* Tenancy: `config.tenants` maps api_key → cache salt; an unknown or missing key gets
+  `default_cache_salt`, or `invalid_request` when `require_api_key`. Clients never send a salt.
+* A request that finds no live worker after encoding waits (parked) up to `placement_timeout_s` for
+  one to appear or come back, then ends with `worker_lost`; its deadline applies throughout.
+* An `overloaded` ErrorReply from the prefill worker (the decode worker refused the KV reservation) is
+  retried once, placed anew avoiding that decode worker.
+* Client abort ends the request with RequestFinished(finish_reason="abort") carrying the output so far.
+  A gone client's requests end the same way but nothing is sent: there is no one to send to.
+* Decode can finish before PrefillDone reaches us (they travel different paths). The request then waits
+  in FINISHING for PrefillDone (for its cached-token usage); losing the prefill worker, timing out or an
+  abort in that state delivers the finished result without those numbers, as the output is complete.
+
+Invariant: every admitted request ends exactly once — one RequestFinished or ErrorReply to its client
+(unless the client is gone) — through `_end`, which also tells every service still holding it to drop
+it and removes all its state. Messages about unknown requests, from an instance that does not hold the
+request, or out of phase, are stale: counted and dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from deepinfer.protocol.messages import (
+    AbortRequest,
+    EncodeRequest,
+    EncodeResult,
+    ErrorCode,
+    ErrorReply,
+    FinishReason,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    LogprobWire,
+    PrefillDone,
+    PrefillJob,
+    RequestFinished,
+    StreamDelta,
+    TextDeltaItem,
+    TextDeltas,
+    Timings,
+    UsageWire,
+)
+from deepinfer.services.placement import Assignment, Beat, Instance, InstanceTable, Placement
+from deepinfer.services.router_state import (
+    ClientId,
+    Outbound,
+    Phase,
+    RouterConfig,
+    RouterMetrics,
+    RouterRequest,
+    estimate_tokens,
+    input_problem,
+)
+
+__all__ = ["ClientId", "Outbound", "Phase", "RouterConfig", "RouterCore", "RouterMetrics", "RouterRequest"]
+
+
+
+class RouterCore:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.table = InstanceTable(config.heartbeat_timeout_s, config.progress_timeout_s, config.block_size)
+        self.metrics = RouterMetrics(config.max_ttft_samples)
+        self.draining = False  # set by the shell on shutdown: new requests are refused
+        self.queued_requests = 0
+        self.queued_tokens = 0  # estimated until encoded, then exact
+        self._reqs: dict[str, RouterRequest] = {}
+        self._by_client: dict[ClientId, dict[str, str]] = {}  # client → its request id → ours
+        self._deadlines: list[tuple[float, str]] = []  # heap; entries of ended requests are skipped
+        self._parked: dict[str, None] = {}  # encoded, waiting for a live worker (insertion-ordered)
+        self._counter = 0
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._reqs)
+
+    def request(self, request_id: str) -> RouterRequest | None:
+        return self._reqs.get(request_id)
+
+    # ----- client events -----
+
+    def on_generate(self, client: ClientId, req: GenerateRequest, now: float) -> list[Outbound]:
+        def refuse(code: ErrorCode, message: str) -> list[Outbound]:
+            self.metrics.rejected[code] += 1
+            retry = self.config.retry_after_s if code == "overloaded" else None
+            return [Outbound(client, ErrorReply(req.request_id, code, message, retry))]
+
+        cfg = self.config
+        problem = input_problem(req)
+        if problem is None and req.request_id in self._by_client.get(client, {}):
+            problem = f"request id {req.request_id!r} is already in flight"
+        if problem is not None:
+            return refuse("invalid_request", problem)
+        salt = cfg.tenants.get(req.api_key, cfg.default_cache_salt) if req.api_key else cfg.default_cache_salt
+        if cfg.require_api_key and req.api_key not in cfg.tenants:
+            return refuse("invalid_request", "unknown or missing api_key")
+        estimate = estimate_tokens(req)
+        if self.draining:
+            return refuse("overloaded", "the router is shutting down")
+        if self.queued_requests >= cfg.max_queued_requests:
+            return refuse("overloaded", f"queue full: {self.queued_requests} requests waiting")
+        if self.queued_requests and self.queued_tokens + estimate > cfg.max_queued_prompt_tokens:
+            return refuse("overloaded", f"queue full: {self.queued_tokens} prompt tokens waiting")
+        if self.table.place(estimate, req.params.max_tokens, now) is None:
+            return refuse("overloaded", "no live prefill/decode workers")
+        tokenizer = self.table.pick_tokenizer(now)
+        if tokenizer is None:
+            return refuse("overloaded", "no live tokenizer")
+
+        rid = f"{cfg.id_prefix}{self._counter}"
+        deadline = now + (req.timeout_s if req.timeout_s is not None else cfg.request_timeout_s)
+        st = RouterRequest(rid, self._counter, client, req, now, deadline, Assignment(rid, tokenizer.name))
+        self._counter += 1
+        self._reqs[rid] = st
+        self._by_client.setdefault(client, {})[req.request_id] = rid
+        heapq.heappush(self._deadlines, (deadline, rid))
+        st.queued_charge = estimate
+        self.queued_requests += 1
+        self.queued_tokens += estimate
+        self.table.hold(st.where, {tokenizer.name})
+        self.metrics.admitted += 1
+        encode = EncodeRequest(
+            rid, req.prompt, req.messages, req.prompt_token_ids, cache_salt=salt, stop=list(req.params.stop)
+        )
+        return [Outbound(tokenizer.name, encode)]
+
+    def on_abort(self, client: ClientId, abort: AbortRequest, now: float) -> list[Outbound]:
+        rid = self._by_client.get(client, {}).get(abort.request_id)
+        if rid is None:
+            return []  # unknown or already ended: a no-op, as the protocol says
+        return self._cancel(self._reqs[rid], now, abort.reason or "aborted by the client")
+
+    def on_client_gone(self, client: ClientId, now: float) -> list[Outbound]:
+        out: list[Outbound] = []
+        for rid in list(self._by_client.get(client, {}).values()):
+            st = self._reqs[rid]
+            st.client_gone = True
+            out += self._cancel(st, now, "client disconnected")
+        return out
+
+    # ----- service events -----
+
+    def on_hello(self, hello: Hello, now: float) -> list[Outbound]:
+        """Registers a service (clients need no registration). The shell's handshake answers the Hello;
+        an `incarnation` capability lets a restart be seen here, before its first heartbeat."""
+        if hello.service == "client":
+            return []
+        incarnation = hello.capabilities.get("incarnation")
+        if self.table.hello(hello.service, hello.instance, incarnation, now) is not Beat.RESTARTED:
+            return []
+        assert incarnation is not None
+        return self._restart(hello.instance, hello.service, incarnation, now, None)
+
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> list[Outbound]:
+        beat = self.table.heartbeat(hb, now)
+        if beat is Beat.STALE:
+            return self._stale()
+        if beat is Beat.RESTARTED:
+            return self._restart(hb.instance, hb.service, hb.incarnation, now, hb)
+        return self._place_parked(now)
+
+    def _restart(self, name: str, role: str, incarnation: str, now: float, hb: Heartbeat | None) -> list[Outbound]:
+        inst = self.table.instances[name]
+        # The new process never had the old one's requests: nothing to tell it.
+        out = self._lose(inst, f"{inst.role} {name} restarted", now, tell_instance=False)
+        self.table.reset(name, role, incarnation, now, hb)
+        return out + self._place_parked(now)
+
+    def on_encode_result(self, sender: str, res: EncodeResult, now: float) -> list[Outbound]:
+        st = self._reqs.get(res.request_id)
+        if st is None or st.phase is not Phase.TOKENIZING or sender != st.where.tokenizer:
+            return self._stale()
+        st.prompt_ids, st.block_hashes = res.token_ids, res.block_hashes
+        self.queued_tokens += len(res.token_ids) - st.queued_charge
+        st.queued_charge = len(res.token_ids)
+        if self.queued_requests > 1 and self.queued_tokens > self.config.max_queued_prompt_tokens:
+            msg = f"queue full: {self.queued_tokens} prompt tokens waiting"
+            return self._error(st, "overloaded", msg, now, retry_after_s=self.config.retry_after_s)
+        st.phase, st.parked_since = Phase.PARKED, now
+        self._parked[st.rid] = None
+        return self._place(st, now)
+
+    def on_prefill_done(self, done: PrefillDone, now: float) -> list[Outbound]:
+        st = self._reqs.get(done.request_id)
+        if st is None or st.phase not in (Phase.PREFILLING, Phase.FINISHING) or done.prefill_worker != st.where.prefill:
+            return self._stale()
+        st.prefill_done = done
+        self.table.prefill_over(st.where)
+        if st.phase is Phase.FINISHING:
+            self.table.hold(st.where, ())  # the prefill worker is done with it too
+            return self._finish(st, now)
+        st.phase = Phase.DECODING
+        self._dequeue(st)
+        self.table.hold(st.where, {st.where.tokenizer, st.where.decode})
+        return []
+
+    def on_text_deltas(self, deltas: TextDeltas, now: float) -> list[Outbound]:
+        out: list[Outbound] = []
+        for item in deltas.items:
+            st = self._reqs.get(item.request_id)
+            if (
+                st is None
+                or st.phase not in (Phase.PREFILLING, Phase.DECODING)
+                or deltas.tokenizer != st.where.tokenizer
+                or item.offset < len(st.output_ids)  # a duplicate
+            ):
+                out += self._stale()
+            elif item.offset > len(st.output_ids):
+                msg = f"tokenizer {st.where.tokenizer} skipped tokens {len(st.output_ids)}..{item.offset - 1}"
+                out += self._error(st, "internal", msg, now)
+            else:
+                out += self._on_item(st, item, now)
+        return out
+
+    def on_error(self, sender: str, err: ErrorReply, now: float) -> list[Outbound]:
+        st = self._reqs.get(err.request_id)
+        if st is None or sender not in st.where.holders:
+            return self._stale()
+        if st.phase is Phase.FINISHING:
+            return self._finish(st, now)  # the output is complete already
+        where = st.where
+        if err.code == "overloaded" and st.phase is Phase.PREFILLING and sender == where.prefill and st.attempts == 1:
+            refused = where.decode
+            self.table.hold(where, {where.tokenizer})  # back to parked: the prefill worker dropped the job
+            st.phase = Phase.PARKED
+            placement = self.table.place(len(st.prompt_ids), st.params.max_tokens, now, exclude={refused})
+            if placement is not None:
+                self.metrics.retries += 1
+                return self._send_job(st, placement, now)
+        return self._error(st, err.code, err.message, now, skip={sender}, retry_after_s=err.retry_after_s)
+
+    def tick(self, now: float) -> list[Outbound]:
+        """Periodic: dead instances, deadlines, parked requests."""
+        out: list[Outbound] = []
+        for inst, why in self.table.expire(now):
+            out += self._lose(inst, why, now, tell_instance=True)  # it may be wedged, not gone
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            if st.phase is Phase.FINISHING:
+                out += self._finish(st, now)
+            else:
+                out += self._error(st, "timeout", f"no result within {st.deadline - st.arrival:g}s", now)
+        if len(self._deadlines) > 2 * len(self._reqs) + 64:  # drop entries of ended requests
+            self._deadlines = [(s.deadline, s.rid) for s in self._reqs.values()]
+            heapq.heapify(self._deadlines)
+        return out + self._place_parked(now)
+
+    # ----- internals: placement -----
+
+    def _place(self, st: RouterRequest, now: float) -> list[Outbound]:
+        placement = self.table.place(len(st.prompt_ids), st.params.max_tokens, now)
+        return [] if placement is None else self._send_job(st, placement, now)
+
+    def _send_job(self, st: RouterRequest, placement: Placement, now: float) -> list[Outbound]:
+        self._parked.pop(st.rid, None)
+        self.table.assign(st.where, placement, len(st.prompt_ids))
+        st.phase, st.attempts, st.job_sent_at = Phase.PREFILLING, st.attempts + 1, now
+        job = PrefillJob(
+            st.rid,
+            st.prompt_ids,
+            st.block_hashes,
+            st.params,
+            decode_worker=placement.decode.name,
+            detokenizer=st.where.tokenizer,
+            priority=st.req.priority,
+            arrival_time=st.arrival,
+        )
+        return [Outbound(placement.prefill.name, job)]
+
+    def _place_parked(self, now: float) -> list[Outbound]:
+        out: list[Outbound] = []
+        for rid in sorted(self._parked, key=lambda r: self._reqs[r].order):
+            st = self._reqs[rid]
+            if now - st.parked_since > self.config.placement_timeout_s:
+                waited = now - st.parked_since
+                out += self._error(st, "worker_lost", f"no live worker took the request for {waited:.1f}s", now)
+            else:
+                out += self._place(st, now)
+        return out
+
+    def _dequeue(self, st: RouterRequest) -> None:
+        if st.queued:
+            self.queued_requests -= 1
+            self.queued_tokens -= st.queued_charge
+            st.queued = False
+
+    # ----- internals: output and endings -----
+
+    def _on_item(self, st: RouterRequest, item: TextDeltaItem, now: float) -> list[Outbound]:
+        out: list[Outbound] = []
+        if item.token_ids or item.text:
+            if st.first_token_at is None and item.token_ids:
+                st.first_token_at = now
+                self.metrics.ttft_s.append(now - st.arrival)
+            if item.token_ids:
+                st.last_token_at = now
+            st.text.append(item.text)
+            st.output_ids.extend(item.token_ids)
+            if item.logprobs:
+                st.logprobs.extend(item.logprobs)
+            if st.req.stream:
+                delta = StreamDelta(st.req.request_id, item.text, item.token_ids, item.offset, item.logprobs)
+                out.append(Outbound(st.client, delta))
+        if not item.finished:
+            return out
+        if item.finish_reason == "error":  # the tokenizer saw a gap in the tokens and dropped the request
+            lost = "tokens of this request were lost on their way to the tokenizer"
+            return out + self._error(st, "internal", lost, now, skip={st.where.tokenizer})
+        if item.stop_string is not None:  # the tokenizer found a stop string: the decode worker must stop
+            out.append(Outbound(st.where.decode, AbortRequest(st.rid, "stop string")))
+        st.finish_reason, st.stop_string = item.finish_reason or "stop", item.stop_string
+        self.table.decode_over(st.where)  # (a co-located worker still holds it as the prefill worker)
+        if st.phase is Phase.PREFILLING:  # PrefillDone is still on its way
+            st.phase = Phase.FINISHING
+            self._dequeue(st)
+            self.table.hold(st.where, {st.where.prefill})
+            return out
+        self.table.hold(st.where, ())  # tokenizer and decode worker are done with it
+        return out + self._finish(st, now)
+
+    def _finish(self, st: RouterRequest, now: float) -> list[Outbound]:
+        return self._end(st, self._result(st, st.finish_reason or "stop", now), "finished", now, set())
+
+    def _cancel(self, st: RouterRequest, now: float, reason: str) -> list[Outbound]:
+        if st.phase is Phase.FINISHING:
+            return self._finish(st, now)
+        return self._end(st, self._result(st, "abort", now), reason, now, set())
+
+    def _error(
+        self,
+        st: RouterRequest,
+        code: ErrorCode,
+        message: str,
+        now: float,
+        skip: set[str] | None = None,
+        retry_after_s: float | None = None,
+    ) -> list[Outbound]:
+        err = ErrorReply(st.req.request_id, code, message, retry_after_s)
+        return self._end(st, err, f"{code}: {message}", now, skip or set())
+
+    def _lose(self, inst: Instance, why: str, now: float, tell_instance: bool) -> list[Outbound]:
+        out: list[Outbound] = []
+        for rid in sorted(inst.held):
+            st = self._reqs[rid]
+            if st.phase is Phase.FINISHING:
+                out += self._finish(st, now)
+            else:
+                out += self._error(st, "worker_lost", why, now, skip=set() if tell_instance else {inst.name})
+        return out
+
+    def _end(
+        self, st: RouterRequest, terminal: RequestFinished | ErrorReply, reason: str, now: float, skip: set[str]
+    ) -> list[Outbound]:
+        """The one way out: aborts to the holders, the terminal message, every trace of the request gone."""
+        out = [Outbound(name, AbortRequest(st.rid, reason)) for name in sorted(st.where.holders - skip)]
+        self.table.hold(st.where, ())
+        self._dequeue(st)
+        self._parked.pop(st.rid, None)
+        del self._reqs[st.rid]
+        ids = self._by_client[st.client]
+        del ids[st.req.request_id]
+        if not ids:
+            del self._by_client[st.client]
+        if isinstance(terminal, RequestFinished):
+            self.metrics.finished[terminal.finish_reason] += 1
+        else:
+            self.metrics.errors[terminal.code] += 1
+        if not st.client_gone:
+            out.append(Outbound(st.client, terminal))
+        return out
+
+    def _result(self, st: RouterRequest, reason: FinishReason, now: float) -> RequestFinished:
+        done = st.prefill_done
+        usage = UsageWire(
+            prompt_tokens=len(st.prompt_ids),
+            completion_tokens=len(st.output_ids),
+            cached_tokens=done.num_cached_tokens if done else 0,
+            cached_by_tier=dict(done.cached_by_tier) if done else {},
+        )
+        first, last, n = st.first_token_at, st.last_token_at, len(st.output_ids)
+        timings = Timings(
+            e2e_s=now - st.arrival,
+            ttft_s=None if first is None else first - st.arrival,
+            tpot_s=None if first is None or last is None or n < 2 else (last - first) / (n - 1),
+            queue_s=None if st.job_sent_at is None else st.job_sent_at - st.arrival,
+            prefill_s=done.prefill_s if done else None,
+        )
+        stop = st.stop_string if reason == "stop" else None
+        logprobs: list[LogprobWire] | None = st.logprobs or None
+        text = "".join(st.text)
+        return RequestFinished(st.req.request_id, text, st.output_ids, reason, usage, timings, stop, logprobs)
+
+    def _stale(self) -> list[Outbound]:
+        self.metrics.stale += 1
+        return []

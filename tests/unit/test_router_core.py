@@ -1,0 +1,794 @@
+"""RouterCore driven directly with messages and a fake clock: admission, placement, streaming, usage and
+timings, liveness, stale messages, and exactly one terminal message per admitted request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepinfer.protocol.messages import (
+    AbortRequest,
+    EncodeRequest,
+    EncodeResult,
+    ErrorReply,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    PrefillDone,
+    PrefillJob,
+    RequestFinished,
+    SamplingParamsWire,
+    StreamDelta,
+    TextDeltaItem,
+    TextDeltas,
+)
+from deepinfer.services.router_core import Outbound, Phase, RouterConfig, RouterCore
+
+C1, C2 = b"client-1", b"client-2"
+
+
+class Mesh:
+    """A router core plus the heartbeats of a set of fake instances."""
+
+    def __init__(self, config: RouterConfig | None = None, **instances: str) -> None:
+        self.core = RouterCore(config or RouterConfig(heartbeat_timeout_s=3.0))
+        self.seq: dict[str, int] = {}
+        self.inc: dict[str, str] = {}
+        self.now = 0.0
+        self.n = 0
+        for name, role in instances.items():
+            self.beat(name, role)
+
+    def beat(self, name: str, role: str, incarnation: str | None = None, **load: Any) -> list[Outbound]:
+        if incarnation is not None and incarnation != self.inc.get(name):
+            self.inc[name], self.seq[name] = incarnation, 0
+        self.inc.setdefault(name, "i0")
+        self.seq[name] = self.seq.get(name, 0) + 1
+        load.setdefault("free_blocks", 1000)
+        load.setdefault("progress", self.seq[name])
+        hb = Heartbeat(role, name, self.inc[name], self.seq[name], total_blocks=1000, **load)
+        return self.core.on_heartbeat(hb, self.now)
+
+    def generate(self, client: bytes = C1, rid: str | None = None, n: int = 10, **kw: Any) -> list[Outbound]:
+        if rid is None:
+            self.n += 1
+            rid = f"c{self.n}"
+        kw.setdefault("prompt_token_ids", list(range(100, 100 + n)) if "prompt" not in kw else None)
+        return self.core.on_generate(client, GenerateRequest(rid, **kw), self.now)
+
+    def admit(self, client: bytes = C1, **kw: Any) -> EncodeRequest:
+        [out] = self.generate(client, **kw)
+        assert isinstance(out.msg, EncodeRequest), out
+        return out.msg
+
+    def encoded(self, enc: EncodeRequest, n: int | None = None) -> list[Outbound]:
+        ids = enc.prompt_token_ids if n is None else list(range(n))
+        sender = self.core.request(enc.request_id).where.tokenizer
+        return self.core.on_encode_result(sender, EncodeResult(enc.request_id, ids or [1], []), self.now)
+
+    def placed(self, client: bytes = C1, **kw: Any) -> PrefillJob:
+        [out] = self.encoded(self.admit(client, **kw))
+        assert isinstance(out.msg, PrefillJob)
+        return out.msg
+
+    def done(self, job: PrefillJob, dest: str | None = None, **kw: Any) -> list[Outbound]:
+        worker = dest or self.core.request(job.request_id).where.prefill
+        kw.setdefault("num_cached_tokens", 0)
+        return self.core.on_prefill_done(PrefillDone(job.request_id, worker, len(job.token_ids), **kw), self.now)
+
+    def deltas(self, *items: TextDeltaItem, tokenizer: str = "tok0") -> list[Outbound]:
+        return self.core.on_text_deltas(TextDeltas(tokenizer, list(items)), self.now)
+
+
+def msgs(out: list[Outbound], kind: type | None = None) -> list[Any]:
+    return [o.msg for o in out if kind is None or isinstance(o.msg, kind)]
+
+
+def dests(out: list[Outbound], kind: type) -> list[str | bytes]:
+    return [o.dest for o in out if isinstance(o.msg, kind)]
+
+
+def assert_clean(core: RouterCore) -> None:
+    """Nothing in flight, and every piece of accounting back to zero."""
+    assert core.num_inflight == 0 and core.queued_requests == 0 and core.queued_tokens == 0
+    for inst in core.table.instances.values():
+        assert not inst.held and inst.prefill_tokens == inst.pending_blocks == inst.assigned == 0, inst.name
+    m = core.metrics
+    assert m.admitted == sum(m.finished.values()) + sum(m.errors.values())
+
+
+def basic_mesh(**kw: Any) -> Mesh:
+    config = RouterConfig(**{"heartbeat_timeout_s": 3.0, **kw})
+    return Mesh(config, tok0="tokenizer", pre0="prefill", dec0="decode")
+
+
+# ----- admission -----
+
+
+def test_queue_limit_by_requests_rejects_exactly_the_excess() -> None:
+    mesh = basic_mesh(max_queued_requests=3)
+    outs = [mesh.generate() for _ in range(5)]
+    assert [type(o[0].msg).__name__ for o in outs] == ["EncodeRequest"] * 3 + ["ErrorReply"] * 2
+    refused = outs[3][0].msg
+    assert (refused.code, refused.retry_after_s, refused.request_id) == ("overloaded", 1.0, "c4")
+    assert mesh.core.metrics.rejected["overloaded"] == 2 and mesh.core.metrics.admitted == 3
+    # Decoding requests leave the queue: room for one more.
+    [job] = msgs(mesh.encoded(outs[0][0].msg), PrefillJob)
+    mesh.done(job)
+    assert mesh.core.queued_requests == 2
+    assert isinstance(mesh.generate()[0].msg, EncodeRequest)
+    assert isinstance(mesh.generate()[0].msg, ErrorReply)
+
+
+def test_queue_limit_by_prompt_tokens() -> None:
+    mesh = basic_mesh(max_queued_prompt_tokens=100)
+    assert isinstance(mesh.generate(n=500)[0].msg, EncodeRequest)  # alone in the queue: never refused for size
+    assert mesh.generate(n=1)[0].msg.code == "overloaded"
+    mesh = basic_mesh(max_queued_prompt_tokens=100)
+    results = [mesh.generate(n=40)[0].msg for _ in range(4)]
+    assert [type(r).__name__ for r in results] == ["EncodeRequest", "EncodeRequest", "ErrorReply", "ErrorReply"]
+    assert "80 prompt tokens" in results[2].message
+    assert isinstance(mesh.generate(n=20)[0].msg, EncodeRequest)  # exactly at the limit is fine
+    assert mesh.core.queued_tokens == 100
+
+
+def test_text_prompts_are_estimated_then_counted_exactly() -> None:
+    mesh = basic_mesh(max_queued_prompt_tokens=100)
+    first = mesh.admit(prompt="x" * 160)  # about 40 tokens
+    assert mesh.core.queued_tokens == 40
+    second = mesh.admit(prompt="y" * 200)  # about 50
+    mesh.encoded(first, n=30)
+    assert mesh.core.queued_tokens == 80
+    # The exact count breaks the limit while others are queued: refused before any prefill.
+    out = mesh.encoded(second, n=90)
+    [err] = msgs(out, ErrorReply)
+    assert (err.code, err.request_id) == ("overloaded", "c2")
+    assert dests(out, AbortRequest) == ["tok0"]
+    assert mesh.core.queued_tokens == 30 and mesh.core.num_inflight == 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"params": SamplingParamsWire(temperature=-1.0)}, "temperature"),
+        ({"params": SamplingParamsWire(max_tokens=0)}, "max_tokens"),
+        ({"params": SamplingParamsWire(stop=[""])}, "stop strings"),
+        ({"prompt": "hi", "prompt_token_ids": [1]}, "exactly one"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt": ""}, "empty"),
+        ({"timeout_s": 0.0}, "timeout_s"),
+        ({"timeout_s": float("nan")}, "timeout_s"),
+        ({"rid": ""}, "request_id"),
+    ],
+)
+def test_invalid_requests_are_refused(kw: dict[str, Any], says: str) -> None:
+    mesh = basic_mesh()
+    [out] = mesh.generate(**kw)
+    assert out.dest == C1 and out.msg.code == "invalid_request" and says in out.msg.message
+    assert mesh.core.num_inflight == 0 and mesh.core.metrics.rejected["invalid_request"] == 1
+
+
+def test_duplicate_id_from_the_same_client_is_refused_but_other_clients_may_use_it() -> None:
+    mesh = basic_mesh()
+    mesh.admit(rid="same")
+    [dup] = mesh.generate(rid="same")
+    assert dup.msg.code == "invalid_request" and "already in flight" in dup.msg.message
+    assert isinstance(mesh.generate(C2, rid="same")[0].msg, EncodeRequest)
+    assert mesh.core.num_inflight == 2
+
+
+def test_tenant_salt_comes_from_the_api_key() -> None:
+    mesh = basic_mesh(tenants={"key-a": "salt-a"}, default_cache_salt="public")
+    assert mesh.admit(api_key="key-a").cache_salt == "salt-a"
+    assert mesh.admit(api_key="unknown").cache_salt == "public"
+    assert mesh.admit().cache_salt == "public"
+    strict = basic_mesh(tenants={"key-a": "salt-a"}, require_api_key=True)
+    assert strict.generate(api_key="nope")[0].msg.code == "invalid_request"
+    assert strict.generate()[0].msg.code == "invalid_request"
+    enc = strict.admit(api_key="key-a", prompt="hi", params=SamplingParamsWire(stop=["\n\n"]))
+    assert (enc.cache_salt, enc.prompt, enc.stop) == ("salt-a", "hi", ["\n\n"])
+
+
+def test_without_a_live_tokenizer_or_worker_requests_are_refused() -> None:
+    assert Mesh(pre0="prefill", dec0="decode").generate()[0].msg.message == "no live tokenizer"
+    assert "no live prefill/decode" in Mesh(tok0="tokenizer", pre0="prefill").generate()[0].msg.message
+    mesh = basic_mesh()
+    mesh.core.draining = True
+    assert mesh.generate()[0].msg.code == "overloaded"
+
+
+def test_router_ids_are_unique_and_prefixed() -> None:
+    mesh = basic_mesh(id_prefix="rt.abc.")
+    ids = {mesh.admit(C1, rid="x").request_id, mesh.admit(C2, rid="x").request_id}
+    assert ids == {"rt.abc.0", "rt.abc.1"}
+
+
+# ----- placement -----
+
+
+def test_tokenizers_are_chosen_round_robin() -> None:
+    mesh = Mesh(tok0="tokenizer", tok1="tokenizer", tok2="tokenizer", pre0="prefill", dec0="decode")
+    chosen = [mesh.core.request(mesh.admit().request_id).where.tokenizer for _ in range(6)]
+    assert chosen == ["tok0", "tok1", "tok2"] * 2
+
+
+def test_prefill_goes_to_the_least_queued_prompt_tokens() -> None:
+    mesh = Mesh(tok0="tokenizer", dec0="decode")
+    mesh.beat("pre0", "prefill", queued_prompt_tokens=500)
+    mesh.beat("pre1", "prefill", queued_prompt_tokens=100)
+    assert mesh.placed(n=1000).decode_worker == "dec0"
+    assert mesh.core.request("0").where.prefill == "pre1"
+    # Our own accounting is immediate: pre1 now has 1000 tokens queued from us, pre0 reports 500.
+    mesh.placed(n=10)
+    assert mesh.core.request("1").where.prefill == "pre0"
+    assert mesh.core.table.get("pre1").prefill_tokens == 1000
+    mesh.done(mesh_job(mesh, "0"))
+    assert mesh.core.table.get("pre1").prefill_tokens == 0
+
+
+def mesh_job(mesh: Mesh, rid: str) -> PrefillJob:
+    st = mesh.core.request(rid)
+    return PrefillJob(rid, st.prompt_ids, [], st.params, st.where.decode or "", st.where.tokenizer)
+
+
+def test_decode_worker_by_free_blocks_then_batch() -> None:
+    mesh = Mesh(tok0="tokenizer", pre0="prefill")
+    mesh.beat("dec0", "decode", free_blocks=5, running=0)
+    mesh.beat("dec1", "decode", free_blocks=800, running=30)
+    mesh.beat("dec2", "decode", free_blocks=600, running=10)
+    # 100 prompt + 16 output tokens = 8 blocks: dec0 cannot hold it; of the others, the smaller batch.
+    assert mesh.placed(n=100).decode_worker == "dec2"
+    assert mesh.core.table.get("dec2").pending_blocks == 7
+    # 9500 + 16 tokens = 595 blocks: only dec1 has room (dec2: 600 - 7 pending).
+    assert mesh.placed(n=9500).decode_worker == "dec1"
+    # 20000 tokens fit nowhere: the most free blocks, counting what is on its way (dec1: 800 - 594).
+    assert mesh.placed(n=20000).decode_worker == "dec2"
+
+
+def test_co_located_worker_decodes_what_it_prefills() -> None:
+    mesh = Mesh(tok0="tokenizer")
+    mesh.beat("w0", "worker", queued_prompt_tokens=300)
+    mesh.beat("w1", "worker", queued_prompt_tokens=0, free_blocks=2)  # too full for 100 tokens
+    mesh.beat("w2", "worker", queued_prompt_tokens=50)
+    job = mesh.placed(n=100)
+    assert job.decode_worker == "w2" and mesh.core.request(job.request_id).where.prefill == "w2"
+    assert (job.detokenizer, job.params, job.priority) == ("tok0", SamplingParamsWire(), 0)
+
+
+def test_draining_workers_get_nothing_new() -> None:
+    mesh = Mesh(tok0="tokenizer", dec0="decode")
+    mesh.beat("pre0", "prefill")
+    mesh.beat("pre1", "prefill", draining=True, queued_prompt_tokens=0)
+    mesh.beat("pre0", "prefill", queued_prompt_tokens=10_000)
+    mesh.placed()
+    assert mesh.core.request("0").where.prefill == "pre0"
+
+
+# ----- the request's life -----
+
+
+def test_streaming_request_deltas_usage_and_timings() -> None:
+    mesh = basic_mesh()
+    enc = mesh.admit(stream=True, n=20)
+    mesh.now = 0.1
+    [job_out] = mesh.encoded(enc)
+    job = job_out.msg
+    assert (job_out.dest, job.decode_worker, job.arrival_time) == ("pre0", "dec0", 0)
+    assert job.token_ids == enc.prompt_token_ids
+    mesh.now = 0.5
+    assert mesh.done(job, num_cached_tokens=16, cached_by_tier={"host": 16}, prefill_s=0.3) == []
+    assert mesh.core.request(job.request_id).phase is Phase.DECODING
+    rid = job.request_id
+    mesh.now = 0.6
+    out1 = mesh.deltas(TextDeltaItem(rid, 0, "Hello", [7, 8]))
+    mesh.now = 0.7
+    out2 = mesh.deltas(TextDeltaItem(rid, 2, "", [9]))  # part of a character: tokens, no text yet
+    mesh.now = 1.0
+    out3 = mesh.deltas(TextDeltaItem(rid, 3, " 😀!", [10, 11], finished=True, finish_reason="length"))
+    deltas = msgs(out1 + out2 + out3, StreamDelta)
+    assert [(d.request_id, d.text, d.offset) for d in deltas] == [("c1", "Hello", 0), ("c1", "", 2), ("c1", " 😀!", 3)]
+    assert all(o.dest == C1 for o in out1 + out2 + out3)
+    [fin] = msgs(out3, RequestFinished)
+    assert out3[-1].msg is fin  # the terminal comes after the last delta
+    assert (fin.request_id, fin.text, fin.finish_reason) == ("c1", "Hello 😀!", "length")
+    assert fin.token_ids == [7, 8, 9, 10, 11]
+    assert (fin.usage.prompt_tokens, fin.usage.completion_tokens) == (20, 5)
+    assert (fin.usage.cached_tokens, fin.usage.cached_by_tier) == (16, {"host": 16})
+    t = fin.timings
+    assert t.e2e_s == pytest.approx(1.0) and t.ttft_s == pytest.approx(0.6) and t.queue_s == pytest.approx(0.1)
+    assert t.tpot_s == pytest.approx(0.4 / 4) and t.prefill_s == pytest.approx(0.3)
+    assert list(mesh.core.metrics.ttft_s) == [pytest.approx(0.6)]
+    assert mesh.core.metrics.finished["length"] == 1
+    assert_clean(mesh.core)
+
+
+def test_non_streaming_request_gets_only_the_result() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed()
+    mesh.done(job)
+    out = mesh.deltas(TextDeltaItem(job.request_id, 0, "a", [1]))
+    assert out == []
+    out = mesh.deltas(TextDeltaItem(job.request_id, 1, "b", [2], finished=True, finish_reason="stop"))
+    [fin] = msgs(out, RequestFinished)
+    assert (fin.text, fin.finish_reason, fin.stop_string) == ("ab", "stop", None)
+    assert len(out) == 1  # a normal finish needs no aborts: every service is done with it
+    assert_clean(mesh.core)
+
+
+def test_stop_string_aborts_the_decode_worker() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed(stream=True)
+    mesh.done(job)
+    item = TextDeltaItem(job.request_id, 0, "The end", [1, 2], finished=True, finish_reason="stop", stop_string="##")
+    out = mesh.deltas(item)
+    assert [(o.dest, type(o.msg).__name__) for o in out] == [
+        (C1, "StreamDelta"),
+        ("dec0", "AbortRequest"),
+        (C1, "RequestFinished"),
+    ]
+    assert out[1].msg.request_id == job.request_id
+    assert (out[2].msg.stop_string, out[2].msg.finish_reason) == ("##", "stop")
+    assert_clean(mesh.core)
+
+
+def test_decode_finishing_before_prefill_done_waits_for_the_usage() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed()
+    fin_item = TextDeltaItem(job.request_id, 0, "x", [5], finished=True, finish_reason="length")
+    assert mesh.deltas(fin_item) == []
+    assert mesh.core.request(job.request_id).phase is Phase.FINISHING
+    assert mesh.core.queued_requests == 0  # it no longer waits for compute
+    [fin] = msgs(mesh.done(job, num_cached_tokens=8), RequestFinished)
+    assert (fin.text, fin.usage.cached_tokens) == ("x", 8)
+    assert_clean(mesh.core)
+
+
+def test_finishing_request_is_delivered_if_its_prefill_worker_dies() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed()
+    mesh.deltas(TextDeltaItem(job.request_id, 0, "x", [5], finished=True, finish_reason="length"))
+    mesh.now = 2.0
+    for name, role in (("tok0", "tokenizer"), ("dec0", "decode")):
+        mesh.beat(name, role)
+    out = mesh.core.tick(5.5)
+    [fin] = msgs(out, RequestFinished)
+    assert fin.text == "x" and fin.usage.cached_tokens == 0
+    assert_clean(mesh.core)
+
+
+# ----- errors, aborts, deaths, timeouts -----
+
+
+def test_service_error_is_forwarded_once_and_the_others_are_told() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed()
+    out = mesh.core.on_error("dec0", ErrorReply(job.request_id, "internal", "engine failed"), mesh.now)
+    assert sorted(dests(out, AbortRequest)) == ["pre0", "tok0"]
+    [err] = msgs(out, ErrorReply)
+    assert (err.request_id, err.code, err.message) == ("c1", "internal", "engine failed")
+    assert mesh.core.on_error("dec0", ErrorReply(job.request_id, "internal", "again"), mesh.now) == []
+    assert mesh.core.metrics.errors["internal"] == 1 and mesh.core.metrics.stale == 1
+    assert_clean(mesh.core)
+
+
+def test_tokenizer_refusal_is_forwarded() -> None:
+    mesh = basic_mesh()
+    enc = mesh.admit()
+    out = mesh.core.on_error("tok0", ErrorReply(enc.request_id, "invalid_request", "prompt too long"), 0)
+    assert [(o.dest, o.msg.code) for o in out] == [(C1, "invalid_request")]
+    assert_clean(mesh.core)
+
+
+def test_refused_kv_reservation_is_placed_once_more_elsewhere() -> None:
+    mesh = basic_mesh()
+    mesh.beat("dec1", "decode", free_blocks=900)
+    job = mesh.placed()
+    assert job.decode_worker == "dec0"
+    out = mesh.core.on_error("pre0", ErrorReply(job.request_id, "overloaded", "dec0: no room"), mesh.now)
+    [retry] = msgs(out, PrefillJob)
+    assert retry.decode_worker == "dec1" and retry.request_id == job.request_id
+    assert mesh.core.metrics.retries == 1 and mesh.core.table.get("dec0").assigned == 0
+    out = mesh.core.on_error("pre0", ErrorReply(job.request_id, "overloaded", "dec1: no room"), mesh.now)
+    [err] = msgs(out, ErrorReply)
+    assert err.code == "overloaded" and dests(out, AbortRequest) == ["dec1", "tok0"]
+    assert_clean(mesh.core)
+
+
+def test_client_abort_ends_with_the_partial_output() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed()
+    mesh.done(job)
+    mesh.deltas(TextDeltaItem(job.request_id, 0, "par", [1]))
+    out = mesh.core.on_abort(C1, AbortRequest("c1", "user hit stop"), mesh.now)
+    assert sorted(dests(out, AbortRequest)) == ["dec0", "tok0"]
+    assert all(a.reason == "user hit stop" for a in msgs(out, AbortRequest))
+    [fin] = msgs(out, RequestFinished)
+    assert (fin.finish_reason, fin.text, fin.usage.completion_tokens) == ("abort", "par", 1)
+    assert mesh.core.on_abort(C1, AbortRequest("c1"), mesh.now) == []  # already ended: a no-op
+    assert mesh.core.on_abort(C2, AbortRequest("c1"), mesh.now) == []
+    assert_clean(mesh.core)
+
+
+def test_gone_client_requests_are_aborted_silently() -> None:
+    mesh = basic_mesh()
+    mesh.admit(C1), mesh.placed(C1), mesh.placed(C2)
+    out = mesh.core.on_client_gone(C1, mesh.now)
+    assert not [o for o in out if o.to_client]
+    assert sorted(dests(out, AbortRequest)) == ["dec0", "pre0", "tok0", "tok0"]
+    assert mesh.core.num_inflight == 1 and mesh.core.metrics.finished["abort"] == 2
+
+
+def test_missed_heartbeats_fail_the_workers_requests_and_stop_placement() -> None:
+    mesh = basic_mesh()
+    mesh.beat("pre1", "prefill", queued_prompt_tokens=10_000)
+    job = mesh.placed()
+    assert mesh.core.request(job.request_id).where.prefill == "pre0"
+    mesh.now = 2.5
+    for name, role in (("tok0", "tokenizer"), ("dec0", "decode"), ("pre1", "prefill")):
+        mesh.beat(name, role, queued_prompt_tokens=10_000 if name == "pre1" else 0)
+    assert mesh.core.tick(3.0) == []  # 3.0 s silent is still within the timeout
+    out = mesh.core.tick(3.5)
+    [err] = msgs(out, ErrorReply)
+    assert (err.code, err.request_id) == ("worker_lost", "c1") and "pre0" in err.message
+    assert sorted(dests(out, AbortRequest)) == ["dec0", "pre0", "tok0"]  # pre0 may only be wedged
+    assert mesh.core.tick(4.0) == []  # reported once
+    mesh.now = 4.0
+    mesh.placed()
+    assert mesh.core.request("1").where.prefill == "pre1"  # never pre0 again...
+    mesh.beat("pre0", "prefill")  # ...until it heartbeats again
+    assert mesh.core.table.get("pre0").placeable(mesh.now, 3.0)
+    assert mesh.core.metrics.errors["worker_lost"] == 1
+
+
+def test_new_incarnation_fails_the_old_requests_and_drops_stale_messages() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed()
+    mesh.done(job)
+    rid = job.request_id
+    mesh.deltas(TextDeltaItem(rid, 0, "a", [1]))
+    out = mesh.beat("dec0", "decode", incarnation="i1")
+    [err] = msgs(out, ErrorReply)
+    assert err.code == "worker_lost" and "restarted" in err.message
+    assert dests(out, AbortRequest) == ["tok0"]  # the new dec0 never had it
+    # Late messages about the old request, and the old incarnation's heartbeats, are dropped.
+    assert mesh.deltas(TextDeltaItem(rid, 1, "b", [2], finished=True)) == []
+    assert mesh.core.on_error("dec0", ErrorReply(rid, "internal", "x"), mesh.now) == []
+    old = Heartbeat("decode", "dec0", "i0", 99, 99, free_blocks=1000)
+    assert mesh.core.on_heartbeat(old, mesh.now) == []
+    assert mesh.core.metrics.stale == 3
+    assert mesh.core.table.get("dec0").incarnation == "i1"
+    # The new incarnation takes new work.
+    assert mesh.placed().decode_worker == "dec0"
+
+
+def test_hello_with_a_new_incarnation_is_a_restart() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed()
+    hello = Hello(1, "prefill", "pre0", capabilities={"incarnation": "i0"})
+    assert mesh.core.on_hello(hello, mesh.now) == []  # a reconnect of the same process
+    hello = Hello(1, "prefill", "pre0", capabilities={"incarnation": "i9"})
+    out = mesh.core.on_hello(hello, mesh.now)
+    assert msgs(out, ErrorReply)[0].code == "worker_lost"
+    assert not mesh.core.table.get("pre0").placeable(mesh.now, 3.0)  # no load known until it heartbeats
+    assert mesh.core.on_prefill_done(PrefillDone(job.request_id, "pre0", 10, 0), mesh.now) == []
+    mesh.beat("pre0", "prefill", incarnation="i9")
+    assert mesh.core.table.get("pre0").placeable(mesh.now, 3.0)
+    assert mesh.core.on_hello(Hello(1, "client", "cli"), mesh.now) == []
+
+
+def test_wedged_worker_is_declared_dead() -> None:
+    mesh = basic_mesh(progress_timeout_s=10.0)
+    mesh.placed()
+    for t in range(1, 13):
+        mesh.now = float(t)
+        mesh.beat("tok0", "tokenizer")
+        mesh.beat("dec0", "decode")
+        mesh.beat("pre0", "prefill", progress=5, waiting=1)  # heartbeats go on, its steps stopped at t=1
+        out = mesh.core.tick(mesh.now)
+        assert (out == []) == (t <= 11)
+    [err] = msgs(out, ErrorReply)
+    assert err.code == "worker_lost" and "pre0 made no progress for 11.0s" in err.message
+    assert not mesh.core.table.get("pre0").alive
+    mesh.beat("pre0", "prefill", progress=5, waiting=1)
+    assert not mesh.core.table.get("pre0").alive  # still stuck: heartbeats alone do not revive it
+    mesh.beat("pre0", "prefill", progress=6, waiting=1)
+    assert mesh.core.table.get("pre0").alive
+    mesh.now += 20
+    mesh.beat("pre0", "prefill", progress=6, waiting=0)  # idle, progress unchanged: not wedged
+    mesh.core.tick(mesh.now + 2)
+    assert mesh.core.table.get("pre0").alive
+
+
+def test_deadline_ends_the_request_with_timeout() -> None:
+    mesh = basic_mesh(request_timeout_s=100.0, heartbeat_timeout_s=1000.0)
+    job = mesh.placed(timeout_s=5.0)
+    enc = mesh.admit()
+    assert mesh.core.tick(4.9) == []
+    out = mesh.core.tick(5.0)
+    [err] = msgs(out, ErrorReply)
+    assert (err.code, err.request_id) == ("timeout", "c1")
+    assert sorted(dests(out, AbortRequest)) == ["dec0", "pre0", "tok0"]
+    assert mesh.core.request(job.request_id) is None and mesh.core.request(enc.request_id) is not None
+    assert msgs(mesh.core.tick(100.0), ErrorReply)[0].code == "timeout"
+    assert_clean(mesh.core)
+
+
+def test_encoded_request_waits_for_a_worker_then_gives_up() -> None:
+    mesh = basic_mesh(placement_timeout_s=4.0)
+    a, b = mesh.admit(), mesh.admit(priority=-1)
+    mesh.now = 3.5  # pre0 and dec0 fall silent; tok0 keeps beating
+    mesh.beat("tok0", "tokenizer")
+    mesh.core.tick(mesh.now)
+    assert mesh.encoded(a) == [] and mesh.encoded(b) == []
+    assert mesh.core.request(a.request_id).phase is Phase.PARKED
+    mesh.now = 5.0
+    mesh.beat("tok0", "tokenizer")
+    mesh.beat("dec0", "decode")
+    out = mesh.beat("pre0", "prefill")  # back: the parked requests go, higher priority first
+    assert [j.request_id for j in msgs(out, PrefillJob)] == [b.request_id, a.request_id]
+    c = mesh.admit()
+    mesh.now = 9.0
+    mesh.beat("tok0", "tokenizer")
+    mesh.core.tick(mesh.now)  # workers silent again
+    assert mesh.encoded(c) == []
+    mesh.now = 12.0
+    mesh.beat("tok0", "tokenizer")
+    assert mesh.core.tick(12.0) == []
+    mesh.beat("tok0", "tokenizer")
+    err = msgs(mesh.core.tick(13.5), ErrorReply)
+    assert [(e.request_id, e.code) for e in err] == [("c3", "worker_lost")]
+
+
+def test_stale_and_out_of_order_messages_are_dropped() -> None:
+    mesh = Mesh(tok0="tokenizer", tok1="tokenizer", pre0="prefill", pre1="prefill", dec0="decode")
+    enc = mesh.admit()
+    rid = enc.request_id
+    assert mesh.core.on_encode_result("tok1", EncodeResult(rid, [1, 2], []), 0) == []  # not its tokenizer
+    assert mesh.core.on_encode_result("tok0", EncodeResult("nope", [1, 2], []), 0) == []
+    assert mesh.core.on_prefill_done(PrefillDone(rid, "pre0", 2, 0), 0) == []  # not prefilling yet
+    [job] = msgs(mesh.encoded(enc), PrefillJob)
+    assert mesh.core.on_encode_result("tok0", EncodeResult(rid, [1, 2], []), 0) == []  # encoded already
+    other = "pre1" if mesh.core.request(rid).where.prefill == "pre0" else "pre0"
+    assert mesh.core.on_prefill_done(PrefillDone(rid, other, 2, 0), 0) == []
+    assert mesh.core.on_error(other, ErrorReply(rid, "internal", "x"), 0) == []
+    mesh.done(job)
+    assert mesh.deltas(TextDeltaItem(rid, 0, "a", [1]), tokenizer="tok1") == []
+    mesh.deltas(TextDeltaItem(rid, 0, "a", [1]))
+    assert mesh.deltas(TextDeltaItem(rid, 0, "a", [1])) == []  # a duplicate
+    assert mesh.core.metrics.stale == 8
+    out = mesh.deltas(TextDeltaItem(rid, 3, "c", [3]))  # tokens 1..2 missing
+    assert msgs(out, ErrorReply)[0].code == "internal"
+    assert_clean(mesh.core)
+
+
+def test_tokenizer_gap_item_fails_the_request() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed()
+    mesh.done(job)
+    out = mesh.deltas(TextDeltaItem(job.request_id, 0, "", [], finished=True, finish_reason="error"))
+    assert msgs(out, ErrorReply)[0].code == "internal"
+    assert dests(out, AbortRequest) == ["dec0"]  # the tokenizer dropped it already
+    assert_clean(mesh.core)
+
+
+def test_old_deadline_entries_are_compacted() -> None:
+    mesh = basic_mesh()
+    for _ in range(200):
+        mesh.admit()
+        mesh.core.on_abort(C1, AbortRequest(f"c{mesh.n}"), mesh.now)
+    mesh.core.tick(mesh.now)
+    assert len(mesh.core._deadlines) <= 64
+    assert_clean(mesh.core)
+
+
+# ----- exactly once, under any ordering -----
+
+INSTANCES = {
+    "tok0": "tokenizer",
+    "tok1": "tokenizer",
+    "pre0": "prefill",
+    "pre1": "prefill",
+    "dec0": "decode",
+    "dec1": "decode",
+    "w0": "worker",
+}
+CLIENTS = (C1, C2, b"client-3")
+CODES = ("overloaded", "invalid_request", "worker_lost", "timeout", "internal")
+
+
+class Model:
+    """Drives a router core with random, often wrong or late, events and checks after each one that
+    every admitted request got at most one terminal message, and exactly one once its state is gone."""
+
+    def __init__(self, data: Any) -> None:
+        self.draw = data.draw
+        config = RouterConfig(
+            max_queued_requests=6,
+            max_queued_prompt_tokens=200,
+            heartbeat_timeout_s=3.0,
+            progress_timeout_s=10.0,
+            request_timeout_s=20.0,
+            placement_timeout_s=4.0,
+        )
+        self.mesh = Mesh(config)
+        self.live: dict[tuple[bytes, str], str] = {}  # (client, its id) → router id, admitted and not ended
+        self.gone: set[bytes] = set()
+        self.ended = 0
+        for name, role in INSTANCES.items():
+            self.mesh.beat(name, role)
+
+    @property
+    def core(self) -> RouterCore:
+        return self.mesh.core
+
+    def pick(self, *phases: Phase) -> Any:
+        reqs = [self.core.request(r) for r in sorted(self.live.values(), key=int)]
+        reqs = [r for r in reqs if not phases or r.phase in phases]
+        return self.draw(st.sampled_from(reqs)) if reqs else None
+
+    def instance(self) -> str:
+        return self.draw(st.sampled_from(sorted(INSTANCES)))
+
+    def step(self) -> None:
+        kind = self.draw(
+            st.sampled_from(
+                ["generate"] * 2
+                + ["progress"] * 6
+                + ["encode", "prefill_done", "delta", "error", "abort", "gone", "restart", "time", "time"]
+            )
+        )
+        out = getattr(self, f"do_{kind}")()
+        self.check(out)
+
+    def do_generate(self) -> list[Outbound]:
+        client = self.draw(st.sampled_from(CLIENTS))
+        self.gone.discard(client)
+        stream, n = self.draw(st.booleans()), self.draw(st.integers(1, 80))
+        out = self.mesh.generate(client, n=n, stream=stream, timeout_s=self.draw(st.sampled_from([None, 2.0, 8.0])))
+        if isinstance(out[0].msg, EncodeRequest):
+            self.live[(client, f"c{self.mesh.n}")] = out[0].msg.request_id
+            return []  # an admission is not a terminal
+        assert isinstance(out[0].msg, ErrorReply) and len(out) == 1
+        return []  # refusals are not terminals of admitted requests
+
+    def do_progress(self) -> list[Outbound]:
+        """The next thing that would happen to a request on a healthy mesh."""
+        r, now = self.pick(), self.mesh.now
+        if r is None:
+            return []
+        if r.phase is Phase.TOKENIZING:
+            n = self.draw(st.integers(1, 120))
+            return self.core.on_encode_result(r.where.tokenizer, EncodeResult(r.rid, list(range(n)), []), now)
+        choice = self.draw(st.integers(0, 5))
+        if r.phase is Phase.FINISHING or (r.phase is Phase.PREFILLING and choice < 2):
+            return self.core.on_prefill_done(PrefillDone(r.rid, r.where.prefill, len(r.prompt_ids), 3), now)
+        if r.phase is Phase.PREFILLING and choice == 2:
+            return self.core.on_error(r.where.prefill, ErrorReply(r.rid, "overloaded", "no room"), now)
+        if r.phase is Phase.PARKED:
+            return self.do_time()
+        finished = choice == 5
+        reason = self.draw(st.sampled_from(["stop", "length"])) if finished else None
+        stop = "##" if finished and choice % 2 else None
+        item = TextDeltaItem(r.rid, len(r.output_ids), "t", [7, 8], finished, reason, stop)
+        return self.mesh.deltas(item, tokenizer=r.where.tokenizer)
+
+    def do_encode(self) -> list[Outbound]:
+        r = self.pick(Phase.TOKENIZING)
+        if r is None:
+            return []
+        sender = r.where.tokenizer if self.draw(st.booleans()) else self.instance()
+        n = self.draw(st.integers(1, 120))
+        return self.core.on_encode_result(sender, EncodeResult(r.rid, list(range(n)), []), self.mesh.now)
+
+    def do_prefill_done(self) -> list[Outbound]:
+        r = self.pick(Phase.PREFILLING, Phase.FINISHING, Phase.DECODING)
+        if r is None:
+            return []
+        sender = r.where.prefill if r.where.prefill and self.draw(st.booleans()) else self.instance()
+        done = PrefillDone(r.rid, sender, len(r.prompt_ids), self.draw(st.integers(0, 16)))
+        return self.core.on_prefill_done(done, self.mesh.now)
+
+    def do_delta(self) -> list[Outbound]:
+        r = self.pick(Phase.PREFILLING, Phase.DECODING, Phase.FINISHING)
+        if r is None:
+            return []
+        offset = len(r.output_ids) + self.draw(st.sampled_from([0, 0, 0, -1, 1]))
+        finished = self.draw(st.booleans())
+        reason = self.draw(st.sampled_from(["stop", "length", "error"])) if finished else None
+        stop = "##" if reason == "stop" and self.draw(st.booleans()) else None
+        item = TextDeltaItem(r.rid, offset, "t", [7] * self.draw(st.integers(0, 3)), finished, reason, stop)
+        tokenizer = r.where.tokenizer if self.draw(st.integers(0, 4)) else self.instance()
+        return self.mesh.deltas(item, tokenizer=tokenizer)
+
+    def do_error(self) -> list[Outbound]:
+        r = self.pick()
+        if r is None:
+            return []
+        holders = sorted(r.where.holders)
+        sender = self.draw(st.sampled_from(holders)) if holders and self.draw(st.booleans()) else self.instance()
+        err = ErrorReply(r.rid, self.draw(st.sampled_from(CODES)), "x")
+        return self.core.on_error(sender, err, self.mesh.now)
+
+    def do_abort(self) -> list[Outbound]:
+        client = self.draw(st.sampled_from(CLIENTS))
+        crid = f"c{self.draw(st.integers(1, max(1, self.mesh.n)))}"
+        return self.core.on_abort(client, AbortRequest(crid), self.mesh.now)
+
+    def do_gone(self) -> list[Outbound]:
+        client = self.draw(st.sampled_from(CLIENTS))
+        self.gone.add(client)
+        out = self.core.on_client_gone(client, self.mesh.now)
+        assert not [o for o in out if o.to_client]
+        return out
+
+    def do_restart(self) -> list[Outbound]:
+        name = self.instance()
+        incarnation = f"i{self.draw(st.integers(0, 3))}"
+        if self.draw(st.booleans()):
+            hello = Hello(1, INSTANCES[name], name, capabilities={"incarnation": incarnation})
+            return self.core.on_hello(hello, self.mesh.now)
+        return self.mesh.beat(name, INSTANCES[name], incarnation=incarnation)
+
+    def do_time(self) -> list[Outbound]:
+        self.mesh.now += self.draw(st.sampled_from([0.5, 0.5, 1.0, 2.5, 4.0]))
+        out: list[Outbound] = []
+        for name, role in INSTANCES.items():
+            if self.draw(st.integers(0, 9)):  # one in ten stays silent this round
+                load = {
+                    "free_blocks": self.draw(st.sampled_from([0, 5, 1000])),
+                    "queued_prompt_tokens": self.draw(st.integers(0, 500)),
+                    "running": self.draw(st.integers(0, 3)),
+                    "draining": self.draw(st.integers(0, 9)) == 0,
+                }
+                out += self.mesh.beat(name, role, **load)
+        return out + self.core.tick(self.mesh.now)
+
+    def check(self, out: list[Outbound]) -> None:
+        core = self.core
+        for o in out:
+            if o.to_client and isinstance(o.msg, (RequestFinished, ErrorReply)):
+                key = (o.dest, o.msg.request_id)
+                assert key in self.live, f"a second terminal message, or one for nothing: {o}"
+                assert core.request(self.live.pop(key)) is None, "terminal sent but state kept"
+                self.ended += 1
+            elif o.to_client:
+                assert isinstance(o.msg, StreamDelta) and (o.dest, o.msg.request_id) in self.live
+        for key, rid in list(self.live.items()):
+            if core.request(rid) is None:
+                assert key[0] in self.gone, f"request {key} ended without a terminal message"
+                del self.live[key]
+                self.ended += 1
+        reqs = [core.request(r) for r in self.live.values()]
+        for inst in core.table.instances.values():
+            assert inst.held == {r.rid for r in reqs if inst.name in r.where.holders}
+            ws = [r.where for r in reqs]
+            assert inst.prefill_tokens == sum(w.prefill_tokens for w in ws if w.prefill == inst.name)
+            assert inst.pending_blocks == sum(w.pending_blocks for w in ws if w.decode == inst.name)
+            assert inst.assigned == sum(w.assigned for w in ws if w.decode == inst.name)
+            for w in ws:  # charges only on holders
+                assert not w.prefill_tokens or w.prefill in w.holders
+                assert not (w.pending_blocks or w.assigned) or w.decode in w.holders
+        assert core.num_inflight == len(self.live)
+        m = core.metrics
+        assert m.admitted == sum(m.finished.values()) + sum(m.errors.values()) + core.num_inflight == self.ended + len(
+            self.live
+        )
+
+    def drain(self) -> None:
+        """Everything falls silent: every request must end, and nothing may be left behind."""
+        self.mesh.now += 1000
+        self.check(self.core.tick(self.mesh.now))
+        assert not self.live
+        assert_clean(self.core)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_every_admitted_request_ends_exactly_once(data: Any) -> None:
+    model = Model(data)
+    for _ in range(data.draw(st.integers(1, 60))):
+        model.step()
+    model.drain()
