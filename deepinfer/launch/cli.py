@@ -7,18 +7,43 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import signal
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 
 from deepinfer.engine.config import EngineConfig
 
 
+def configure_logging(as_json: bool, level: str) -> None:
+    """structlog to stderr (stdout carries results): JSON lines in production, readable on a terminal."""
+    import logging
+
+    import structlog
+
+    renderer = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"), renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
 @click.group()
-def main() -> None:
+@click.option("--log-json", is_flag=True, envvar="DEEPINFER_LOG_JSON", help="Log JSON lines (for production).")
+@click.option("--log-level", default="warning", envvar="DEEPINFER_LOG_LEVEL", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def main(log_json: bool, log_level: str) -> None:
     """DeepInfer: serve LLMs with a paged KV cache and continuous batching."""
+    configure_logging(log_json, log_level)
 
 
 @main.command()
@@ -61,61 +86,227 @@ def build_engine_config(kv_cache_mb: int, block_size: int, max_num_seqs: int, ma
     )
 
 
+def sampling_options(f):  # type: ignore[no-untyped-def]
+    opts = [
+        click.option("--chat", is_flag=True, help="Wrap each prompt as a user message in the model's chat template."),
+        click.option("--max-tokens", type=int, default=128, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--endpoint", default=None,
+                     help="A running mesh's client endpoint; without it an embedded mesh is started."),
+        click.option("--api-key", default=None, help="Tenant key (selects the tenant's cache namespace)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _params(max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
+            stop: tuple[str, ...]) -> dict[str, Any]:
+    from deepinfer.engine.request import SamplingParams
+
+    params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                  seed=seed, stop=list(stop))
+    try:
+        SamplingParams(**params).validate()  # fail fast, before any model loads
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    return params
+
+
+@contextlib.contextmanager
+def _mesh_endpoint(endpoint: str | None, model: str, threads: int | None, kv_cache_mb: int) -> Iterator[str]:
+    if endpoint:
+        yield endpoint
+        return
+    from deepinfer.launch.mesh import EmbeddedMesh
+
+    try:
+        mesh = EmbeddedMesh(model, threads=threads, kv_cache_mb=kv_cache_mb)
+        with mesh as ep:
+            yield ep
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 @main.command()
 @engine_options
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
 @click.option("--prompts-file", type=click.File("r"), default=None,
               help="One prompt per line; all are submitted at once.")
-@click.option("--chat", is_flag=True, help="Wrap each prompt as a user message in the model's chat template.")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@sampling_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line, in input order.")
 def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
              threads: int | None, prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-             stop: tuple[str, ...], as_json: bool) -> None:
-    """Generate completions with an in-process engine."""
-    from deepinfer.engine.engine import LLMEngine
-    from deepinfer.engine.request import InvalidRequestError, SamplingParams
+             stop: tuple[str, ...], endpoint: str | None, api_key: str | None, as_json: bool) -> None:
+    """Generate completions through the mesh (a running one, or an embedded one)."""
+    from deepinfer.protocol.client import Client, MeshError
 
     texts = list(prompts)
     if prompts_file is not None:
         texts += [line.rstrip("\n") for line in prompts_file if line.strip()]
     if not texts:
         raise click.UsageError("give --prompt TEXT or --prompts-file FILE")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, seed=seed, stop=list(stop))
-    try:
-        params.validate()
-        config = build_engine_config(kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, threads)
-        engine = LLMEngine.load(model, config)
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    tok = engine.tokenizer
-    assert tok is not None
-    inputs = [tok.encode_chat([{"role": "user", "content": t}]) if chat else tok.encode(t) for t in texts]
-    try:
-        outputs = engine.generate(inputs, params)
-    except InvalidRequestError as exc:
-        raise click.ClickException(str(exc)) from exc
-    for out in outputs:
+    params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
+    specs = [dict(messages=[{"role": "user", "content": t}]) if chat else dict(prompt=t) for t in texts]
+    with _mesh_endpoint(endpoint, model, threads, kv_cache_mb) as ep, Client(ep, api_key=api_key) as client:
+        results = client.generate_many([{**spec, **params} for spec in specs])
+    failed = False
+    for r in results:
+        if isinstance(r, MeshError):
+            failed = True
+            click.echo(f"error: {r}", err=True)
+            if as_json:
+                click.echo(json.dumps({"error": {"code": r.code, "message": str(r)}}))
+            continue
         if as_json:
             click.echo(json.dumps({
-                "text": out.text,
-                "token_ids": out.token_ids,
-                "finish_reason": out.finish_reason.value if out.finish_reason else None,
-                "usage": out.usage.to_dict(),
+                "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
+                          "cached_tokens": r.usage.cached_tokens},
+                "timings": {"ttft_s": r.timings.ttft_s, "e2e_s": r.timings.e2e_s},
             }, ensure_ascii=False))
         else:
-            click.echo(out.text)
-            if len(outputs) > 1:
+            click.echo(r.text)
+            if len(results) > 1:
                 click.echo("-" * 40)
     sys.stdout.flush()
+    if failed:
+        sys.exit(1)
+
+
+@main.command()
+@engine_options
+@sampling_options
+@click.option("--system", default=None, help="A system message.")
+def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+         threads: int | None, chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int,
+         min_p: float, seed: int | None, stop: tuple[str, ...], endpoint: str | None, api_key: str | None,
+         system: str | None) -> None:
+    """Chat interactively (answers stream as they are generated; an empty line or Ctrl-D quits)."""
+    from deepinfer.protocol import messages as m
+    from deepinfer.protocol.client import Client, MeshError
+
+    params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    with _mesh_endpoint(endpoint, model, threads, kv_cache_mb) as ep, Client(ep, api_key=api_key) as client:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            try:
+                for msg in client.stream(messages=history, **params):
+                    if isinstance(msg, m.StreamDelta):
+                        click.echo(msg.text, nl=False)
+                    else:
+                        click.echo()
+                        history.append({"role": "assistant", "content": msg.text})
+            except MeshError as exc:
+                click.echo(f"\nerror: {exc}", err=True)
+                history.pop()
+
+
+@main.command()
+@click.option("--model", default="smollm2", show_default=True)
+@click.option("--topology", type=click.Path(exists=True, path_type=Path), default=None,
+              help="A topology file; otherwise one of each service on this host.")
+@click.option("--inproc", is_flag=True, help="Run every service as a task in this process.")
+@click.option("--colocated", is_flag=True, help="One worker doing prefill and decode instead of a P/D pair.")
+@click.option("--prefill", "num_prefill", type=int, default=1, show_default=True)
+@click.option("--decode", "num_decode", type=int, default=1, show_default=True)
+@click.option("--tokenizers", "num_tokenizers", type=int, default=1, show_default=True)
+@click.option("--threads", type=int, default=None, help="torch threads per worker (default: a share of the cores).")
+@click.option("--kv-cache-mb", type=int, default=512, show_default=True)
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
+              help="Where ipc sockets, the topology and logs go (default: a new temporary directory).")
+def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
+       num_tokenizers: int, threads: int | None, kv_cache_mb: int, run_dir: Path | None) -> None:
+    """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM."""
+    from deepinfer.launch.topology import Topology
+
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if inproc:
+        from deepinfer.launch.mesh import serve_inproc
+
+        topo = Topology.local(model, "inproc", disaggregated=not colocated, num_prefill=num_prefill,
+                              num_decode=num_decode, num_tokenizers=num_tokenizers, threads=threads,
+                              kv_cache_mb=kv_cache_mb)
+        topo = dataclasses.replace(topo, frontend=f"ipc://{run_dir}/router-frontend.sock")
+        serve_inproc(topo, on_ready=lambda: _announce(topo.frontend))
+        return
+    from deepinfer.launch.supervisor import Supervisor
+
+    if topology is None:
+        topo = Topology.local(model, "ipc", run_dir, disaggregated=not colocated, num_prefill=num_prefill,
+                              num_decode=num_decode, num_tokenizers=num_tokenizers, threads=threads,
+                              kv_cache_mb=kv_cache_mb)
+        topology = run_dir / "topology.toml"
+        topology.write_text(topo.to_toml())
+    sup = Supervisor(topology, log_dir=run_dir)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    sup.start()
+    try:
+        sup.wait_ready(lambda: stopping)
+        _announce(sup.topology.frontend, f"logs in {run_dir}")
+        while not stopping:
+            sup.poll()
+            time.sleep(0.2)
+    finally:
+        sup.stop()
+
+
+def _announce(endpoint: str, extra: str = "") -> None:
+    click.echo(f"deepinfer mesh ready; client endpoint: {endpoint}" + (f" ({extra})" if extra else ""))
+    click.echo(endpoint)
+    sys.stdout.flush()
+
+
+@main.command()
+@click.argument("role", type=click.Choice(["router", "tokenizer", "worker"]))
+@click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
+@click.option("--name", default=None, help="The service's name in the topology.")
+@click.option("--index", type=int, default=None, help="Or its position among the topology's services of ROLE.")
+def service(role: str, topology: Path, name: str | None, index: int | None) -> None:
+    """Run one service of a topology (what a systemd unit runs)."""
+    from deepinfer.launch.mesh import run_service
+    from deepinfer.launch.topology import Topology
+
+    topo = Topology.load(topology)
+    if name is None:
+        names = {"router": ["router"], "tokenizer": [t.name for t in topo.tokenizers],
+                 "worker": [w.name for w in topo.workers]}[role]
+        if index is None or not 0 <= index < len(names):
+            raise click.UsageError(f"give --name or --index in [0, {len(names)}) for {role}")
+        name = names[index]
+    run_service(topo, role, name)
+
+
+@main.command()
+@click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for the unit files.")
+def systemd(topology: Path, out: Path) -> None:
+    """Write systemd units for a topology (templates per role, a target that starts every instance)."""
+    from deepinfer.launch.systemd import write_units
+
+    for path in write_units(topology, out):
+        click.echo(str(path))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def test_generate_json_from_prompts_file_in_input_order(smollm2_path, tmp_path):
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["--prompt", "hi", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--temperature", "-1"], "temperature"),
-        (["--prompt", "x " * 9000], "context limit"),
+        (["--prompt", "x " * 9000], "context"),
         ([], "--prompt"),
     ],
 )

@@ -1,0 +1,186 @@
+"""Builds services from a topology and runs them: all in one process (`run_inproc`, every service an
+asyncio task over inproc://), or one per process (`run_service`, what the supervisor and systemd run).
+This is the only module that knows every service class."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import zmq.asyncio
+
+from deepinfer.engine.config import EngineConfig
+from deepinfer.launch.topology import Topology, WorkerSpec
+from deepinfer.services.base import Service
+from deepinfer.services.router import RouterConfig, RouterService
+from deepinfer.services.tokenizer import TokenizerService
+from deepinfer.services.worker import WorkerService
+
+
+def engine_config(w: WorkerSpec) -> EngineConfig:
+    threads = w.threads or (int(os.environ["DEEPINFER_THREADS"]) if "DEEPINFER_THREADS" in os.environ else None)
+    return EngineConfig(kv_cache_bytes=w.kv_cache_mb * 1024 * 1024, max_num_seqs=w.max_num_seqs,
+                        max_num_batched_tokens=w.max_num_batched_tokens, device=w.device, num_threads=threads)
+
+
+def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Context) -> Service:
+    if role == "router":
+        return RouterService("router", topology.frontend, topology.backend, ctx,
+                             RouterConfig(**topology.router_options))
+    if role == "tokenizer":
+        spec = topology.tokenizer(name)
+        return TokenizerService(spec.name, topology.backend, spec.detok, ctx, topology.model)
+    if role == "worker":
+        spec = topology.worker(name)
+        return WorkerService(
+            spec.name, spec.role, topology.backend, ctx, topology.model, engine_config(spec),
+            kv_bind=spec.kv if spec.role in ("decode", "worker") else None,
+            decode_peers={w.name: w.kv for w in topology.workers if w.role in ("decode", "worker")},
+            tokenizers={t.name: t.detok for t in topology.tokenizers},
+        )
+    raise ValueError(f"unknown role {role!r}")
+
+
+def all_services(topology: Topology, ctx: zmq.asyncio.Context) -> list[Service]:
+    services = [build_service(topology, "router", "router", ctx)]
+    services += [build_service(topology, "tokenizer", t.name, ctx) for t in topology.tokenizers]
+    services += [build_service(topology, "worker", w.name, ctx) for w in topology.workers]
+    return services
+
+
+class InprocMesh:
+    """Every service as a task in the running event loop; `await start()` returns once all are serving."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.ctx = zmq.asyncio.Context()
+        self.services = all_services(topology, self.ctx)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, timeout_s: float = 300.0) -> None:
+        ready = [asyncio.Event() for _ in self.services]
+        self._tasks = [asyncio.create_task(s.run(r)) for s, r in zip(self.services, ready)]
+        waiting = asyncio.gather(*(r.wait() for r in ready))
+        done, _ = await asyncio.wait([waiting, *self._tasks], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for t in self._tasks:
+            if t in done and t.exception() is not None:
+                await self.stop()
+                raise t.exception()  # type: ignore[misc]
+        if waiting not in done:
+            await self.stop()
+            raise TimeoutError("the mesh did not become ready in time")
+
+    def service(self, name: str) -> Any:
+        return next(s for s in self.services if s.instance == name)
+
+    async def stop(self) -> None:
+        # Workers first so they stop producing, the router last so it can answer until the end.
+        for s in reversed(self.services):
+            s.stop()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(t, 30)
+        self.ctx.term()
+
+
+def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[], None] | None = None) -> None:
+    """Run one service in this process until SIGINT/SIGTERM."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        pass
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        service = build_service(topology, role, name, ctx)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, service.stop)
+        ready = asyncio.Event()
+        task = asyncio.create_task(service.run(ready))
+        waiter = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if ready.is_set() and on_ready:
+            on_ready()
+        await task
+        ctx.term()
+
+    asyncio.run(main())
+
+
+class EmbeddedMesh:
+    """An in-process mesh on a background thread, for commands run without --endpoint: every service in
+    one event loop over inproc://, the client front on an ipc:// socket in a private directory so plain
+    (blocking) clients in this process can reach it.
+
+        with EmbeddedMesh(model) as endpoint:
+            Client(endpoint).generate("Hi")
+    """
+
+    def __init__(self, model: str, disaggregated: bool = False, threads: int | None = None,
+                 kv_cache_mb: int = 512) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-")
+        topo = Topology.local(model, "inproc", disaggregated=disaggregated, threads=threads, kv_cache_mb=kv_cache_mb)
+        self.topology = dataclasses.replace(topo, frontend=f"ipc://{self._tmp.name}/router-frontend.sock")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="embedded-mesh", daemon=True)
+        self._mesh: InprocMesh | None = None
+
+    def __enter__(self) -> str:
+        self._thread.start()
+
+        async def start() -> InprocMesh:
+            mesh = InprocMesh(self.topology)
+            await mesh.start()
+            return mesh
+
+        try:
+            self._mesh = asyncio.run_coroutine_threadsafe(start(), self._loop).result()
+        except BaseException:
+            self._shutdown()
+            raise
+        return self.topology.frontend
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mesh is not None:
+            asyncio.run_coroutine_threadsafe(self._mesh.stop(), self._loop).result(timeout=60)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._tmp.cleanup()
+
+
+def serve_inproc(topology: Topology, on_ready: Callable[[], None] | None = None) -> None:
+    """`deepinfer-launch up --inproc`: the whole mesh in this process until SIGINT/SIGTERM."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+
+    async def main() -> None:
+        mesh = InprocMesh(topology)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await mesh.start()
+        if on_ready:
+            on_ready()
+        await stop.wait()
+        await mesh.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,143 @@
+"""Topology: which services run, where, and on which endpoints.
+
+Built from flags (`Topology.local`) or read from TOML (`Topology.load`)::
+
+    model = "smollm2"
+    [router]
+    frontend = "tcp://10.0.0.1:5550"      # clients connect here
+    backend = "tcp://10.0.0.1:5551"       # every service connects here
+    [[tokenizer]]
+    name = "tokenizer-0"
+    detok = "tcp://10.0.0.1:5560"         # decode workers push token batches here
+    [[worker]]
+    name = "prefill-0"
+    role = "prefill"                      # "prefill", "decode" or "worker" (both, co-located)
+    device = "cpu"
+    threads = 1
+    kv = "tcp://10.0.0.2:5570"            # decode/worker roles: where prefill workers send KV
+
+The long-lived side binds (router frontend/backend, tokenizer detok, decode kv); everyone else connects.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLES = ("prefill", "decode", "worker")
+
+
+class TopologyError(ValueError):
+    """A topology that cannot run; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    role: str
+    kv: str  # the decode side's bound ROUTER endpoint (unused for pure prefill workers)
+    device: str = "cpu"
+    threads: int | None = None
+    kv_cache_mb: int = 512
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    name: str
+    detok: str
+
+
+@dataclass(frozen=True)
+class Topology:
+    model: str
+    frontend: str
+    backend: str
+    tokenizers: tuple[TokenizerSpec, ...]
+    workers: tuple[WorkerSpec, ...]
+    router_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tokenizers] + [w.name for w in self.workers]
+        if len(set(names)) != len(names):
+            raise TopologyError(f"service names must be unique: {names}")
+        if not self.tokenizers:
+            raise TopologyError("a topology needs at least one tokenizer")
+        roles = {w.role for w in self.workers}
+        for w in self.workers:
+            if w.role not in ROLES:
+                raise TopologyError(f"worker {w.name}: unknown role {w.role!r} (one of {ROLES})")
+        if not ({"worker"} & roles or {"prefill", "decode"} <= roles):
+            raise TopologyError("a topology needs a 'worker', or at least one 'prefill' and one 'decode' worker")
+
+    def worker(self, name: str) -> WorkerSpec:
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise TopologyError(f"no worker named {name!r}")
+
+    def tokenizer(self, name: str) -> TokenizerSpec:
+        for t in self.tokenizers:
+            if t.name == name:
+                return t
+        raise TopologyError(f"no tokenizer named {name!r}")
+
+    @classmethod
+    def local(cls, model: str, transport: str, run_dir: Path | None = None, disaggregated: bool = True,
+              num_prefill: int = 1, num_decode: int = 1, num_tokenizers: int = 1, threads: int | None = None,
+              kv_cache_mb: int = 512) -> Topology:
+        """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`)."""
+        if transport == "inproc":
+            ep = lambda name: f"inproc://deepinfer-{os.getpid()}-{name}"  # noqa: E731
+        elif transport == "ipc":
+            if run_dir is None:
+                raise TopologyError("ipc transport needs a runtime directory")
+            ep = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
+        else:
+            raise TopologyError(f"unknown local transport {transport!r}")
+        workers: list[WorkerSpec] = []
+        if disaggregated:
+            workers += [WorkerSpec(f"prefill-{i}", "prefill", ep(f"prefill-{i}-kv"), threads=threads,
+                                   kv_cache_mb=kv_cache_mb) for i in range(num_prefill)]
+            workers += [WorkerSpec(f"decode-{i}", "decode", ep(f"decode-{i}-kv"), threads=threads,
+                                   kv_cache_mb=kv_cache_mb) for i in range(num_decode)]
+        else:
+            workers.append(WorkerSpec("worker-0", "worker", ep("worker-0-kv"), threads=threads,
+                                      kv_cache_mb=kv_cache_mb))
+        tokenizers = tuple(TokenizerSpec(f"tokenizer-{i}", ep(f"tokenizer-{i}-detok")) for i in range(num_tokenizers))
+        return cls(model, ep("router-frontend"), ep("router-backend"), tokenizers, tuple(workers))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Topology:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        try:
+            router = data["router"]
+            return cls(
+                model=str(data.get("model", "smollm2")),
+                frontend=router["frontend"],
+                backend=router["backend"],
+                tokenizers=tuple(TokenizerSpec(t["name"], t["detok"]) for t in data.get("tokenizer", [])),
+                workers=tuple(WorkerSpec(**w) for w in data.get("worker", [])),
+                router_options={k: v for k, v in router.items() if k not in ("frontend", "backend")},
+            )
+        except (KeyError, TypeError) as exc:
+            raise TopologyError(f"{path}: malformed topology ({exc})") from exc
+
+    def to_toml(self) -> str:
+        lines = [f'model = "{self.model}"', "", "[router]", f'frontend = "{self.frontend}"',
+                 f'backend = "{self.backend}"']
+        lines += [f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in self.router_options.items()]
+        for t in self.tokenizers:
+            lines += ["", "[[tokenizer]]", f'name = "{t.name}"', f'detok = "{t.detok}"']
+        for w in self.workers:
+            lines += ["", "[[worker]]", f'name = "{w.name}"', f'role = "{w.role}"', f'kv = "{w.kv}"',
+                      f'device = "{w.device}"', f"kv_cache_mb = {w.kv_cache_mb}",
+                      f"max_num_seqs = {w.max_num_seqs}", f"max_num_batched_tokens = {w.max_num_batched_tokens}"]
+            if w.threads is not None:
+                lines.append(f"threads = {w.threads}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,155 @@
+"""What every mesh service shares: an identity, a DEALER to the router's backend opened with a
+Hello/Welcome handshake, heartbeats that carry a progress counter, structlog bound to the service,
+and a receive loop that dispatches by message type.
+
+A subclass provides `handlers()` (message class → coroutine), `heartbeat_fields()` and optionally
+`tasks()` (extra coroutines such as a second socket's receive loop). Handlers never raise into the loop:
+a failing handler is logged and counted, and the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from deepinfer.protocol import messages as m
+from deepinfer.protocol.errors import ProtocolError
+from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
+
+Handler = Callable[[Any], Awaitable[None]]
+
+
+class HandshakeRefused(RuntimeError):
+    """The router refused this service's Hello; the message carries the router's reason."""
+
+
+class Service:
+    role: ClassVar[str] = "service"
+
+    def __init__(self, instance: str, backend: str, ctx: zmq.asyncio.Context | None = None,
+                 heartbeat_s: float = 0.5, model_fingerprint: str | None = None,
+                 block_hash_scheme: str | None = None) -> None:
+        self.instance = instance
+        self.backend = backend
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.heartbeat_s = heartbeat_s
+        self.model_fingerprint = model_fingerprint
+        self.block_hash_scheme = block_hash_scheme
+        self.incarnation = secrets.token_hex(6)
+        self.progress = 0  # subclasses advance it when they do work (engine steps, messages handled)
+        self.malformed = 0
+        self.log = structlog.get_logger("deepinfer").bind(service=self.role, instance=instance, pid=os.getpid())
+        self.router: Any = None
+        self._seq = 0
+        self._stopping = asyncio.Event()
+        self._sockets: list[Any] = []
+
+    # -- to override ------------------------------------------------------------------------
+
+    def handlers(self) -> dict[type, Handler]:
+        return {}
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {}
+
+    def tasks(self) -> list[Awaitable[None]]:
+        return []
+
+    async def on_start(self) -> None:
+        """After the handshake, before serving."""
+
+    async def on_stop(self) -> None:
+        """After the loops stop, before sockets close."""
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def socket(self, sock: Any) -> Any:
+        """Register a socket to be closed (linger 0) when the service stops."""
+        self._sockets.append(sock)
+        return sock
+
+    async def handshake(self, timeout_s: float = 30.0) -> m.Welcome:
+        """Say Hello until the router answers; raise HandshakeRefused with its reason if it refuses."""
+        hello = m.Hello(m.PROTOCOL_VERSION, self.role, self.instance, self.model_fingerprint,
+                        self.block_hash_scheme, {"incarnation": self.incarnation})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await asend_msg(self.router, hello)
+            if await self.router.poll(timeout=500):
+                reply = await arecv_msg(self.router)
+                if isinstance(reply, m.Welcome):
+                    if not reply.accepted:
+                        raise HandshakeRefused(f"router refused {self.instance}: {reply.reason}")
+                    return reply
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.instance}: no Welcome from the router at {self.backend} in {timeout_s}s")
+
+    async def run(self, ready: asyncio.Event | None = None) -> None:
+        """Connect, handshake, serve until `stop()`; then close every socket."""
+        self.router = self.socket(make_dealer(self.ctx, self.backend, self.instance.encode()))
+        try:
+            await self.handshake()
+            await self.on_start()
+            self.log.info("serving")
+            if ready is not None:
+                ready.set()
+            loops = [asyncio.ensure_future(c) for c in (self._recv_loop(), self._heartbeat_loop(), *self.tasks())]
+            stop = asyncio.ensure_future(self._stopping.wait())
+            done, _ = await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
+            for t in loops + [stop]:
+                t.cancel()
+            for t in done:
+                if t is not stop and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            await self.on_stop()
+        finally:
+            for s in self._sockets:
+                s.close(linger=0)
+            self.log.info("stopped")
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    # -- loops ------------------------------------------------------------------------------
+
+    async def send_router(self, msg: Any) -> None:
+        await asend_msg(self.router, msg)
+
+    async def _recv_loop(self) -> None:
+        await self.dispatch_forever(self.router, arecv_msg)
+
+    async def dispatch_forever(self, sock: Any, recv: Callable[[Any], Awaitable[Any]]) -> None:
+        """Receive from `sock` and run the handler for each message's type, forever."""
+        table = self.handlers()
+        while True:
+            try:
+                msg = await recv(sock)
+            except ProtocolError as exc:
+                self.malformed += 1
+                self.log.warning("malformed message", code=exc.code, detail=exc.detail, peer=exc.peer)
+                continue
+            args = msg if isinstance(msg, tuple) else (msg,)
+            handler = table.get(type(args[-1]))
+            if handler is None:
+                self.log.warning("unexpected message", type=type(args[-1]).__name__)
+                continue
+            try:
+                await handler(*args)
+            except Exception:  # a handler bug must not take the service down
+                self.log.exception("handler failed", type=type(args[-1]).__name__)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self._seq += 1
+            await self.send_router(m.Heartbeat(service=self.role, instance=self.instance,
+                                               incarnation=self.incarnation, seq=self._seq, progress=self.progress,
+                                               sent_time=time.time(), **self.heartbeat_fields()))
+            await asyncio.sleep(self.heartbeat_s)

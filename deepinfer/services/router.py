@@ -1,0 +1,153 @@
+"""The router service: the mesh's front door. A thin shell around `RouterCore`.
+
+Sockets: a bound ROUTER for clients (`frontend`) and a bound ROUTER every service connects to (`backend`),
+both with ROUTER_MANDATORY, so a send to a vanished peer raises instead of disappearing: a vanished
+client's requests are aborted, a vanished service is left to the heartbeat liveness. A timer ticks the
+core (deadlines, dead workers, parked requests).
+
+Handshake: every connection starts with Hello; the router answers Welcome, refusing a protocol version
+other than its own and, once the first worker has named the mesh's model fingerprint, any worker with
+another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from deepinfer.protocol import messages as m
+from deepinfer.protocol.errors import ProtocolError
+from deepinfer.protocol.handshake import check_hello
+from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
+from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
+
+__all__ = ["RouterConfig", "RouterService"]
+
+TICK_S = 0.1
+
+
+class RouterService:
+    role = "router"
+
+    def __init__(self, instance: str, frontend: str, backend: str, ctx: zmq.asyncio.Context,
+                 config: RouterConfig | None = None) -> None:
+        self.instance = instance
+        self.frontend_ep, self.backend_ep = frontend, backend
+        self.ctx = ctx
+        # Request ids must not repeat across router restarts: prefix them with this incarnation.
+        config = dataclasses.replace(config or RouterConfig(), id_prefix=f"{secrets.token_hex(3)}-")
+        self.core = RouterCore(config)
+        self.fingerprint: str | None = None  # pinned by the first worker's Hello
+        self.malformed = 0
+        self.log = structlog.get_logger("deepinfer").bind(service="router", instance=instance)
+        self._stopping = asyncio.Event()
+        self.frontend: Any = None
+        self.backend: Any = None
+
+    def stop(self) -> None:
+        self.core.draining = True
+        self._stopping.set()
+
+    async def run(self, ready: asyncio.Event | None = None) -> None:
+        self.frontend = make_router(self.ctx, self.frontend_ep)
+        self.backend = make_router(self.ctx, self.backend_ep)
+        try:
+            self.log.info("serving", frontend=self.frontend_ep, backend=self.backend_ep)
+            if ready is not None:
+                ready.set()
+            loops = [asyncio.ensure_future(c) for c in (self._client_loop(), self._service_loop(), self._tick_loop())]
+            stop = asyncio.ensure_future(self._stopping.wait())
+            await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
+            for t in [*loops, stop]:
+                t.cancel()
+        finally:
+            self.frontend.close(linger=0)
+            self.backend.close(linger=0)
+            self.log.info("stopped")
+
+    # -- sending ----------------------------------------------------------------------------
+
+    async def _send(self, outbound: list[Outbound]) -> None:
+        for o in outbound:
+            if o.to_client:
+                try:
+                    await asend_msg(self.frontend, o.msg, o.dest)
+                except zmq.ZMQError as exc:  # the client is gone: abort what it had in flight
+                    self.log.info("client unreachable", error=str(exc))
+                    await self._send(self.core.on_client_gone(o.dest, time.time()))
+            else:
+                try:
+                    await asend_msg(self.backend, o.msg, o.dest.encode())
+                except zmq.ZMQError as exc:  # liveness (missed heartbeats) will fail its requests
+                    self.log.warning("service unreachable", dest=o.dest, error=str(exc))
+
+    # -- loops ------------------------------------------------------------------------------
+
+    async def _client_loop(self) -> None:
+        while True:
+            try:
+                client, msg = await arecv_routed(self.frontend)
+            except ProtocolError as exc:
+                self.malformed += 1
+                self.log.warning("malformed client message", code=exc.code, detail=exc.detail)
+                if exc.peer is not None:
+                    await self._send([Outbound(exc.peer, m.ErrorReply("", "bad_message", f"{exc.code}: {exc.detail}"))])
+                continue
+            now = time.time()
+            if isinstance(msg, m.Hello):
+                welcome = check_hello(msg, m.PROTOCOL_VERSION, None, None, service="router", instance=self.instance)
+                await self._send([Outbound(client, welcome)])
+            elif isinstance(msg, m.GenerateRequest):
+                await self._send(self.core.on_generate(client, msg, now))
+            elif isinstance(msg, m.AbortRequest):
+                await self._send(self.core.on_abort(client, msg, now))
+            else:
+                await self._send([Outbound(client, m.ErrorReply(getattr(msg, "request_id", ""), "bad_message",
+                                                                f"clients may not send {type(msg).__name__}"))])
+
+    async def _service_loop(self) -> None:
+        while True:
+            try:
+                ident, msg = await arecv_routed(self.backend)
+            except ProtocolError as exc:
+                self.malformed += 1
+                self.log.warning("malformed service message", code=exc.code, detail=exc.detail, peer=exc.peer)
+                continue
+            sender, now = ident.decode(errors="replace"), time.time()
+            if isinstance(msg, m.Hello):
+                await self._welcome(ident, msg, now)
+            elif isinstance(msg, m.Heartbeat):
+                await self._send(self.core.on_heartbeat(msg, now))
+            elif isinstance(msg, m.EncodeResult):
+                await self._send(self.core.on_encode_result(sender, msg, now))
+            elif isinstance(msg, m.PrefillDone):
+                await self._send(self.core.on_prefill_done(msg, now))
+            elif isinstance(msg, m.TextDeltas):
+                await self._send(self.core.on_text_deltas(msg, now))
+            elif isinstance(msg, m.ErrorReply):
+                await self._send(self.core.on_error(sender, msg, now))
+            else:
+                self.log.warning("unexpected service message", type=type(msg).__name__, sender=sender)
+
+    async def _welcome(self, ident: bytes, hello: m.Hello, now: float) -> None:
+        expected = self.fingerprint if hello.model_fingerprint is not None else None
+        welcome = check_hello(hello, m.PROTOCOL_VERSION, expected, None, service="router", instance=self.instance)
+        if welcome.accepted and self.fingerprint is None and hello.model_fingerprint is not None:
+            self.fingerprint = hello.model_fingerprint
+        await asend_msg(self.backend, welcome, ident)
+        if welcome.accepted:
+            await self._send(self.core.on_hello(hello, now))
+        else:
+            self.log.warning("refused", instance=hello.instance, reason=welcome.reason)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            await self._send(self.core.tick(time.time()))

@@ -1,0 +1,72 @@
+"""The tokenizer service: text ⇄ tokens. A thin shell around `TokenizerCore`.
+
+Sockets: a DEALER to the router (EncodeRequest / AbortRequest in; EncodeResult, TextDeltas, ErrorReply
+and heartbeats out) and a bound PULL where decode workers push their per-step DetokenizeBatch.
+Stateless apart from in-flight detokenizer state, so several instances can run side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.fetch import resolve_model
+from deepinfer.engine.gguf import config_from_gguf, open_gguf
+from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.protocol import messages as m
+from deepinfer.protocol.sockets import arecv_msg, make_pull
+from deepinfer.services.base import Handler, Service
+from deepinfer.services.tokenizer_core import TokenizerCore
+
+
+class TokenizerService(Service):
+    role = "tokenizer"
+
+    def __init__(self, instance: str, backend: str, detok_bind: str, ctx: zmq.asyncio.Context, model: str,
+                 max_model_len: int | None = None, **kw: Any) -> None:
+        super().__init__(instance, backend, ctx, **kw)
+        path = resolve_model(model)
+        self.tokenizer = Tokenizer.load(path)
+        self.core = TokenizerCore(self.tokenizer, instance, max_model_len or model_context_length(path))
+        self.detok_bind = detok_bind
+        self.pull: Any = None
+
+    async def on_start(self) -> None:
+        self.pull = self.socket(make_pull(self.ctx, bind=self.detok_bind))
+
+    def tasks(self) -> list[Any]:
+        return [self.dispatch_forever(self.pull, arecv_msg)]
+
+    def handlers(self) -> dict[type, Handler]:
+        return {m.EncodeRequest: self._encode, m.AbortRequest: self._abort, m.DetokenizeBatch: self._detokenize,
+                m.Welcome: self._ignore, m.Shutdown: self._shutdown}
+
+    async def _encode(self, req: m.EncodeRequest) -> None:
+        self.progress += 1
+        await self.send_router(self.core.on_encode(req))
+
+    async def _detokenize(self, batch: m.DetokenizeBatch) -> None:
+        self.progress += 1
+        deltas = self.core.on_detokenize(batch)
+        if deltas.items:
+            await self.send_router(deltas)
+
+    async def _abort(self, req: m.AbortRequest) -> None:
+        self.core.on_abort(req.request_id)
+
+    async def _ignore(self, msg: Any) -> None:
+        pass
+
+    async def _shutdown(self, msg: m.Shutdown) -> None:
+        self.stop()
+
+
+def model_context_length(path: Path) -> int:
+    """The model's context limit, read from its config without loading weights."""
+    if path.is_dir():
+        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text())).max_position_embeddings
+    return config_from_gguf(open_gguf(path)).max_position_embeddings

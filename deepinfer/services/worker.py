@@ -1,0 +1,273 @@
+"""The worker service: an engine behind sockets, in one of three roles.
+
+* ``worker``  — prefill and decode co-located: a PrefillJob runs to the end here.
+* ``prefill`` — computes the prompt, samples the first token, then hands the KV to the decode worker the
+  router named: KvReserve → KvReserveReply → KvTransfer (the KV as one zero-copy frame) → KvAck, then frees
+  its blocks and reports PrefillDone.
+* ``decode``  — reserves blocks under a lease for an announced handoff, installs the KV, decodes.
+
+Sockets: a DEALER to the router (jobs and aborts in; PrefillDone, ErrorReply, heartbeats out), PUSH
+sockets to every tokenizer (one DetokenizeBatch per tokenizer per engine step), and for the KV edge a bound
+ROUTER on decode-capable workers and one DEALER per decode peer on prefill workers. The engine steps on
+its own thread (`EngineThread`); this module only moves messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq.asyncio
+
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.request import InvalidRequestError, Logprob, RequestOutput, SamplingParams
+from deepinfer.protocol import messages as m
+from deepinfer.protocol.sockets import arecv_msg, arecv_routed, asend_msg, make_dealer, make_push, make_router
+from deepinfer.services.base import Handler, Service
+from deepinfer.services.engine_thread import EngineThread
+
+KV_LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
+HANDOFF_TIMEOUT_S = 30.0
+LEASE_S = 10.0
+
+
+def to_params(p: m.SamplingParamsWire) -> SamplingParams:
+    return SamplingParams(**{f: getattr(p, f) for f in SamplingParams.__dataclass_fields__})
+
+
+def to_wire_logprobs(lps: list[Logprob] | None) -> list[m.LogprobWire] | None:
+    if lps is None:
+        return None
+    return [m.LogprobWire(lp.token_id, lp.logprob, [tuple(t) for t in lp.top]) for lp in lps]
+
+
+def from_wire_logprob(lp: m.LogprobWire | None) -> Logprob | None:
+    return None if lp is None else Logprob(lp.token_id, lp.logprob, [tuple(t) for t in lp.top])
+
+
+@dataclass
+class Track:
+    """What this worker remembers about a request it holds."""
+
+    detokenizer: str
+    sent: int = 0  # generated tokens already pushed to the tokenizer
+    job: m.PrefillJob | None = None
+    started: float = 0.0
+
+
+class WorkerService(Service):
+    role = "worker"
+
+    def __init__(self, instance: str, role: str, backend: str, ctx: zmq.asyncio.Context, model: str,
+                 config: EngineConfig, kv_bind: str | None, decode_peers: dict[str, str],
+                 tokenizers: dict[str, str], **kw: Any) -> None:
+        self.engine = LLMEngine.load(model, config)
+        super().__init__(instance, backend, ctx, model_fingerprint=self.engine.fingerprint, **kw)
+        self.role = role  # type: ignore[misc]  # the instance's role: worker, prefill or decode
+        self.kv_bind = kv_bind
+        self.decode_peers = decode_peers
+        self.tokenizer_endpoints = tokenizers
+        self.tracks: dict[str, Track] = {}
+        self._pushes: dict[str, Any] = {}
+        self._kv_router: Any = None
+        self._kv_dealers: dict[str, Any] = {}
+        self._replies: dict[tuple[str, type], asyncio.Future[Any]] = {}
+        self._thread: EngineThread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def on_start(self) -> None:
+        for name, ep in self.tokenizer_endpoints.items():
+            self._pushes[name] = self.socket(make_push(self.ctx, connect=ep))
+        if self.role in ("decode", "worker") and self.kv_bind:
+            self._kv_router = self.socket(make_router(self.ctx, self.kv_bind))
+        if self.role == "prefill":
+            for name, ep in self.decode_peers.items():
+                self._kv_dealers[name] = self.socket(make_dealer(self.ctx, ep, self.instance.encode()))
+        self._thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_outputs, self.instance)
+        self._thread.start()
+
+    async def on_stop(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+
+    def tasks(self) -> list[Any]:
+        tasks: list[Any] = [self._lease_loop()]
+        if self._kv_router is not None:
+            tasks.append(self.dispatch_forever(self._kv_router, arecv_routed))
+        tasks += [self.dispatch_forever(d, arecv_msg) for d in self._kv_dealers.values()]
+        return tasks
+
+    def handlers(self) -> dict[type, Handler]:
+        return {
+            m.Welcome: self._ignore,
+            m.PrefillJob: self._on_job,
+            m.AbortRequest: self._on_abort,
+            m.Shutdown: self._on_shutdown,
+            m.KvReserve: self._on_reserve,
+            m.KvTransfer: self._on_transfer,
+            m.KvReserveReply: self._on_reply,
+            m.KvAck: self._on_reply,
+        }
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        e = self.engine
+        self.progress = self._thread.steps if self._thread else 0
+        waiting = list(e.scheduler.waiting)
+        return dict(free_blocks=e.num_free_blocks, total_blocks=e.pool.num_blocks, running=len(e.scheduler.running),
+                    waiting=len(waiting),
+                    queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting))
+
+    async def _ignore(self, *msg: Any) -> None:
+        pass
+
+    async def _on_shutdown(self, msg: m.Shutdown) -> None:
+        self.stop()
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            assert self._thread is not None
+            await self._thread.call(self.engine.expire_reservations)
+
+    # -- jobs from the router ---------------------------------------------------------------
+
+    async def _on_job(self, job: m.PrefillJob) -> None:
+        assert self._thread is not None
+        prefill_only = self.role == "prefill"
+        self.tracks[job.request_id] = Track(job.detokenizer, job=job, started=time.monotonic())
+        try:
+            await self._thread.call(lambda: self.engine.add_request(
+                job.request_id, job.token_ids, to_params(job.params), job.priority, prefill_only=prefill_only))
+        except InvalidRequestError as exc:
+            self.tracks.pop(job.request_id, None)
+            await self.send_router(m.ErrorReply(job.request_id, "invalid_request", str(exc)))
+
+    async def _on_abort(self, req: m.AbortRequest) -> None:
+        assert self._thread is not None
+        track = self.tracks.pop(req.request_id, None)
+        await self._thread.call(lambda: self.engine.abort(req.request_id))
+        await self._thread.call(lambda: self.engine.cancel_reservation(req.request_id))
+        if track is not None:
+            self.log.info("aborted", request_id=req.request_id)
+
+    # -- engine outputs ---------------------------------------------------------------------
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[str, list[m.DetokenizeItem]] = {}
+        for out in outputs:
+            track = self.tracks.get(out.request_id)
+            if track is None:
+                continue  # aborted meanwhile
+            if out.handoff:
+                asyncio.ensure_future(self._handoff(out, track))
+                continue
+            if track.job is not None and track.sent == 0 and out.new_token_ids:
+                asyncio.ensure_future(self.send_router(m.PrefillDone(
+                    out.request_id, self.instance, len(track.job.token_ids), out.usage.cached_tokens,
+                    prefill_s=time.monotonic() - track.started)))
+            if out.finish_reason is not None and out.finish_reason.value == "error":
+                self.tracks.pop(out.request_id, None)
+                asyncio.ensure_future(self.send_router(m.ErrorReply(out.request_id, "internal", out.error or "")))
+                continue
+            item = m.DetokenizeItem(
+                out.request_id, track.sent, list(out.new_token_ids), out.finished,
+                out.finish_reason.value if out.finish_reason else None,
+                None)  # per-token logprobs do not cross the mesh yet (the engine reports them at the end)
+            track.sent += len(out.new_token_ids)
+            batches.setdefault(track.detokenizer, []).append(item)
+            if out.finished:
+                self.tracks.pop(out.request_id, None)
+        for tok, items in batches.items():
+            asyncio.ensure_future(self._push(tok, m.DetokenizeBatch(self.instance, self.progress, items)))
+
+    async def _push(self, tokenizer: str, batch: m.DetokenizeBatch) -> None:
+        sock = self._pushes.get(tokenizer)
+        if sock is None:
+            self.log.error("unknown tokenizer", tokenizer=tokenizer)
+            return
+        await asend_msg(sock, batch)
+
+    # -- prefill side of the handoff --------------------------------------------------------
+
+    async def _request(self, peer: str, msg: Any, reply_type: type) -> Any:
+        key = (msg.request_id, reply_type)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[key] = fut
+        try:
+            await asend_msg(self._kv_dealers[peer], msg)
+            return await asyncio.wait_for(fut, HANDOFF_TIMEOUT_S)
+        finally:
+            self._replies.pop(key, None)
+
+    async def _on_reply(self, reply: Any) -> None:
+        fut = self._replies.get((reply.request_id, type(reply)))
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
+
+    async def _handoff(self, out: RequestOutput, track: Track) -> None:
+        assert self._thread is not None and track.job is not None
+        job, rid = track.job, out.request_id
+        bs = self.engine.config.block_size
+        try:
+            if job.decode_worker not in self._kv_dealers:
+                raise RuntimeError(f"unknown decode worker {job.decode_worker!r}")
+            n_blocks = -(-(len(job.token_ids) + 1) // bs)
+            reply = await self._request(job.decode_worker, m.KvReserve(
+                rid, n_blocks, len(job.token_ids), job.params.max_tokens, self.instance, LEASE_S), m.KvReserveReply)
+            if not reply.ok:
+                await self.send_router(m.ErrorReply(rid, "overloaded", f"{job.decode_worker}: {reply.reason}"))
+                return
+            kv = await self._thread.call(lambda: self.engine.export_kv(rid))
+            ack = await self._request(job.decode_worker, m.KvTransfer(
+                rid, reply.lease_id, out.new_token_ids[0], list(job.token_ids), list(job.block_hashes), job.params,
+                bs, KV_LAYOUT, kv, job.detokenizer, first_logprob=(to_wire_logprobs(out.logprobs) or [None])[0],
+                priority=job.priority, arrival_time=job.arrival_time,
+                num_cached_tokens=out.usage.cached_tokens), m.KvAck)
+            if not ack.ok:
+                reason = f"{job.decode_worker} refused the KV: {ack.reason}"
+                await self.send_router(m.ErrorReply(rid, "internal", reason))
+                return
+            await self.send_router(m.PrefillDone(rid, self.instance, len(job.token_ids), out.usage.cached_tokens,
+                                                 prefill_s=time.monotonic() - track.started))
+        except TimeoutError:
+            await self.send_router(m.ErrorReply(rid, "worker_lost", f"{job.decode_worker} did not answer the handoff"))
+        except Exception as exc:
+            self.log.exception("handoff failed", request_id=rid)
+            await self.send_router(m.ErrorReply(rid, "internal", f"handoff failed: {exc}"))
+        finally:
+            self.tracks.pop(rid, None)
+            await self._thread.call(lambda: self.engine.release(rid))
+
+    # -- decode side of the handoff ---------------------------------------------------------
+
+    async def _on_reserve(self, peer: bytes, req: m.KvReserve) -> None:
+        assert self._thread is not None
+        ok = await self._thread.call(lambda: self.engine.reserve(req.request_id, req.num_blocks, req.lease_s))
+        reason = "" if ok else f"{req.num_blocks} KV blocks not free ({self.engine.num_free_blocks} free)"
+        await asend_msg(self._kv_router, m.KvReserveReply(req.request_id, req.request_id, ok, reason,
+                                                          req.lease_s if ok else 0.0), peer)
+
+    async def _on_transfer(self, peer: bytes, t: m.KvTransfer) -> None:
+        assert self._thread is not None
+        try:
+            if t.kv_layout != KV_LAYOUT or t.block_size != self.engine.config.block_size:
+                raise InvalidRequestError(f"KV layout {t.kv_layout!r}/block {t.block_size} does not match "
+                                          f"{KV_LAYOUT!r}/block {self.engine.config.block_size}")
+            self.tracks[t.request_id] = Track(t.detokenizer, sent=1)
+            # The first token goes to the tokenizer before the engine can produce the second: one PUSH
+            # socket per tokenizer keeps them in order.
+            await self._push(t.detokenizer, m.DetokenizeBatch(self.instance, self.progress, [
+                m.DetokenizeItem(t.request_id, 0, [t.first_token])]))
+            await self._thread.call(lambda: self.engine.add_prefilled_request(
+                t.request_id, t.token_ids, t.first_token, to_params(t.params), t.kv, reservation_id=t.lease_id,
+                priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob)))
+        except Exception as exc:
+            self.tracks.pop(t.request_id, None)
+            await self._thread.call(lambda: self.engine.cancel_reservation(t.lease_id))
+            await asend_msg(self._kv_router, m.KvAck(t.request_id, t.lease_id, False, str(exc)), peer)
+            return
+        await asend_msg(self._kv_router, m.KvAck(t.request_id, t.lease_id, True), peer)
