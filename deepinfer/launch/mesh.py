@@ -104,7 +104,7 @@ def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[],
         service = build_service(topology, role, name, ctx)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, service.stop)
+            loop.add_signal_handler(sig, service.drain)
         ready = asyncio.Event()
         task = asyncio.create_task(service.run(ready))
         waiter = asyncio.ensure_future(ready.wait())

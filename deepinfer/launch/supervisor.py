@@ -1,5 +1,5 @@
 """A process supervisor for the one-host mesh: one child process per service, restarted with
-exponential backoff when it dies, stopped in order (workers, then tokenizers, then the router).
+exponential backoff when it dies, drained and stopped in order (router, workers, tokenizers).
 
 Each child is `python -m deepinfer.launch.cli service ROLE --topology F --name NAME`, the same command a
 systemd unit runs. CPU threads are a budget: every worker gets its share of the host's cores (torch's
@@ -98,9 +98,11 @@ class Supervisor:
                 restarted.append(c.name)
         return restarted
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM in order — workers (they drain), tokenizers, router — waiting for each group."""
-        for group in ("worker", "tokenizer", "router"):
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Drain and stop in order, waiting for each group: the router first (it refuses new requests and
+        waits for admitted ones to finish, which needs everyone else still up), then the workers and the
+        tokenizers (idle by then). SIGTERM means drain to every service; SIGKILL after `timeout_s`."""
+        for group in ("router", "worker", "tokenizer"):
             procs = [c.proc for c in self.children if c.role == group and c.proc and c.proc.poll() is None]
             for p in procs:
                 p.send_signal(signal.SIGTERM)

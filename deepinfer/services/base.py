@@ -51,6 +51,7 @@ class Service:
         self._seq = 0
         self._stopping = asyncio.Event()
         self._sockets: list[Any] = []
+        self.draining = False
 
     # -- to override ------------------------------------------------------------------------
 
@@ -118,6 +119,25 @@ class Service:
     def stop(self) -> None:
         self._stopping.set()
 
+    def idle(self) -> bool:
+        """Nothing in flight: a draining service may stop. Subclasses holding requests override it."""
+        return True
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Take no new work (heartbeats say `draining`, so the router stops placing here), finish what is in
+        flight, then stop — or stop anyway after `timeout_s`."""
+        if not self.draining:
+            self.draining = True
+            asyncio.ensure_future(self._drain(timeout_s))
+
+    async def _drain(self, timeout_s: float) -> None:
+        self.log.info("draining")
+        await self._beat()  # tell the router now, not at the next period
+        deadline = time.monotonic() + timeout_s
+        while not self.idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.stop()
+
     # -- loops ------------------------------------------------------------------------------
 
     async def send_router(self, msg: Any) -> None:
@@ -146,10 +166,13 @@ class Service:
             except Exception:  # a handler bug must not take the service down
                 self.log.exception("handler failed", type=type(args[-1]).__name__)
 
+    async def _beat(self) -> None:
+        self._seq += 1
+        await self.send_router(m.Heartbeat(service=self.role, instance=self.instance, incarnation=self.incarnation,
+                                           seq=self._seq, progress=self.progress, draining=self.draining,
+                                           sent_time=time.time(), **self.heartbeat_fields()))
+
     async def _heartbeat_loop(self) -> None:
         while True:
-            self._seq += 1
-            await self.send_router(m.Heartbeat(service=self.role, instance=self.instance,
-                                               incarnation=self.incarnation, seq=self._seq, progress=self.progress,
-                                               sent_time=time.time(), **self.heartbeat_fields()))
+            await self._beat()
             await asyncio.sleep(self.heartbeat_s)

@@ -55,6 +55,19 @@ class RouterService:
         self.core.draining = True
         self._stopping.set()
 
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Refuse new requests (clients get "overloaded"), let admitted ones finish, then stop."""
+        if not self.core.draining:
+            self.core.draining = True
+            asyncio.ensure_future(self._drain(timeout_s))
+
+    async def _drain(self, timeout_s: float) -> None:
+        self.log.info("draining", inflight=self.core.num_inflight)
+        deadline = time.monotonic() + timeout_s
+        while self.core.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.stop()
+
     async def run(self, ready: asyncio.Event | None = None) -> None:
         self.frontend = make_router(self.ctx, self.frontend_ep)
         self.backend = make_router(self.ctx, self.backend_ep)

@@ -45,6 +45,9 @@ class TokenizerService(Service):
         return {m.EncodeRequest: self._encode, m.AbortRequest: self._abort, m.DetokenizeBatch: self._detokenize,
                 m.Welcome: self._ignore, m.Shutdown: self._shutdown}
 
+    def idle(self) -> bool:
+        return self.core.num_inflight == 0
+
     async def _encode(self, req: m.EncodeRequest) -> None:
         self.progress += 1
         await self.send_router(self.core.on_encode(req))

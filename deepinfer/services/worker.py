@@ -121,6 +121,10 @@ class WorkerService(Service):
                     waiting=len(waiting),
                     queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting))
 
+    def idle(self) -> bool:
+        e = self.engine
+        return not self.tracks and not e.has_unfinished() and not e.num_held and not e.num_reserved_blocks
+
     async def _ignore(self, *msg: Any) -> None:
         pass
 

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,11 +92,12 @@ def test_systemd_units(tmp_path):
 
 
 @pytest.mark.smollm2
-def test_up_serves_and_stops_cleanly_on_sigterm(smollm2_path, tmp_path):
+def test_up_serves_then_drains_on_sigterm(smollm2_path, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "deepinfer.launch.cli", "up", "--model", str(smollm2_path), "--threads", "1",
          "--kv-cache-mb", "64", "--run-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    in_flight: list[object] = []
     try:
         first = proc.stdout.readline()
         assert "ready" in first, first
@@ -107,11 +109,32 @@ def test_up_serves_and_stops_cleanly_on_sigterm(smollm2_path, tmp_path):
         children = subprocess.run(["pgrep", "-f", "--", f"--topology {tmp_path}/topology.toml"], capture_output=True,
                                   text=True).stdout.split()
         assert len(children) == 4  # router, tokenizer, prefill, decode
+
+        def long_request() -> None:
+            with Client(endpoint, timeout_s=120) as c2:
+                in_flight.append(c2.generate(prompt="Count to 100:", max_tokens=60, ignore_eos=True))
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.0)  # admitted and decoding
     finally:
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=120)
+    t.join(timeout=60)
+    # Draining: the request admitted before SIGTERM still completes, then everything exits.
+    assert len(in_flight) == 1 and len(in_flight[0].token_ids) == 60
     assert code == 0
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", "--", f"--topology {tmp_path}/topology.toml"], capture_output=True, text=True)
     assert left.stdout.split() == []
     assert (Path(tmp_path) / "router.log").exists()
+
+
+@pytest.mark.smollm2
+def test_chat_streams_answers_and_keeps_history(smollm2_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "deepinfer.launch.cli", "chat", "--model", str(smollm2_path), "--max-tokens", "24"],
+        input="What is the capital of France?\nAnd of Italy?\n\n", capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    answers = [a.strip() for a in res.stdout.split("> ")[1:3]]
+    assert "Paris" in answers[0] and answers[1]  # two turns answered (the second sees the first in its history)

@@ -188,3 +188,60 @@ def test_protocol_faults_at_the_edges(smollm2_path):
     assert not old.accepted and "protocol version" in old.reason
     assert granted.ok and reserved == free - 4 and after == free
     assert len(ok.token_ids) == 3
+
+
+def test_abort_twice_mid_decode_ends_once(smollm2_path):
+    """A raw client aborts one streaming request twice: one terminal RequestFinished("abort"), nothing after."""
+    from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
+
+    async def run():
+        mesh = InprocMesh(topology(smollm2_path, True))
+        await mesh.start()
+        free = [e.num_free_blocks for e in worker_engines(mesh)]
+        try:
+            sock = make_dealer(mesh.ctx, mesh.topology.frontend, b"raw-client")
+            await asend_msg(sock, m.Hello(m.PROTOCOL_VERSION, "client", "raw"))
+            assert (await arecv_msg(sock)).accepted
+            await asend_msg(sock, m.GenerateRequest("dup", prompt="Count to 100:", stream=True,
+                                                    params=m.SamplingParamsWire(max_tokens=300, ignore_eos=True)))
+            got = [await arecv_msg(sock)]
+            while sum(isinstance(x, m.StreamDelta) for x in got) < 3:
+                got.append(await arecv_msg(sock))
+            await asend_msg(sock, m.AbortRequest("dup"))
+            await asend_msg(sock, m.AbortRequest("dup"))
+            while not isinstance(got[-1], m.RequestFinished):
+                got.append(await arecv_msg(sock))
+            later = []
+            while await sock.poll(timeout=1000):
+                later.append(await arecv_msg(sock))
+            sock.close(linger=0)
+            await settle(mesh, free)
+        finally:
+            await mesh.stop()
+        return got, later
+
+    got, later = asyncio.run(run())
+    final = got[-1]
+    assert final.finish_reason == "abort" and 0 < len(final.token_ids) < 300
+    assert [x for x in later if getattr(x, "request_id", None) == "dup"] == []
+
+
+@pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
+def test_multiprocess_mesh_equals_the_engine(smollm2_path, reference, tmp_path, disaggregated):
+    from deepinfer.launch.supervisor import Supervisor
+    from deepinfer.protocol.client import Client
+
+    topo = Topology.local(str(smollm2_path), "ipc", tmp_path, disaggregated=disaggregated, threads=1, kv_cache_mb=64)
+    path = tmp_path / "topology.toml"
+    path.write_text(topo.to_toml())
+    sup = Supervisor(path, log_dir=tmp_path)
+    sup.start()
+    try:
+        sup.wait_ready(timeout_s=300)
+        with Client(topo.frontend, timeout_s=120) as c:
+            results = c.generate_many([dict(messages=[{"role": "user", "content": q}], max_tokens=MAX_TOKENS)
+                                       for q in QUESTIONS])
+    finally:
+        sup.stop()
+    assert [r.token_ids for r in results] == reference
+    assert all(c.restarts == 0 for c in sup.children)
