@@ -138,3 +138,20 @@ def test_chat_streams_answers_and_keeps_history(smollm2_path):
     assert res.returncode == 0, res.stderr
     answers = [a.strip() for a in res.stdout.split("> ")[1:3]]
     assert "Paris" in answers[0] and answers[1]  # two turns answered (the second sees the first in its history)
+
+
+@pytest.mark.smollm2
+def test_up_inproc_serves_on_an_ipc_front(smollm2_path, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deepinfer.launch.cli", "up", "--inproc", "--model", str(smollm2_path),
+         "--threads", "1", "--kv-cache-mb", "64", "--run-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "ready" in proc.stdout.readline()
+        endpoint = proc.stdout.readline().strip()
+        with Client(endpoint, timeout_s=60) as c:
+            r = c.generate(prompt_token_ids=[1, 2, 3], max_tokens=6, ignore_eos=True)
+        assert len(r.token_ids) == 6
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
