@@ -4,7 +4,6 @@ beyond validation; `router_core` drives them."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from collections import Counter, deque
@@ -12,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.engine.request import InvalidRequestError, SamplingParams
+from deepinfer.engine.request import InvalidRequestError
 from deepinfer.protocol.messages import (
     FinishReason,
     GenerateRequest,
@@ -21,6 +20,7 @@ from deepinfer.protocol.messages import (
     SamplingParamsWire,
 )
 from deepinfer.services.placement import Assignment
+from deepinfer.services.wire import to_engine_params
 
 ClientId = bytes
 
@@ -135,13 +135,6 @@ def input_problem(req: GenerateRequest) -> str | None:
     except InvalidRequestError as e:
         return str(e)
     return None
-
-
-def to_engine_params(wire: SamplingParamsWire) -> SamplingParams:
-    """The engine's SamplingParams with the same values (lists copied: wire records are shared)."""
-    values = {f.name: getattr(wire, f.name) for f in dataclasses.fields(SamplingParamsWire)}
-    values["stop_token_ids"], values["stop"] = list(wire.stop_token_ids), list(wire.stop)
-    return SamplingParams(**values)
 
 
 def estimate_tokens(req: GenerateRequest) -> int:

@@ -23,29 +23,16 @@ import zmq.asyncio
 
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.request import InvalidRequestError, Logprob, RequestOutput, SamplingParams
+from deepinfer.engine.request import InvalidRequestError, RequestOutput
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, arecv_routed, asend_msg, make_dealer, make_push, make_router
 from deepinfer.services.base import Handler, Service
 from deepinfer.services.engine_thread import EngineThread
+from deepinfer.services.wire import from_wire_logprob, to_engine_params, to_wire_logprobs
 
 KV_LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
 HANDOFF_TIMEOUT_S = 30.0
 LEASE_S = 10.0
-
-
-def to_params(p: m.SamplingParamsWire) -> SamplingParams:
-    return SamplingParams(**{f: getattr(p, f) for f in SamplingParams.__dataclass_fields__})
-
-
-def to_wire_logprobs(lps: list[Logprob] | None) -> list[m.LogprobWire] | None:
-    if lps is None:
-        return None
-    return [m.LogprobWire(lp.token_id, lp.logprob, [tuple(t) for t in lp.top]) for lp in lps]
-
-
-def from_wire_logprob(lp: m.LogprobWire | None) -> Logprob | None:
-    return None if lp is None else Logprob(lp.token_id, lp.logprob, [tuple(t) for t in lp.top])
 
 
 @dataclass
@@ -145,7 +132,7 @@ class WorkerService(Service):
         self.tracks[job.request_id] = Track(job.detokenizer, job=job, started=time.monotonic())
         try:
             await self._thread.call(lambda: self.engine.add_request(
-                job.request_id, job.token_ids, to_params(job.params), job.priority, prefill_only=prefill_only))
+                job.request_id, job.token_ids, to_engine_params(job.params), job.priority, prefill_only=prefill_only))
         except InvalidRequestError as exc:
             self.tracks.pop(job.request_id, None)
             await self.send_router(m.ErrorReply(job.request_id, "invalid_request", str(exc)))
@@ -267,7 +254,7 @@ class WorkerService(Service):
             await self._push(t.detokenizer, m.DetokenizeBatch(self.instance, self.progress, [
                 m.DetokenizeItem(t.request_id, 0, [t.first_token])]))
             await self._thread.call(lambda: self.engine.add_prefilled_request(
-                t.request_id, t.token_ids, t.first_token, to_params(t.params), t.kv, reservation_id=t.lease_id,
+                t.request_id, t.token_ids, t.first_token, to_engine_params(t.params), t.kv, reservation_id=t.lease_id,
                 priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob)))
         except Exception as exc:
             self.tracks.pop(t.request_id, None)

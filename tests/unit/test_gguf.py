@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -259,14 +258,11 @@ def test_smollm2_gguf_matches_transformers_loader(smollm2_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    start = time.perf_counter()
     loaded = load_model_weights(smollm2_path)
-    elapsed = time.perf_counter() - start
     c = loaded.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == ("llama", 30, 576, 9, 3)
     assert (c.vocab_size, c.head_dim, c.rope_theta, c.tie_word_embeddings) == (49152, 64, 100000.0, True)
     assert c.eos_token_ids == (2,) and c.bos_token_id == 1
-    assert elapsed < 60, f"loading took {elapsed:.1f}s"
 
     hf_config = AutoConfig.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
     with torch.device("meta"):
