@@ -48,7 +48,8 @@ from deepinfer.launch.topology import Topology
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient, Client, MeshError
 from deepinfer.protocol.sockets import make_dealer, make_router, recv_msg, recv_routed, send_msg
-from deepinfer.services.worker import KV_LAYOUT, to_params
+from deepinfer.services.wire import to_engine_params
+from deepinfer.services.worker import KV_LAYOUT
 
 FULL = {"requests": 32, "prompt_len": (128, 512), "new_tokens": 64, "kv_prompt": 2048, "kv_repeats": 5,
         "rates": [0.5, 1.0, 2.0], "rate_requests": 30, "rate_prompt_len": (128, 512), "rate_new_tokens": 32}
@@ -182,7 +183,7 @@ def kv_transfer(loaded: LoadedModel, threads: int, plen: int, repeats: int, seed
         for i, p in enumerate(make_prompts(repeats + 1, plen, plen, loaded.config.vocab_size, seed)):
             rid = f"kv-{i}"
             t0 = time.perf_counter()
-            prefill.add_request(rid, p, to_params(wire), prefill_only=True)
+            prefill.add_request(rid, p, to_engine_params(wire), prefill_only=True)
             out = None
             while out is None:
                 out = next((o for o in prefill.step() if o.handoff), None)
@@ -199,7 +200,7 @@ def kv_transfer(loaded: LoadedModel, threads: int, plen: int, repeats: int, seed
                                       "tokenizer-0"))
             peer, t = recv_routed(rx)
             t4 = time.perf_counter()
-            decode.add_prefilled_request(t.request_id, t.token_ids, t.first_token, to_params(t.params), t.kv,
+            decode.add_prefilled_request(t.request_id, t.token_ids, t.first_token, to_engine_params(t.params), t.kv,
                                          reservation_id=t.lease_id)
             t5 = time.perf_counter()
             send_msg(rx, m.KvAck(rid, t.lease_id, True), peer)
