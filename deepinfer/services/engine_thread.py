@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,6 +19,9 @@ from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import RequestOutput
 
 T = TypeVar("T")
+
+COALESCE_GAP_S = 0.003  # a burst has ended when no command came for this long
+COALESCE_MAX_S = 0.03  # never hold an idle engine back longer than this
 
 
 class EngineThread:
@@ -55,16 +59,32 @@ class EngineThread:
         else:
             fut.set_result(result)
 
+    def _run_commands(self) -> int:
+        n = 0
+        while self._commands:
+            fn, fut = self._commands.popleft()
+            n += 1
+            try:
+                result, exc = fn(), None
+            except Exception as e:  # the caller gets the exception; the loop goes on
+                result, exc = None, e
+            if fut is not None:
+                self.loop.call_soon_threadsafe(self._resolve, fut, result, exc)
+        return n
+
     def _run(self) -> None:
         while not self._stop:
-            while self._commands:
-                fn, fut = self._commands.popleft()
-                try:
-                    result, exc = fn(), None
-                except Exception as e:  # the caller gets the exception; the loop goes on
-                    result, exc = None, e
-                if fut is not None:
-                    self.loop.call_soon_threadsafe(self._resolve, fut, result, exc)
+            was_idle = not self.engine.has_unfinished()
+            if self._run_commands() and was_idle:
+                # Work arriving at an idle engine comes in bursts (a client submits many requests; each
+                # reaches us a message later): gather the burst so the first step batches it, instead of
+                # starting a small step per request.
+                deadline = time.monotonic() + COALESCE_MAX_S
+                while time.monotonic() < deadline:
+                    self._wake.clear()
+                    if not self._wake.wait(COALESCE_GAP_S):
+                        break
+                    self._run_commands()
             if self.engine.has_unfinished():
                 outputs = self.engine.step()
                 self.steps += 1
