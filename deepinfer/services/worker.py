@@ -141,7 +141,6 @@ class WorkerService(Service):
         assert self._thread is not None
         track = self.tracks.pop(req.request_id, None)
         await self._thread.call(lambda: self.engine.abort(req.request_id))
-        await self._thread.call(lambda: self.engine.cancel_reservation(req.request_id))
         if track is not None:
             self.log.info("aborted", request_id=req.request_id)
 
