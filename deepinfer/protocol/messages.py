@@ -6,7 +6,7 @@ Type bytes are grouped by edge; a range is reserved for each part still to come:
   0x10–0x1F  client ↔ router
   0x20–0x2F  router ↔ tokenizer ↔ decode worker
   0x30–0x3F  router → prefill worker ↔ decode worker (P/D handoff)
-  0x40–0x4F  reserved: cache daemon (lookups, block fetch/store, KV events)
+  0x40–0x4F  KV cache: worker ↔ cache daemon (lookup, fetch, store), KV events → router
   0x50–0x5F  reserved: expert balancer (load reports, placements)
   0xF0–0xFF  reserved: tests and experiments
 
@@ -28,6 +28,12 @@ from deepinfer.protocol.tensors import Tensor
 __all__ = [
     "PROTOCOL_VERSION",
     "AbortRequest",
+    "CacheBlocks",
+    "CacheFetch",
+    "CacheLookup",
+    "CacheLookupReply",
+    "CacheStore",
+    "CacheStoreAck",
     "DetokenizeBatch",
     "DetokenizeItem",
     "EncodeRequest",
@@ -39,8 +45,10 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "KvAck",
+    "KvEvents",
     "KvReserve",
     "KvReserveReply",
+    "KvResync",
     "KvTransfer",
     "LogprobWire",
     "PrefillDone",
@@ -56,7 +64,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
 # rather than finish_reason "error"; the value exists so the engine's enum maps one to one.
@@ -335,6 +343,7 @@ class PrefillJob:
     priority: int = 0
     arrival_time: float = 0.0
     expected_cached_blocks: int = 0  # the router's prefix-index estimate, for the worker's metrics
+    cache_salt: str | None = None  # the tenant's salt (from the router), for the worker's own hash chain
 
 
 @message(0x31)
@@ -348,6 +357,7 @@ class PrefillDone:
     num_cached_tokens: int
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0
+    fetch_s: float = 0.0  # of prefill_s, the time spent loading cached blocks from the cache daemon
 
 
 @message(0x32)
@@ -404,6 +414,96 @@ class KvAck:
     request_id: str
     lease_id: str
     ok: bool
+    reason: str = ""
+
+
+# --- KV cache 0x40–0x4F ---------------------------------------------------------------------------------------
+#
+# Tiers are named "device" (a worker's own KV pool), "host" (the cache daemon's DRAM) and "disk" (its
+# NVMe directory). Block tensors are [n, layers, 2, block_size, kv_heads, head_dim], block i holding the
+# KV of the block named block_hashes[i]; `namespace` is the CacheNamespace id both sides hash under.
+
+
+@message(0x40)
+class CacheLookup:
+    """Worker → cache daemon: which of these blocks do you hold, and where?"""
+
+    request_id: str
+    block_hashes: list[bytes]
+
+
+@message(0x41)
+class CacheLookupReply:
+    """Cache daemon → worker: `tiers[i]` is where block_hashes[i] is ("host", "disk"), or "" if absent.
+    The longest cached prefix is the leading run of non-empty entries."""
+
+    request_id: str
+    tiers: list[str]
+
+
+@message(0x42)
+class CacheFetch:
+    """Worker → cache daemon: send the longest prefix of these blocks that you hold (pinned while read),
+    within `deadline_s` of receipt; what is not ready by then is left out."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    deadline_s: float = 1.0
+
+
+@message(0x43)
+class CacheBlocks:
+    """Cache daemon → worker, reply to CacheFetch: the first len(block_hashes) requested blocks, each
+    verified (checksum and identity) before sending; `kv` is None when none could be sent."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    tiers: list[str]  # where each came from
+    kv: Tensor | None = None
+    reason: str = ""  # why fewer blocks came than asked (miss, corrupt block, deadline)
+
+
+@message(0x44)
+class CacheStore:
+    """Worker → cache daemon, write-behind: keep these full blocks. Blocks already held are skipped; a
+    full or slow store drops what it cannot keep (a cache may always forget)."""
+
+    request_id: str
+    namespace: str
+    block_hashes: list[bytes]
+    kv: Tensor
+
+
+@message(0x45)
+class CacheStoreAck:
+    """Cache daemon → worker, reply to CacheStore once handled (stored into DRAM; disk follows behind)."""
+
+    request_id: str
+    stored: int
+    skipped: int
+    reason: str = ""
+
+
+@message(0x46)
+class KvEvents:
+    """Worker or cache daemon → router: blocks that became present in, or left, one of the publisher's
+    tiers. `seq` counts the publisher's KvEvents within its incarnation (0, 1, 2, ...), so the router
+    sees a gap or a restart and asks for a snapshot (KvResync). A snapshot (`snapshot=True`) lists
+    everything the tier holds now and replaces what the router knew of it."""
+
+    publisher: str
+    incarnation: str
+    seq: int
+    tier: str
+    stored: list[bytes] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
+    snapshot: bool = False
+
+
+@message(0x47)
+class KvResync:
+    """Router → publisher: your events had a gap (or I restarted); send a snapshot of every tier."""
+
     reason: str = ""
 
 
