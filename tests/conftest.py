@@ -2,6 +2,9 @@
 
 * `smollm2_path` — the real SmolLM2-135M-Instruct Q4_1 GGUF, fetched into the cache on first use
   (tests using it are marked `smollm2`).
+* every test gets its own KV-cache disk directory (`$DEEPINFER_KVCACHE_DIR`, inherited by the processes
+  it starts), so no test reads blocks another test left behind and nothing is written to the user's
+  cache directory.
 * `tiny_hf_model` — a factory for tiny random-weight Hugging Face models (`llama` or `qwen2`) saved
   with `save_pretrained`; each distinct configuration is built once per session.
 """
@@ -38,6 +41,13 @@ class TinyModel:
     path: Path  # the save_pretrained directory
     config: Any  # the transformers config
     state_dict: dict[str, torch.Tensor]  # Hugging Face names, fp32
+
+
+@pytest.fixture(autouse=True)
+def private_kvcache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "kvcache"
+    monkeypatch.setenv("DEEPINFER_KVCACHE_DIR", str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

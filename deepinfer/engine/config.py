@@ -126,6 +126,8 @@ class EngineConfig:
     num_threads: int | None = None
     # Use the compiled paged-attention kernel for decode rows when it builds; the torch path otherwise.
     use_native_kernels: bool = True
+    # Keep freed full blocks addressable by their hash so later prompts with the same prefix reuse them.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

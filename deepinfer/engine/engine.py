@@ -22,6 +22,13 @@ Prefill/decode disaggregation, engine side (the services pick the engines and mo
     kv = prefill.export_kv(rid)                        # ... sent ...
     prefill.release(rid)
     decode.add_prefilled_request(rid, ids, first_token, params, kv, reservation_id=rid)
+
+The device tier of the prefix cache (DESIGN §4) lives in the block pool: a block full of computed KV
+is named by its chain hash (`block_hashes`, salted per tenant with `cache_salt`) and stays cached after
+its request ends, until the pool reuses it (LRU). A new request takes the longest cached prefix of its
+prompt instead of computing it. Between steps the worker moves named blocks to and from the cache
+daemon's tiers with `export_cached_blocks` and `import_cached_blocks`; `pool.drain_events()` and
+`pool.cached_hashes()` feed the router's prefix index.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import structlog
 import torch
 
 from deepinfer.cache.block_pool import BlockPool, NoFreeBlocksError
+from deepinfer.cache.hashing import BlockHash, CacheNamespace
 from deepinfer.engine.config import EngineConfig, ModelConfig
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.fetch import resolve_model
@@ -47,8 +55,10 @@ from deepinfer.engine.handoff import (
     export_blocks,
     import_blocks,
 )
+from deepinfer.engine.identity import cache_namespace
 from deepinfer.engine.model_runner import ModelRunner, num_blocks_for_budget
 from deepinfer.engine.models.llama import LlamaModel
+from deepinfer.engine.prefix_cache import DevicePrefixCache
 from deepinfer.engine.request import (
     FinishReason,
     InvalidRequestError,
@@ -78,6 +88,11 @@ class EngineStats:
     handoffs_out: int = 0  # prefill-only requests held for export
     handoffs_in: int = 0  # requests added with KV computed elsewhere
     reservations_expired: int = 0
+    # Prefix cache: admissions that looked their prompt up, their tokens, and the tokens found cached.
+    prefix_lookups: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    blocks_imported: int = 0  # named blocks copied in from another tier (import_cached_blocks)
 
 
 class LLMEngine:
@@ -100,9 +115,15 @@ class LLMEngine:
         model = LlamaModel(self.model_config, loaded.state_dict, self.max_model_len, self.config.device)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(
-            self.pool, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
+            self.pool, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+            enable_prefix_caching=self.config.enable_prefix_caching,
         )
         self.runner = ModelRunner(model, self.config, num_blocks)
+        self.cache_namespace: CacheNamespace = cache_namespace(
+            loaded.source, loaded.config, tokenizer.fingerprint if tokenizer else "none", self.config.block_size
+        )
+        self.prefix_cache = DevicePrefixCache(self.pool, self.runner.kv, self.cache_namespace,
+                                              self.config.enable_prefix_caching)
         self.reservations = Reservations(self.pool)
         # Reservation leases are measured on this clock (injectable for tests).
         self._clock = clock
@@ -124,8 +145,11 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int], params: SamplingParams,
-                    priority: int = 0, *, prefill_only: bool = False) -> str:
+                    priority: int = 0, *, prefill_only: bool = False, cache_salt: str | None = None) -> str:
         """Queue a request (text needs a tokenizer). Raises InvalidRequestError, leaving the engine untouched.
+
+        `cache_salt` (the tenant's, set by the service, never by a client) salts the request's block
+        hashes: it shares cached blocks only with requests of the same salt.
 
         `prefill_only`: compute the prompt (chunked as usual), sample the first token, then stop and
         hand off: the step's output for it has `finished=True, handoff=True, finish_reason=None` and
@@ -143,7 +167,7 @@ class LLMEngine:
             prompt_ids = list(prompt)
         self._validate(prompt_ids, params)
         req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
-                      prefill_only=prefill_only)
+                      prefill_only=prefill_only, hasher=self.prefix_cache.new_hasher(cache_salt))
         self._track(req)
         self.scheduler.add(req)
         return request_id
@@ -252,10 +276,12 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], first_token: int,
                               params: SamplingParams, kv: torch.Tensor, reservation_id: str | None = None,
-                              priority: int = 0, first_logprob: Logprob | None = None) -> str:
+                              priority: int = 0, first_logprob: Logprob | None = None,
+                              cache_salt: str | None = None) -> str:
         """Continue a request whose prompt a prefill engine computed: `kv` is its `export_kv`, and
         `first_token` what it sampled, with `first_logprob` when `params.logprobs` is set (ignored
-        otherwise).
+        otherwise). The prompt's full blocks are named in this engine's prefix cache under the
+        request's chain (salted with `cache_salt`), like blocks computed here.
 
         Blocks come from the reservation `reservation_id` (it must exist and hold at least the
         prompt's ceil(len / block_size) blocks) or, without one, from the free pool (NoFreeBlocksError
@@ -314,7 +340,8 @@ class LLMEngine:
         keep = max(need, blocks_for(final_len - 1, bs))
         self.pool.free(reversed(blocks[keep:]))
 
-        req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
+                      hasher=self.prefix_cache.new_hasher(cache_salt))
         req.block_ids = blocks[:keep]
         req.num_computed_tokens = len(prompt_ids)
         req.output_token_ids.append(first_token)
@@ -355,6 +382,9 @@ class LLMEngine:
             return outputs
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(sched.preempted)
+        self.stats.prefix_lookups += sched.prefix_lookups
+        self.stats.prefix_query_tokens += sched.prefix_query_tokens
+        self.stats.prefix_hit_tokens += sched.prefix_hit_tokens
         try:
             sampled, logits = self.runner.execute(sched)
             self.scheduler.update(sched)
@@ -427,12 +457,48 @@ class LLMEngine:
             token_ids=list(req.output_token_ids) if finished else [],
             finished=finished,
             finish_reason=req.finish_reason,
-            usage=Usage(len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens),
+            usage=Usage(len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens,
+                        dict(req.cached_by_tier)),
             logprobs=list(req.output_logprobs) if finished and req.params.logprobs is not None else None,
             error=req.error,
             text=text,
             handoff=handoff,
+            block_hashes=self._computed_block_hashes(req) if finished else [],
         )
+
+    def _computed_block_hashes(self, req: Request) -> list[BlockHash]:
+        if not self.config.enable_prefix_caching or req.hasher is None:
+            return []
+        return list(req.block_hashes(req.num_computed_tokens // self.config.block_size))
+
+    # -- prefix cache, between steps ----------------------------------------------------------
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+        """The chain hashes of the full blocks of `token_ids`, as a request with this salt names them."""
+        return self.prefix_cache.block_hashes(token_ids, cache_salt)
+
+    def cached_prefix_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading `hashes` are device-resident now (takes nothing: a later step may evict them)."""
+        return self.prefix_cache.cached_prefix_blocks(hashes)
+
+    def export_cached_blocks(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], torch.Tensor | None]:
+        """The KV of those of `hashes` that are device-resident, in order, as one contiguous copy
+        [n, layers, 2, block_size, kv_heads, head_dim] (None when none is): for write-behind."""
+        return self.prefix_cache.export_blocks(hashes)
+
+    def import_cached_blocks(self, hashes: Sequence[BlockHash], kv: torch.Tensor, tier: str,
+                             keep_resident: Sequence[BlockHash] = ()) -> int:
+        """Cache KV fetched from `tier` ("host" or "disk"): block i of `kv` is named hashes[i]. Fills
+        free blocks only (evicting least recently used cached ones, never a referenced block); returns
+        how many blocks were imported. A later hit on one counts under `tier` in `Usage.cached_by_tier`.
+
+        `keep_resident`: the chain's blocks before `hashes` that are already here (a device-resident
+        head, an earlier import of another tier); they are held through the import so it cannot evict
+        them, and if one is gone nothing is imported (0). Raises HandoffError for KV of the wrong shape
+        or dtype, ValueError for a bad tier or hash."""
+        n = self.prefix_cache.import_blocks(hashes, kv, tier, keep_resident)
+        self.stats.blocks_imported += n
+        return n
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         """Logits [len(prompt), vocab] at every prompt position from one prefill pass, outside the

@@ -9,6 +9,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from deepinfer.cache.hashing import BlockHash, ChainHasher
+
 
 class InvalidRequestError(ValueError):
     """The request cannot be served as asked; the message says which field and why."""
@@ -126,9 +128,17 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0
-    # Leading prompt tokens whose KV came from a cache instead of being computed (first admission).
+    # Leading prompt tokens whose KV came from a cache instead of being computed (first admission),
+    # and the same split by the tier each block came from ("device", "host", "disk"); sums agree.
     num_cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
     block_ids: list[int] = field(default_factory=list)
+    # The chain naming this request's full blocks (with its cache salt); None: the request is never
+    # looked up in nor added to the prefix cache.
+    hasher: ChainHasher | None = None
+    # How many leading `block_ids` have already been offered to the pool's hash map (named, or found
+    # to duplicate a block cached before); reset with `block_ids`.
+    num_registered_blocks: int = 0
     num_preemptions: int = 0
     # Stop after the first token and hand the prompt's KV to a decode engine (see LLMEngine.add_request).
     prefill_only: bool = False
@@ -152,18 +162,33 @@ class Request:
     def sort_key(self) -> tuple[int, float, int]:
         return (self.priority, self.arrival_time, self.seq_no)
 
+    def block_hashes(self, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the first `num_blocks` blocks of its tokens (each must be full of tokens).
+        Extends the chain only when it is short, so the token list is built once per new block."""
+        if self.hasher is None:
+            raise ValueError(f"request {self.request_id!r} has no hash chain")
+        if len(self.hasher.hashes) < num_blocks:
+            self.hasher.extend(self.all_token_ids)
+        if len(self.hasher.hashes) < num_blocks:
+            raise ValueError(f"request {self.request_id!r} has fewer than {num_blocks} full blocks")
+        return self.hasher.hashes[:num_blocks]
+
 
 @dataclass
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # cached_tokens split by the tier the prefix KV came from ("device", "host", "disk"); only tiers
+    # that served tokens appear.
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | dict[str, int]]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "cached_by_tier": dict(self.cached_by_tier),
         }
 
 
@@ -189,3 +214,6 @@ class RequestOutput:
     error: str | None = None
     text: str | None = None  # filled by callers that detokenize
     handoff: bool = False
+    # Final outputs only (finished or handoff), with prefix caching on: the hashes of the request's
+    # full blocks whose KV was computed, prompt and output, in order (for write-behind to a cache tier).
+    block_hashes: list[BlockHash] = field(default_factory=list)

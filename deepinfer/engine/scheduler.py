@@ -15,6 +15,16 @@ Policy:
 * a waiting request is admitted only if its first chunk's blocks are free (admission never preempts),
   and not at all in a step that preempted.
 
+Prefix caching (when enabled, for requests that carry a hash chain):
+* admission without blocks (first admission, or re-admission after preemption) first takes the
+  longest cached prefix of the request's full blocks from the pool, sharing them (ref +1), and
+  starts computing after it. The hit stops short of the last token, whose logits must be computed:
+  at most (num_tokens - 1) // block_size blocks. If the rest of the first chunk's blocks are not
+  free, nothing is taken and the request keeps waiting;
+* after each step (`update`), every block that just became full of computed KV — prompt or output —
+  is named in the pool by its hash, so a later prompt (or this request, after a preemption) finds it.
+  A block is only ever written while unnamed: hit blocks lie wholly before the first computed token.
+
 Prefill/decode handoff adds two doors that bypass the waiting queue:
 * `hold` takes a prefill-only request that has sampled its first token out of the queues, keeping
   its blocks (it is no longer scheduled, so it can never be preempted and its KV stays put) until
@@ -56,6 +66,10 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Prefix-cache lookups of the requests admitted this step: how many, their tokens, the tokens hit.
+    prefix_lookups: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -68,12 +82,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
         # Both lists stay sorted by Request.sort_key(), so their heads are served first and the tail
         # of `running` is the first to be preempted.
         self.waiting: list[Request] = []
@@ -111,6 +127,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         bisect.insort(self.running, request, key=Request.sort_key)
+        self._register_full_blocks(request)
 
     def hold(self, request: Request) -> None:
         """Take a running request that has nothing left to compute this step (its tokens all have
@@ -170,10 +187,15 @@ class Scheduler:
         # After a preemption memory is short: admitting new work would only thrash.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self._blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
-            if need > self.pool.num_free:
+            hit = self._cached_prefix(req)
+            computed = req.num_computed_tokens + len(hit) * self.block_size
+            n = min(req.num_tokens - computed, budget)
+            need = self._blocks_for(computed + n) - len(req.block_ids) - len(hit)
+            # Hit blocks that are free now stop being free once taken.
+            if need + sum(self.pool.ref_cnt(b) == 0 for b in hit) > self.pool.num_free:
                 break
+            if self._caches(req) and not req.block_ids:
+                self._take_hit(req, hit, out)
             req.block_ids.extend(self.pool.allocate(need))
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
@@ -183,9 +205,57 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput) -> None:
-        """Record that the model computed every scheduled chunk (call before appending sampled tokens)."""
+        """Record that the model computed every scheduled chunk (call before appending sampled tokens),
+        and name the blocks that this made full in the prefix cache."""
         for chunk in out.chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
+            self._register_full_blocks(chunk.request)
+
+    # -- prefix cache -----------------------------------------------------------------------
+
+    def _caches(self, req: Request) -> bool:
+        return self.enable_prefix_caching and req.hasher is not None
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The pool's blocks for the longest cached prefix of an unadmitted request, never covering
+        its last token. Empty for a request that already holds blocks. Takes nothing."""
+        if not self._caches(req) or req.block_ids:
+            return []
+        cap = (req.num_tokens - 1) // self.block_size
+        return self.pool.lookup(req.block_hashes(cap)) if cap else []
+
+    def _take_hit(self, req: Request, hit: list[int], out: SchedulerOutput) -> None:
+        """Share the hit blocks with `req` and start its computation after them. On first admission
+        the hit is the request's cached prefix, counted by the tier each block was imported from; a
+        block counts as "device" once it has served one hit."""
+        tokens = len(hit) * self.block_size
+        if req.status == RequestStatus.WAITING:
+            req.num_cached_tokens = tokens
+            req.cached_by_tier = {}
+            for b in hit:
+                tier = self.pool.origin(b) or "device"
+                req.cached_by_tier[tier] = req.cached_by_tier.get(tier, 0) + self.block_size
+        for b in hit:
+            self.pool.clear_origin(b)
+        self.pool.acquire(hit)
+        req.block_ids = list(hit)
+        req.num_computed_tokens = tokens
+        req.num_registered_blocks = len(hit)
+        out.prefix_lookups += 1
+        out.prefix_query_tokens += req.num_tokens
+        out.prefix_hit_tokens += tokens
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Name every block of `req` that is full of computed KV and not yet offered to the pool."""
+        if not self._caches(req):
+            return
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        if full <= req.num_registered_blocks:
+            return
+        hashes = req.block_hashes(full)
+        for i in range(req.num_registered_blocks, full):
+            self.pool.register(req.block_ids[i], hashes[i])
+        req.num_registered_blocks = full
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -219,5 +289,7 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=Request.sort_key)
 
     def _release_blocks(self, req: Request) -> None:
+        # Named blocks keep their names in the free queue: they stay cached until reused.
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []
+        req.num_registered_blocks = 0

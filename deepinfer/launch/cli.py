@@ -228,19 +228,28 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 @click.option("--kv-cache-mb", type=int, default=512, show_default=True)
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="Where ipc sockets, the topology and logs go (default: a new temporary directory).")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="The disk tier of the KV cache (default: $DEEPINFER_KVCACHE_DIR or ~/.cache/deepinfer/kvcache).")
+@click.option("--host-cache-mb", type=int, default=1024, show_default=True, help="DRAM tier of the KV cache.")
+@click.option("--disk-cache-mb", type=int, default=8192, show_default=True, help="Disk tier of the KV cache.")
+@click.option("--no-kvcache", is_flag=True, help="Run without a cache daemon (workers still reuse their own pool).")
+@click.option("--no-prefix-caching", is_flag=True, help="No KV reuse at all: every prompt is computed in full.")
 def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
-       num_tokenizers: int, threads: int | None, kv_cache_mb: int, run_dir: Path | None) -> None:
+       num_tokenizers: int, threads: int | None, kv_cache_mb: int, run_dir: Path | None, cache_dir: Path | None,
+       host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool, no_prefix_caching: bool) -> None:
     """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM."""
     from deepinfer.launch.topology import Topology
 
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    cache = dict(kvcache=not (no_kvcache or no_prefix_caching), cache_dir=cache_dir, host_cache_mb=host_cache_mb,
+                 disk_cache_mb=disk_cache_mb, prefix_caching=not no_prefix_caching)
     if inproc:
         from deepinfer.launch.mesh import serve_inproc
 
         topo = Topology.local(model, "inproc", disaggregated=not colocated, num_prefill=num_prefill,
                               num_decode=num_decode, num_tokenizers=num_tokenizers, threads=threads,
-                              kv_cache_mb=kv_cache_mb)
+                              kv_cache_mb=kv_cache_mb, **cache)
         topo = dataclasses.replace(topo, frontend=f"ipc://{run_dir}/router-frontend.sock")
         serve_inproc(topo, on_ready=lambda: _announce(topo.frontend))
         return
@@ -249,7 +258,7 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
     if topology is None:
         topo = Topology.local(model, "ipc", run_dir, disaggregated=not colocated, num_prefill=num_prefill,
                               num_decode=num_decode, num_tokenizers=num_tokenizers, threads=threads,
-                              kv_cache_mb=kv_cache_mb)
+                              kv_cache_mb=kv_cache_mb, **cache)
         topology = run_dir / "topology.toml"
         topology.write_text(topo.to_toml())
     sup = Supervisor(topology, log_dir=run_dir)
@@ -279,7 +288,7 @@ def _announce(endpoint: str, extra: str = "") -> None:
 
 
 @main.command()
-@click.argument("role", type=click.Choice(["router", "tokenizer", "worker"]))
+@click.argument("role", type=click.Choice(["router", "tokenizer", "worker", "kvcache"]))
 @click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
 @click.option("--name", default=None, help="The service's name in the topology.")
 @click.option("--index", type=int, default=None, help="Or its position among the topology's services of ROLE.")
@@ -291,7 +300,7 @@ def service(role: str, topology: Path, name: str | None, index: int | None) -> N
     topo = Topology.load(topology)
     if name is None:
         names = {"router": ["router"], "tokenizer": [t.name for t in topo.tokenizers],
-                 "worker": [w.name for w in topo.workers]}[role]
+                 "worker": [w.name for w in topo.workers], "kvcache": [k.name for k in topo.kvcaches]}[role]
         if index is None or not 0 <= index < len(names):
             raise click.UsageError(f"give --name or --index in [0, {len(names)}) for {role}")
         name = names[index]

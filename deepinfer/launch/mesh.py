@@ -17,17 +17,19 @@ from typing import Any
 import zmq.asyncio
 
 from deepinfer.engine.config import EngineConfig
-from deepinfer.launch.topology import Topology, WorkerSpec
+from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir
 from deepinfer.services.base import Service
+from deepinfer.services.kvcache import KvCacheService
 from deepinfer.services.router import RouterConfig, RouterService
 from deepinfer.services.tokenizer import TokenizerService
 from deepinfer.services.worker import WorkerService
 
 
-def engine_config(w: WorkerSpec) -> EngineConfig:
+def engine_config(w: WorkerSpec, block_size: int = 16) -> EngineConfig:
     threads = w.threads or (int(os.environ["DEEPINFER_THREADS"]) if "DEEPINFER_THREADS" in os.environ else None)
-    return EngineConfig(kv_cache_bytes=w.kv_cache_mb * 1024 * 1024, max_num_seqs=w.max_num_seqs,
-                        max_num_batched_tokens=w.max_num_batched_tokens, device=w.device, num_threads=threads)
+    return EngineConfig(block_size=block_size, kv_cache_bytes=w.kv_cache_mb * 1024 * 1024,
+                        max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
+                        device=w.device, num_threads=threads, enable_prefix_caching=w.prefix_caching)
 
 
 def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Context) -> Service:
@@ -36,20 +38,29 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
                              RouterConfig(**topology.router_options))
     if role == "tokenizer":
         spec = topology.tokenizer(name)
-        return TokenizerService(spec.name, topology.backend, spec.detok, ctx, topology.model)
+        return TokenizerService(spec.name, topology.backend, spec.detok, ctx, topology.model,
+                                block_size=topology.block_size)
     if role == "worker":
         spec = topology.worker(name)
+        daemon = topology.kvcache(spec.kvcache) if spec.kvcache is not None else None
         return WorkerService(
-            spec.name, spec.role, topology.backend, ctx, topology.model, engine_config(spec),
+            spec.name, spec.role, topology.backend, ctx, topology.model, engine_config(spec, topology.block_size),
             kv_bind=spec.kv if spec.role in ("decode", "worker") else None,
             decode_peers={w.name: w.kv for w in topology.workers if w.role in ("decode", "worker")},
             tokenizers={t.name: t.detok for t in topology.tokenizers},
+            kvcache=(daemon.name, daemon.endpoint) if daemon is not None else None,
         )
+    if role == "kvcache":
+        k = topology.kvcache(name)
+        return KvCacheService(k.name, topology.backend, ctx, topology.model, k.endpoint,
+                              k.dir if k.dir is not None else default_kvcache_dir(), k.host_mb, k.disk_mb,
+                              block_size=topology.block_size)
     raise ValueError(f"unknown role {role!r}")
 
 
 def all_services(topology: Topology, ctx: zmq.asyncio.Context) -> list[Service]:
     services = [build_service(topology, "router", "router", ctx)]
+    services += [build_service(topology, "kvcache", k.name, ctx) for k in topology.kvcaches]
     services += [build_service(topology, "tokenizer", t.name, ctx) for t in topology.tokenizers]
     services += [build_service(topology, "worker", w.name, ctx) for w in topology.workers]
     return services

@@ -27,7 +27,7 @@ log = structlog.get_logger("deepinfer.supervisor")
 
 @dataclass
 class Child:
-    role: str  # "router", "tokenizer" or "worker"
+    role: str  # "router", "tokenizer", "worker" or "kvcache"
     name: str
     threads: int
     proc: subprocess.Popen[bytes] | None = None
@@ -57,6 +57,7 @@ class Supervisor:
         self.log_dir = log_dir
         shares = thread_shares(self.topology)
         self.children = [Child("router", "router", 1)]
+        self.children += [Child("kvcache", k.name, 1) for k in self.topology.kvcaches]
         self.children += [Child("tokenizer", t.name, 1) for t in self.topology.tokenizers]
         self.children += [Child("worker", w.name, shares[w.name]) for w in self.topology.workers]
 
@@ -101,8 +102,9 @@ class Supervisor:
     def stop(self, timeout_s: float = 60.0) -> None:
         """Drain and stop in order, waiting for each group: the router first (it refuses new requests and
         waits for admitted ones to finish, which needs everyone else still up), then the workers and the
-        tokenizers (idle by then). SIGTERM means drain to every service; SIGKILL after `timeout_s`."""
-        for group in ("router", "worker", "tokenizer"):
+        tokenizers and cache daemons (idle by then; a daemon finishes its queued disk writes). SIGTERM
+        means drain to every service; SIGKILL after `timeout_s`."""
+        for group in ("router", "worker", "tokenizer", "kvcache"):
             procs = [c.proc for c in self.children if c.role == group and c.proc and c.proc.poll() is None]
             for p in procs:
                 p.send_signal(signal.SIGTERM)

@@ -47,7 +47,7 @@ WantedBy=deepinfer.target
 
 
 def unit_files(topology_path: Path, topology: Topology, launcher: str | None = None) -> dict[str, str]:
-    """File name → contents: the target, the three templates, and nothing per instance (instances are
+    """File name → contents: the target, the four templates, and nothing per instance (instances are
     enabled through the target's Wants=)."""
     launcher = launcher or f"{shlex.quote(sys.executable)} -m deepinfer.launch.cli"
     topo = shlex.quote(str(topology_path.resolve()))
@@ -58,6 +58,7 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
     instances = ["deepinfer-router@router.service"]
     instances += [f"deepinfer-tokenizer@{t.name}.service" for t in topology.tokenizers]
     instances += [f"deepinfer-worker@{w.name}.service" for w in topology.workers]
+    instances += [f"deepinfer-kvcache@{k.name}.service" for k in topology.kvcaches]
     return {
         "deepinfer.target": _TARGET.format(wants=" ".join(instances)),
         "deepinfer-router@.service": _TEMPLATE.format(role="router", after="", exec_start=exec_start("router")),
@@ -66,6 +67,9 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
         "deepinfer-worker@.service": _TEMPLATE.format(
             role="worker", after="deepinfer-router@router.service",
             exec_start=exec_start("worker")),
+        # Workers do not wait for the cache daemon: without it they compute every prompt in full.
+        "deepinfer-kvcache@.service": _TEMPLATE.format(
+            role="kvcache", after="deepinfer-router@router.service", exec_start=exec_start("kvcache")),
     }
 
 

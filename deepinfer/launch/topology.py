@@ -15,12 +15,22 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`)::
     device = "cpu"
     threads = 1
     kv = "tcp://10.0.0.2:5570"            # decode/worker roles: where prefill workers send KV
+    kvcache = "kvcache-0"                 # the cache daemon on this worker's host (omit: none)
+    [[kvcache]]
+    name = "kvcache-0"
+    endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here
+    dir = "/mnt/nvme/deepinfer-kv"        # the disk tier (default: the user's cache directory)
+    host_mb = 4096                        # DRAM tier capacity
+    disk_mb = 200000                      # disk tier capacity (watermarks keep usage below it)
 
-The long-lived side binds (router frontend/backend, tokenizer detok, decode kv); everyone else connects.
+The long-lived side binds (router frontend/backend, tokenizer detok, decode kv, kvcache endpoint);
+everyone else connects. `block_size` (top level, default 16) must be the same for every service: it is
+part of the KV-cache namespace, and the handshake refuses a service that hashes blocks differently.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -28,6 +38,15 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("prefill", "decode", "worker")
+KVCACHE_DIR_ENV = "DEEPINFER_KVCACHE_DIR"
+
+
+def default_kvcache_dir() -> Path:
+    """`$DEEPINFER_KVCACHE_DIR`, else `kvcache/` in the user's cache directory."""
+    from deepinfer.engine.fetch import default_cache_dir
+
+    env = os.environ.get(KVCACHE_DIR_ENV)
+    return Path(env) if env else default_cache_dir() / "kvcache"
 
 
 class TopologyError(ValueError):
@@ -44,6 +63,19 @@ class WorkerSpec:
     kv_cache_mb: int = 512
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    kvcache: str | None = None  # name of the cache daemon this worker reads from and writes to
+    prefix_caching: bool = True  # keep freed full blocks addressable in the device pool
+
+
+@dataclass(frozen=True)
+class KvCacheSpec:
+    """One cache daemon (one per host): a DRAM tier and a disk tier in `dir`."""
+
+    name: str
+    endpoint: str
+    dir: str | None = None  # None: default_kvcache_dir()
+    host_mb: int = 256
+    disk_mb: int = 2048
 
 
 @dataclass(frozen=True)
@@ -60,9 +92,11 @@ class Topology:
     tokenizers: tuple[TokenizerSpec, ...]
     workers: tuple[WorkerSpec, ...]
     router_options: dict[str, Any] = field(default_factory=dict)
+    kvcaches: tuple[KvCacheSpec, ...] = ()
+    block_size: int = 16
 
     def __post_init__(self) -> None:
-        names = [t.name for t in self.tokenizers] + [w.name for w in self.workers]
+        names = [t.name for t in self.tokenizers] + [w.name for w in self.workers] + [k.name for k in self.kvcaches]
         if len(set(names)) != len(names):
             raise TopologyError(f"service names must be unique: {names}")
         if not self.tokenizers:
@@ -73,6 +107,12 @@ class Topology:
                 raise TopologyError(f"worker {w.name}: unknown role {w.role!r} (one of {ROLES})")
         if not ({"worker"} & roles or {"prefill", "decode"} <= roles):
             raise TopologyError("a topology needs a 'worker', or at least one 'prefill' and one 'decode' worker")
+        daemons = {k.name for k in self.kvcaches}
+        for w in self.workers:
+            if w.kvcache is not None and w.kvcache not in daemons:
+                raise TopologyError(f"worker {w.name}: no kvcache named {w.kvcache!r}")
+        if self.block_size <= 0:
+            raise TopologyError(f"block_size must be positive, got {self.block_size}")
 
     def worker(self, name: str) -> WorkerSpec:
         for w in self.workers:
@@ -86,11 +126,20 @@ class Topology:
                 return t
         raise TopologyError(f"no tokenizer named {name!r}")
 
+    def kvcache(self, name: str) -> KvCacheSpec:
+        for k in self.kvcaches:
+            if k.name == name:
+                return k
+        raise TopologyError(f"no kvcache named {name!r}")
+
     @classmethod
     def local(cls, model: str, transport: str, run_dir: Path | None = None, disaggregated: bool = True,
               num_prefill: int = 1, num_decode: int = 1, num_tokenizers: int = 1, threads: int | None = None,
-              kv_cache_mb: int = 512) -> Topology:
-        """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`)."""
+              kv_cache_mb: int = 512, kvcache: bool = True, cache_dir: str | os.PathLike[str] | None = None,
+              host_cache_mb: int = 256, disk_cache_mb: int = 2048, prefix_caching: bool = True) -> Topology:
+        """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`).
+        With `kvcache`, one cache daemon (disk tier in `cache_dir`, default `default_kvcache_dir()`)
+        serves every worker; `prefix_caching=False` also turns off reuse inside each worker."""
         if transport == "inproc":
             ep = lambda name: f"inproc://deepinfer-{os.getpid()}-{name}"  # noqa: E731
         elif transport == "ipc":
@@ -99,17 +148,19 @@ class Topology:
             ep = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
         else:
             raise TopologyError(f"unknown local transport {transport!r}")
+        daemons = (KvCacheSpec("kvcache-0", ep("kvcache-0"), None if cache_dir is None else str(cache_dir),
+                               host_cache_mb, disk_cache_mb),) if kvcache else ()
+        common: dict[str, Any] = dict(threads=threads, kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching,
+                                      kvcache="kvcache-0" if kvcache else None)
         workers: list[WorkerSpec] = []
         if disaggregated:
-            workers += [WorkerSpec(f"prefill-{i}", "prefill", ep(f"prefill-{i}-kv"), threads=threads,
-                                   kv_cache_mb=kv_cache_mb) for i in range(num_prefill)]
-            workers += [WorkerSpec(f"decode-{i}", "decode", ep(f"decode-{i}-kv"), threads=threads,
-                                   kv_cache_mb=kv_cache_mb) for i in range(num_decode)]
+            workers += [WorkerSpec(f"prefill-{i}", "prefill", ep(f"prefill-{i}-kv"), **common)
+                        for i in range(num_prefill)]
+            workers += [WorkerSpec(f"decode-{i}", "decode", ep(f"decode-{i}-kv"), **common) for i in range(num_decode)]
         else:
-            workers.append(WorkerSpec("worker-0", "worker", ep("worker-0-kv"), threads=threads,
-                                      kv_cache_mb=kv_cache_mb))
+            workers.append(WorkerSpec("worker-0", "worker", ep("worker-0-kv"), **common))
         tokenizers = tuple(TokenizerSpec(f"tokenizer-{i}", ep(f"tokenizer-{i}-detok")) for i in range(num_tokenizers))
-        return cls(model, ep("router-frontend"), ep("router-backend"), tokenizers, tuple(workers))
+        return cls(model, ep("router-frontend"), ep("router-backend"), tokenizers, tuple(workers), kvcaches=daemons)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Topology:
@@ -124,13 +175,15 @@ class Topology:
                 tokenizers=tuple(TokenizerSpec(t["name"], t["detok"]) for t in data.get("tokenizer", [])),
                 workers=tuple(WorkerSpec(**w) for w in data.get("worker", [])),
                 router_options={k: v for k, v in router.items() if k not in ("frontend", "backend")},
+                kvcaches=tuple(KvCacheSpec(**k) for k in data.get("kvcache", [])),
+                block_size=int(data.get("block_size", 16)),
             )
         except (KeyError, TypeError) as exc:
             raise TopologyError(f"{path}: malformed topology ({exc})") from exc
 
     def to_toml(self) -> str:
-        lines = [f'model = "{self.model}"', "", "[router]", f'frontend = "{self.frontend}"',
-                 f'backend = "{self.backend}"']
+        lines = [f'model = "{self.model}"', f"block_size = {self.block_size}", "", "[router]",
+                 f'frontend = "{self.frontend}"', f'backend = "{self.backend}"']
         lines += [f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in self.router_options.items()]
         for t in self.tokenizers:
             lines += ["", "[[tokenizer]]", f'name = "{t.name}"', f'detok = "{t.detok}"']
@@ -140,4 +193,13 @@ class Topology:
                       f"max_num_seqs = {w.max_num_seqs}", f"max_num_batched_tokens = {w.max_num_batched_tokens}"]
             if w.threads is not None:
                 lines.append(f"threads = {w.threads}")
+            if w.kvcache is not None:
+                lines.append(f'kvcache = "{w.kvcache}"')
+            if not w.prefix_caching:
+                lines.append("prefix_caching = false")
+        for k in self.kvcaches:
+            lines += ["", "[[kvcache]]", f'name = "{k.name}"', f'endpoint = "{k.endpoint}"',
+                      f"host_mb = {k.host_mb}", f"disk_mb = {k.disk_mb}"]
+            if k.dir is not None:
+                lines.append(f"dir = {json.dumps(k.dir)}")
         return "\n".join(lines) + "\n"

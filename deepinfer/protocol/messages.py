@@ -404,6 +404,7 @@ class KvTransfer:
     priority: int = 0
     arrival_time: float = 0.0
     num_cached_tokens: int = 0
+    cache_salt: str | None = None  # the tenant's, so the decode side names the blocks as the prefill side did
 
 
 @message(0x35)

@@ -64,6 +64,10 @@ class Service:
     def tasks(self) -> list[Awaitable[None]]:
         return []
 
+    def capabilities(self) -> dict[str, str]:
+        """Extra Hello capabilities (the incarnation is always sent), e.g. which cache daemon a worker uses."""
+        return {}
+
     async def on_start(self) -> None:
         """After the handshake, before serving."""
 
@@ -80,7 +84,7 @@ class Service:
     async def handshake(self, timeout_s: float = 30.0) -> m.Welcome:
         """Say Hello until the router answers; raise HandshakeRefused with its reason if it refuses."""
         hello = m.Hello(m.PROTOCOL_VERSION, self.role, self.instance, self.model_fingerprint,
-                        self.block_hash_scheme, {"incarnation": self.incarnation})
+                        self.block_hash_scheme, {**self.capabilities(), "incarnation": self.incarnation})
         deadline = time.monotonic() + timeout_s
         while True:
             await asend_msg(self.router, hello)

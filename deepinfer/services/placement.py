@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from deepinfer.protocol.messages import Heartbeat
@@ -59,6 +59,7 @@ class Instance:
     prefill_tokens: int = 0  # prompt tokens of prefill jobs sent here and not yet done
     pending_blocks: int = 0  # KV blocks of requests headed here whose KV is not yet installed
     assigned: int = 0  # requests this router decodes here (placed or running)
+    kvcache: str | None = None  # the cache daemon this worker reads from (its Hello's "kvcache" capability)
 
     def placeable(self, now: float, timeout_s: float) -> bool:
         return (
@@ -103,7 +104,7 @@ class Assignment:
     prefill: str | None = None
     decode: str | None = None
     holders: frozenset[str] = frozenset()
-    prefill_tokens: int = 0  # charged on `prefill` until the prefill is over
+    prefill_tokens: int = 0  # charged on `prefill` until the prefill is over (the tokens it must compute)
     pending_blocks: int = 0  # charged on `decode` until the KV is installed there
     assigned: bool = False  # counted in `decode`'s batch until decoding is over
 
@@ -215,12 +216,17 @@ class InstanceTable:
             self.instances[name].held.add(a.rid)
         a.holders = new
 
-    def assign(self, a: Assignment, placement: Placement, prompt_tokens: int) -> None:
-        """Send `a` to a placement: charge its loads now (heartbeats only show the work later)."""
+    def assign(
+        self, a: Assignment, placement: Placement, prompt_tokens: int, compute_tokens: int | None = None
+    ) -> None:
+        """Send `a` to a placement: charge its loads now (heartbeats only show the work later). The prefill
+        worker is charged `compute_tokens` (the prompt less its predicted cache hit; default the whole
+        prompt), the decode worker the blocks of the whole prompt."""
         self.hold(a, {a.tokenizer})  # sheds any earlier placement
         prefill, decode = placement.prefill, placement.decode
         a.prefill, a.decode = prefill.name, decode.name
-        a.prefill_tokens, a.pending_blocks, a.assigned = prompt_tokens, self.blocks_for(prompt_tokens), True
+        a.prefill_tokens = prompt_tokens if compute_tokens is None else compute_tokens
+        a.pending_blocks, a.assigned = self.blocks_for(prompt_tokens), True
         prefill.prefill_tokens += a.prefill_tokens
         decode.pending_blocks += a.pending_blocks
         decode.assigned += 1
@@ -268,24 +274,33 @@ class InstanceTable:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def place(self, prompt_tokens: int, max_tokens: int, now: float, exclude: Iterable[str] = ()) -> Placement | None:
+    def place(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        now: float,
+        exclude: Iterable[str] = (),
+        prefill_cost: Callable[[Instance], float] | None = None,
+    ) -> Placement | None:
         """A prefill worker and a decode worker for a prompt, or None when nothing live can take it.
 
-        Disaggregated pairs come first: the prefill worker with the fewest queued prompt tokens, and
-        the decode worker by `pick_decode`. Without a live pair, a co-located worker: among those with
-        room for the whole sequence (or all, when none has), the fewest queued prompt tokens, then
-        the smallest batch. Ties go to the lowest name, so placement is deterministic."""
+        `prefill_cost` ranks prefill-capable workers (lower is better); by default their queued prompt
+        tokens (least loaded). Disaggregated pairs come first: the prefill worker of least cost, and the
+        decode worker by `pick_decode`. Without a live pair, a co-located worker: among those with room
+        for the whole sequence (or all, when none has), the least cost, then the smallest batch. Ties go
+        to the lowest name, so placement is deterministic."""
+        cost: Callable[[Instance], float] = prefill_cost or (lambda i: i.queued_tokens)
         exclude = set(exclude)
         need = self.blocks_for(prompt_tokens + max_tokens)
         prefills = self._live(PREFILL, now, exclude)
         decode = self.pick_decode(self._live(DECODE, now, exclude), need)
         if prefills and decode is not None:
-            return Placement(min(prefills, key=lambda i: (i.queued_tokens, i.name)), decode)
+            return Placement(min(prefills, key=lambda i: (cost(i), i.name)), decode)
         workers = self._live(WORKER, now, exclude)
         fits = [w for w in workers if w.free_blocks >= need] or workers
         if not fits:
             return None
-        worker = min(fits, key=lambda i: (i.queued_tokens, i.batch, i.name))
+        worker = min(fits, key=lambda i: (cost(i), i.batch, i.name))
         return Placement(worker, worker)
 
     @staticmethod

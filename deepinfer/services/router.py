@@ -6,8 +6,9 @@ client's requests are aborted, a vanished service is left to the heartbeat liven
 core (deadlines, dead workers, parked requests).
 
 Handshake: every connection starts with Hello; the router answers Welcome, refusing a protocol version
-other than its own and, once the first worker has named the mesh's model fingerprint, any worker with
-another one.
+other than its own and, once the first service has named the mesh's model fingerprint or block-hash
+scheme (`MeshPins`), any service with another one: blocks hashed under two namespaces could never be
+shared, and the router's prefix index would compare unrelated hashes.
 """
 
 from __future__ import annotations
@@ -28,9 +29,37 @@ from deepinfer.protocol.handshake import check_hello
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
 
-__all__ = ["RouterConfig", "RouterService"]
+__all__ = ["MeshPins", "RouterConfig", "RouterService"]
 
 TICK_S = 0.1
+
+
+class MeshPins:
+    """What every model-holding service of the mesh must agree on, each pinned by the first accepted Hello
+    that names it: the model fingerprint and the block-hash scheme (which covers the KV namespace: model
+    and tokenizer fingerprints, KV dtype and layout, block size). Pure."""
+
+    def __init__(self) -> None:
+        self.fingerprint: str | None = None
+        self.scheme: str | None = None
+        self.scheme_from = ""  # the instance that pinned the scheme, for refusal reasons
+
+    def check(self, hello: m.Hello, instance: str) -> m.Welcome:
+        """Welcome or refuse a service's Hello; an accepted one pins what is not pinned yet."""
+        expected = self.fingerprint if hello.model_fingerprint is not None else None
+        welcome = check_hello(hello, m.PROTOCOL_VERSION, expected, self.scheme, service="router", instance=instance)
+        if not welcome.accepted:
+            if hello.block_hash_scheme is not None and self.scheme not in (None, hello.block_hash_scheme):
+                why = (f"{welcome.reason} (the mesh's block hash scheme was set by {self.scheme_from}; every "
+                       f"tokenizer, worker and cache daemon must hash under the same model, tokenizer, KV dtype "
+                       f"and layout and block size)")
+                welcome = dataclasses.replace(welcome, reason=why)
+            return welcome
+        if self.fingerprint is None and hello.model_fingerprint is not None:
+            self.fingerprint = hello.model_fingerprint
+        if self.scheme is None and hello.block_hash_scheme is not None:
+            self.scheme, self.scheme_from = hello.block_hash_scheme, f"{hello.service} {hello.instance}"
+        return welcome
 
 
 class RouterService:
@@ -44,7 +73,7 @@ class RouterService:
         # Request ids must not repeat across router restarts: prefix them with this incarnation.
         config = dataclasses.replace(config or RouterConfig(), id_prefix=f"{secrets.token_hex(3)}-")
         self.core = RouterCore(config)
-        self.fingerprint: str | None = None  # pinned by the first worker's Hello
+        self.pins = MeshPins()
         self.malformed = 0
         self.log = structlog.get_logger("deepinfer").bind(service="router", instance=instance)
         self._stopping = asyncio.Event()
@@ -142,6 +171,11 @@ class RouterService:
                 await self._send(self.core.on_encode_result(sender, msg, now))
             elif isinstance(msg, m.PrefillDone):
                 await self._send(self.core.on_prefill_done(msg, now))
+            elif isinstance(msg, m.KvEvents):
+                out = self.core.on_kv_events(sender, msg, now)
+                for o in out:
+                    self.log.info("kv resync asked", publisher=o.dest, reason=o.msg.reason)
+                await self._send(out)
             elif isinstance(msg, m.TextDeltas):
                 await self._send(self.core.on_text_deltas(msg, now))
             elif isinstance(msg, m.ErrorReply):
@@ -150,10 +184,7 @@ class RouterService:
                 self.log.warning("unexpected service message", type=type(msg).__name__, sender=sender)
 
     async def _welcome(self, ident: bytes, hello: m.Hello, now: float) -> None:
-        expected = self.fingerprint if hello.model_fingerprint is not None else None
-        welcome = check_hello(hello, m.PROTOCOL_VERSION, expected, None, service="router", instance=self.instance)
-        if welcome.accepted and self.fingerprint is None and hello.model_fingerprint is not None:
-            self.fingerprint = hello.model_fingerprint
+        welcome = self.pins.check(hello, self.instance)
         await asend_msg(self.backend, welcome, ident)
         if welcome.accepted:
             await self._send(self.core.on_hello(hello, now))

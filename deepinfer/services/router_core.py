@@ -22,6 +22,10 @@ Decisions:
   `default_cache_salt`, or `invalid_request` when `require_api_key`. Clients never send a salt.
 * A request that finds no live worker after encoding waits (parked) up to `placement_timeout_s` for
   one to appear or come back, then ends with `worker_lost`; its deadline applies throughout.
+* Prefill placement (`config.placement`): "cache_aware" picks the least predicted prefill time (queue
+  ahead, uncached tokens, fetching the cached ones: `router_cache`) from a prefix index fed by KvEvents
+  (a broken event stream gets one KvResync; a dead or restarted publisher's blocks are forgotten);
+  "least_loaded" the fewest queued prompt tokens. The decode worker is chosen alike either way.
 * An `overloaded` ErrorReply from the prefill worker (the decode worker refused the KV reservation) is
   retried once, placed anew avoiding that decode worker.
 * Client abort ends the request with RequestFinished(finish_reason="abort") carrying the output so far.
@@ -39,6 +43,7 @@ request, or out of phase, are stale: counted and dropped.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 
 from deepinfer.protocol.messages import (
     AbortRequest,
@@ -50,6 +55,8 @@ from deepinfer.protocol.messages import (
     GenerateRequest,
     Heartbeat,
     Hello,
+    KvEvents,
+    KvResync,
     LogprobWire,
     PrefillDone,
     PrefillJob,
@@ -61,6 +68,7 @@ from deepinfer.protocol.messages import (
     UsageWire,
 )
 from deepinfer.services.placement import Assignment, Beat, Instance, InstanceTable, Placement
+from deepinfer.services.router_cache import Chosen, Prediction, PrefillCostModel
 from deepinfer.services.router_state import (
     ClientId,
     Outbound,
@@ -75,12 +83,12 @@ from deepinfer.services.router_state import (
 __all__ = ["ClientId", "Outbound", "Phase", "RouterConfig", "RouterCore", "RouterMetrics", "RouterRequest"]
 
 
-
 class RouterCore:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.table = InstanceTable(config.heartbeat_timeout_s, config.progress_timeout_s, config.block_size)
         self.metrics = RouterMetrics(config.max_ttft_samples)
+        self.cache = PrefillCostModel(config)  # the prefix index and measured rates: prefill placement
         self.draining = False  # set by the shell on shutdown: new requests are refused
         self.queued_requests = 0
         self.queued_tokens = 0  # estimated until encoded, then exact
@@ -134,7 +142,7 @@ class RouterCore:
         self._reqs[rid] = st
         self._by_client.setdefault(client, {})[req.request_id] = rid
         heapq.heappush(self._deadlines, (deadline, rid))
-        st.queued_charge = estimate
+        st.queued_charge, st.cache_salt = estimate, salt
         self.queued_requests += 1
         self.queued_tokens += estimate
         self.table.hold(st.where, {tokenizer.name})
@@ -166,7 +174,10 @@ class RouterCore:
         if hello.service == "client":
             return []
         incarnation = hello.capabilities.get("incarnation")
-        if self.table.hello(hello.service, hello.instance, incarnation, now) is not Beat.RESTARTED:
+        beat = self.table.hello(hello.service, hello.instance, incarnation, now)
+        if beat is not Beat.STALE:
+            self.table.instances[hello.instance].kvcache = hello.capabilities.get("kvcache")
+        if beat is not Beat.RESTARTED:
             return []
         assert incarnation is not None
         return self._restart(hello.instance, hello.service, incarnation, now, None)
@@ -181,6 +192,8 @@ class RouterCore:
 
     def _restart(self, name: str, role: str, incarnation: str, now: float, hb: Heartbeat | None) -> list[Outbound]:
         inst = self.table.instances[name]
+        # Its cached blocks went with the old process (unless its new stream of KV events came first).
+        self.cache.index.forget(name, unless_incarnation=incarnation)
         # The new process never had the old one's requests: nothing to tell it.
         out = self._lose(inst, f"{inst.role} {name} restarted", now, tell_instance=False)
         self.table.reset(name, role, incarnation, now, hb)
@@ -206,6 +219,8 @@ class RouterCore:
             return self._stale()
         st.prefill_done = done
         self.table.prefill_over(st.where)
+        self.cache.observe(done)  # learn the worker's rates; then score the prefix index against what it found
+        self.metrics.count_cached(st.predicted_blocks, self.config.block_size, done)
         if st.phase is Phase.FINISHING:
             self.table.hold(st.where, ())  # the prefill worker is done with it too
             return self._finish(st, now)
@@ -213,6 +228,19 @@ class RouterCore:
         self._dequeue(st)
         self.table.hold(st.where, {st.where.tokenizer, st.where.decode})
         return []
+
+    def on_kv_events(self, sender: str, ev: KvEvents, now: float) -> list[Outbound]:
+        """Feed the prefix index. Only a publisher speaks for itself; a broken stream gets one KvResync."""
+        if sender != ev.publisher:
+            return self._stale()
+        applied = self.cache.index.apply(ev, now)
+        if applied.stale:
+            return self._stale()
+        self.metrics.kv_events += 1
+        if applied.resync is None:
+            return []
+        self.metrics.resyncs += 1
+        return [Outbound(ev.publisher, KvResync(applied.resync))]
 
     def on_text_deltas(self, deltas: TextDeltas, now: float) -> list[Outbound]:
         out: list[Outbound] = []
@@ -243,16 +271,17 @@ class RouterCore:
             refused = where.decode
             self.table.hold(where, {where.tokenizer})  # back to parked: the prefill worker dropped the job
             st.phase = Phase.PARKED
-            placement = self.table.place(len(st.prompt_ids), st.params.max_tokens, now, exclude={refused})
-            if placement is not None:
+            chosen = self._choose(st, now, exclude={refused})
+            if chosen is not None:
                 self.metrics.retries += 1
-                return self._send_job(st, placement, now)
+                return self._send_job(st, *chosen, now)
         return self._error(st, err.code, err.message, now, skip={sender}, retry_after_s=err.retry_after_s)
 
     def tick(self, now: float) -> list[Outbound]:
         """Periodic: dead instances, deadlines, parked requests."""
         out: list[Outbound] = []
         for inst, why in self.table.expire(now):
+            self.cache.index.forget(inst.name)  # if it comes back, its events resume past a gap: resync
             out += self._lose(inst, why, now, tell_instance=True)  # it may be wedged, not gone
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
@@ -271,12 +300,18 @@ class RouterCore:
     # ----- internals: placement -----
 
     def _place(self, st: RouterRequest, now: float) -> list[Outbound]:
-        placement = self.table.place(len(st.prompt_ids), st.params.max_tokens, now)
-        return [] if placement is None else self._send_job(st, placement, now)
+        chosen = self._choose(st, now)
+        return [] if chosen is None else self._send_job(st, *chosen, now)
 
-    def _send_job(self, st: RouterRequest, placement: Placement, now: float) -> list[Outbound]:
+    def _choose(self, st: RouterRequest, now: float, exclude: Iterable[str] = ()) -> Chosen | None:
+        return self.cache.choose(self.table, st.block_hashes, len(st.prompt_ids), st.params.max_tokens, now, exclude)
+
+    def _send_job(self, st: RouterRequest, placement: Placement, prediction: Prediction, now: float) -> list[Outbound]:
         self._parked.pop(st.rid, None)
-        self.table.assign(st.where, placement, len(st.prompt_ids))
+        # Cache-aware placement charges what the worker will compute; least-loaded stays the plain baseline.
+        compute = prediction.uncached_tokens if self.cache.cache_aware else None
+        self.table.assign(st.where, placement, len(st.prompt_ids), compute)
+        st.predicted_blocks = prediction.blocks
         st.phase, st.attempts, st.job_sent_at = Phase.PREFILLING, st.attempts + 1, now
         job = PrefillJob(
             st.rid,
@@ -287,6 +322,8 @@ class RouterCore:
             detokenizer=st.where.tokenizer,
             priority=st.req.priority,
             arrival_time=st.arrival,
+            expected_cached_blocks=prediction.cached_blocks,
+            cache_salt=st.cache_salt,
         )
         return [Outbound(placement.prefill.name, job)]
 

@@ -23,6 +23,8 @@ from deepinfer.services.placement import Assignment
 from deepinfer.services.wire import to_engine_params
 
 ClientId = bytes
+CACHE_AWARE, LEAST_LOADED = "cache_aware", "least_loaded"
+PLACEMENTS = (CACHE_AWARE, LEAST_LOADED)
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,10 @@ class RouterRequest:
     phase: Phase = Phase.TOKENIZING
     queued: bool = True  # counted in the router's queue (until decoding starts or it ends)
     queued_charge: int = 0  # prompt tokens it counts for in the queue: estimated, then exact
+    cache_salt: str | None = None  # the tenant's, from the api_key
     prompt_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    predicted_blocks: dict[str, int] = field(default_factory=dict)  # by tier, on the prefill worker it was sent to
     parked_since: float = 0.0
     attempts: int = 0  # prefill jobs sent
     job_sent_at: float | None = None
@@ -100,6 +104,23 @@ class RouterConfig:
     retry_after_s: float = 1.0  # suggested to clients refused with "overloaded"
     id_prefix: str = ""
     max_ttft_samples: int = 1024
+    # Prefill placement: "cache_aware" (least predicted prefill time, from the prefix index and measured
+    # rates: router_cache) or "least_loaded" (fewest queued prompt tokens; no cache knowledge, the baseline).
+    placement: str = CACHE_AWARE
+    prior_prefill_tokens_per_s: float = 600.0  # a worker's prefill rate until it has reported one
+    prior_host_fetch_s_per_token: float = 2e-5  # loading a cached token from the daemon's DRAM…
+    prior_disk_fetch_s_per_token: float = 6e-5  # …and from its disk, until measured
+    estimate_alpha: float = 0.2  # EWMA weight of each new measurement
+    kv_resync_interval_s: float = 5.0  # least time between KvResyncs to one publisher awaiting a snapshot
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        rates = (self.prior_prefill_tokens_per_s, self.prior_host_fetch_s_per_token, self.prior_disk_fetch_s_per_token)
+        if not all(math.isfinite(r) and r >= 0 for r in rates) or self.prior_prefill_tokens_per_s <= 0:
+            raise ValueError("prior rates must be finite, the prefill rate positive and fetch costs non-negative")
+        if not 0 < self.estimate_alpha <= 1:
+            raise ValueError(f"estimate_alpha must be in (0, 1], got {self.estimate_alpha}")
 
 
 @dataclass
@@ -113,10 +134,26 @@ class RouterMetrics:
     errors: Counter[str] = field(default_factory=Counter)  # admitted, ended by ErrorReply, by code
     stale: int = 0  # messages dropped as stale
     retries: int = 0  # placements retried after a decode worker refused
+    kv_events: int = 0  # KvEvents applied to the prefix index
+    resyncs: int = 0  # KvResync sent
+    # The prefix index's accuracy, over requests whose PrefillDone came: predicted cached blocks × block
+    # size (the worker computes at least the last token, so a full hit reports a little less), and reported.
+    predicted_cached_tokens: int = 0
+    actual_cached_tokens: int = 0
+    predicted_cached_by_tier: Counter[str] = field(default_factory=Counter)
+    actual_cached_by_tier: Counter[str] = field(default_factory=Counter)
     ttft_s: deque[float] = field(init=False)  # the latest time-to-first-token samples
 
     def __post_init__(self) -> None:
         self.ttft_s = deque(maxlen=self.max_ttft_samples)
+
+    def count_cached(self, predicted_blocks: Mapping[str, int], block_size: int, done: PrefillDone) -> None:
+        """One finished prefill's cached tokens: as the prefix index predicted (blocks by tier), as the
+        worker found."""
+        self.predicted_cached_tokens += sum(predicted_blocks.values()) * block_size
+        self.actual_cached_tokens += done.num_cached_tokens
+        self.predicted_cached_by_tier.update({t: n * block_size for t, n in predicted_blocks.items() if n > 0})
+        self.actual_cached_by_tier.update({t: n for t, n in done.cached_by_tier.items() if n > 0})
 
 
 def input_problem(req: GenerateRequest) -> str | None:

@@ -7,15 +7,12 @@ Stateless apart from in-flight detokenizer state, so several instances can run s
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.engine.config import ModelConfig
 from deepinfer.engine.fetch import resolve_model
-from deepinfer.engine.gguf import config_from_gguf, open_gguf
+from deepinfer.engine.identity import cache_namespace, model_config_at
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, make_pull
@@ -27,11 +24,14 @@ class TokenizerService(Service):
     role = "tokenizer"
 
     def __init__(self, instance: str, backend: str, detok_bind: str, ctx: zmq.asyncio.Context, model: str,
-                 max_model_len: int | None = None, **kw: Any) -> None:
-        super().__init__(instance, backend, ctx, **kw)
+                 max_model_len: int | None = None, block_size: int = 16, **kw: Any) -> None:
         path = resolve_model(model)
         self.tokenizer = Tokenizer.load(path)
-        self.core = TokenizerCore(self.tokenizer, instance, max_model_len or model_context_length(path))
+        config = model_config_at(path)
+        namespace = cache_namespace(path, config, self.tokenizer.fingerprint, block_size)
+        super().__init__(instance, backend, ctx, block_hash_scheme=namespace.handshake_scheme, **kw)
+        self.core = TokenizerCore(self.tokenizer, instance, max_model_len or config.max_position_embeddings,
+                                  namespace=namespace)
         self.detok_bind = detok_bind
         self.pull: Any = None
 
@@ -67,9 +67,3 @@ class TokenizerService(Service):
     async def _shutdown(self, msg: m.Shutdown) -> None:
         self.stop()
 
-
-def model_context_length(path: Path) -> int:
-    """The model's context limit, read from its config without loading weights."""
-    if path.is_dir():
-        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text())).max_position_embeddings
-    return config_from_gguf(open_gguf(path)).max_position_embeddings

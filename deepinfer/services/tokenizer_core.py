@@ -16,6 +16,9 @@ Decisions:
   A stop string ends the stream: the item is finished with finish_reason "stop" and `stop_string` set, its
   text stops just before the stop string, and its token_ids are all of that batch's new tokens (the
   detokenizer does not say which token completed the stop string). Later tokens are dropped.
+* Block hashes: with a cache namespace, the result carries the chain of the prompt's full blocks, salted
+  with the request's cache_salt (the router's, per tenant), for the router's prefix-aware placement.
+  Workers recompute the chain themselves before trusting any cached KV.
 * An EncodeRequest for a request id in flight starts it over (the router never reuses ids; a resent
   request gets the same answer). Past `max_inflight` requests, new ones are refused with "overloaded".
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 import jinja2
 
+from deepinfer.cache.hashing import CacheNamespace, HashKeys, hash_blocks
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.protocol.messages import (
@@ -59,8 +63,10 @@ class TokenizerCounters:
 
 
 class TokenizerCore:
-    def __init__(self, tokenizer: Tokenizer, instance: str, max_model_len: int, *, max_inflight: int = 65536) -> None:
+    def __init__(self, tokenizer: Tokenizer, instance: str, max_model_len: int, *, max_inflight: int = 65536,
+                 namespace: CacheNamespace | None = None) -> None:
         self.tokenizer = tokenizer
+        self.namespace = namespace
         self.instance = instance
         self.max_model_len = max_model_len
         self.max_inflight = max_inflight
@@ -86,9 +92,8 @@ class TokenizerCore:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=stop, skip_special_tokens=True)
         self._streams[req.request_id] = _Stream(detok)
         self.counters.encoded += 1
-        # Block hashes (and the cache salt that seeds them) arrive with the KV-cache work; until then the
-        # result names no cached blocks, and every prompt is computed in full.
-        return EncodeResult(req.request_id, ids, [])
+        hashes = [] if self.namespace is None else hash_blocks(self.namespace, ids, HashKeys(req.cache_salt))
+        return EncodeResult(req.request_id, ids, hashes)
 
     def _encode(self, req: EncodeRequest) -> list[int]:
         given = [x for x in (req.prompt, req.messages, req.prompt_token_ids) if x is not None]

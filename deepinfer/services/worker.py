@@ -6,6 +6,11 @@
   its blocks and reports PrefillDone.
 * ``decode``  — reserves blocks under a lease for an announced handoff, installs the KV, decodes.
 
+With a cache daemon (`kvcache`), a prefill-capable worker first loads the prompt's cached prefix that its
+own pool lacks from the daemon, then computes only the rest; new full blocks go back to the daemon behind
+the request (the prompt's at handoff, the whole conversation's when a request finishes), so the next turn
+reuses the answer too. The device tier's changes are published to the router as numbered KvEvents.
+
 Sockets: a DEALER to the router (jobs and aborts in; PrefillDone, ErrorReply, heartbeats out), PUSH
 sockets to every tokenizer (one DetokenizeBatch per tokenizer per engine step), and for the KV edge a bound
 ROUTER on decode-capable workers and one DEALER per decode peer on prefill workers. The engine steps on
@@ -27,12 +32,15 @@ from deepinfer.engine.request import InvalidRequestError, RequestOutput
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, arecv_routed, asend_msg, make_dealer, make_push, make_router
 from deepinfer.services.base import Handler, Service
+from deepinfer.services.cache_client import CacheClient
 from deepinfer.services.engine_thread import EngineThread
+from deepinfer.services.kv_events import KvEventPublisher
 from deepinfer.services.wire import from_wire_logprob, to_engine_params, to_wire_logprobs
 
 KV_LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
 HANDOFF_TIMEOUT_S = 30.0
 LEASE_S = 10.0
+EVENTS_PERIOD_S = 0.1
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Track:
     sent: int = 0  # generated tokens already pushed to the tokenizer
     job: m.PrefillJob | None = None
     started: float = 0.0
+    fetch_s: float = 0.0  # spent loading cached blocks from the cache daemon
 
 
 class WorkerService(Service):
@@ -50,9 +59,13 @@ class WorkerService(Service):
 
     def __init__(self, instance: str, role: str, backend: str, ctx: zmq.asyncio.Context, model: str,
                  config: EngineConfig, kv_bind: str | None, decode_peers: dict[str, str],
-                 tokenizers: dict[str, str], **kw: Any) -> None:
+                 tokenizers: dict[str, str], kvcache: tuple[str, str] | None = None, **kw: Any) -> None:
         self.engine = LLMEngine.load(model, config)
-        super().__init__(instance, backend, ctx, model_fingerprint=self.engine.fingerprint, **kw)
+        super().__init__(instance, backend, ctx, model_fingerprint=self.engine.fingerprint,
+                         block_hash_scheme=self.engine.cache_namespace.handshake_scheme, **kw)
+        self.kvcache = kvcache  # (daemon name, endpoint)
+        self.cache: CacheClient | None = None
+        self.publisher = KvEventPublisher(instance, self.incarnation)
         self.role = role  # type: ignore[misc]  # the instance's role: worker, prefill or decode
         self.kv_bind = kv_bind
         self.decode_peers = decode_peers
@@ -76,13 +89,26 @@ class WorkerService(Service):
                 self._kv_dealers[name] = self.socket(make_dealer(self.ctx, ep, self.instance.encode()))
         self._thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_outputs, self.instance)
         self._thread.start()
+        if self.kvcache is not None:
+            self.cache = CacheClient(self.instance, self.kvcache[1], self.ctx, self.engine, self._thread)
+        if self.engine.config.enable_prefix_caching:
+            await self._publish_snapshot()
 
     async def on_stop(self) -> None:
         if self._thread is not None:
             self._thread.stop()
+        if self.cache is not None:
+            self.cache.close()
+
+    def capabilities(self) -> dict[str, str]:
+        return {"kvcache": self.kvcache[0]} if self.kvcache is not None else {}
 
     def tasks(self) -> list[Any]:
         tasks: list[Any] = [self._lease_loop()]
+        if self.cache is not None:
+            tasks.append(self.cache.recv_forever())
+        if self.engine.config.enable_prefix_caching:
+            tasks.append(self._events_loop())
         if self._kv_router is not None:
             tasks.append(self.dispatch_forever(self._kv_router, arecv_routed))
         tasks += [self.dispatch_forever(d, arecv_msg) for d in self._kv_dealers.values()]
@@ -98,6 +124,7 @@ class WorkerService(Service):
             m.KvTransfer: self._on_transfer,
             m.KvReserveReply: self._on_reply,
             m.KvAck: self._on_reply,
+            m.KvResync: self._on_resync,
         }
 
     def heartbeat_fields(self) -> dict[str, Any]:
@@ -129,10 +156,24 @@ class WorkerService(Service):
     async def _on_job(self, job: m.PrefillJob) -> None:
         assert self._thread is not None
         prefill_only = self.role == "prefill"
-        self.tracks[job.request_id] = Track(job.detokenizer, job=job, started=time.monotonic())
+        track = self.tracks[job.request_id] = Track(job.detokenizer, job=job, started=time.monotonic())
+        importer = None
+        if self.cache is not None:
+            track.fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
+            if self.tracks.get(job.request_id) is not track:
+                return  # aborted while its prefix was loading
+
+        def add() -> None:
+            if importer is not None:
+                try:
+                    importer()
+                except Exception:  # cached KV that cannot be used is a miss, never a failed request
+                    self.log.exception("importing cached blocks failed", request_id=job.request_id)
+            self.engine.add_request(job.request_id, job.token_ids, to_engine_params(job.params), job.priority,
+                                    prefill_only=prefill_only, cache_salt=job.cache_salt)
+
         try:
-            await self._thread.call(lambda: self.engine.add_request(
-                job.request_id, job.token_ids, to_engine_params(job.params), job.priority, prefill_only=prefill_only))
+            await self._thread.call(add)
         except InvalidRequestError as exc:
             self.tracks.pop(job.request_id, None)
             await self.send_router(m.ErrorReply(job.request_id, "invalid_request", str(exc)))
@@ -156,9 +197,7 @@ class WorkerService(Service):
                 asyncio.ensure_future(self._handoff(out, track))
                 continue
             if track.job is not None and track.sent == 0 and out.new_token_ids:
-                asyncio.ensure_future(self.send_router(m.PrefillDone(
-                    out.request_id, self.instance, len(track.job.token_ids), out.usage.cached_tokens,
-                    prefill_s=time.monotonic() - track.started)))
+                asyncio.ensure_future(self.send_router(self._prefill_done(out, track)))
             if out.finish_reason is not None and out.finish_reason.value == "error":
                 self.tracks.pop(out.request_id, None)
                 asyncio.ensure_future(self.send_router(m.ErrorReply(out.request_id, "internal", out.error or "")))
@@ -171,6 +210,8 @@ class WorkerService(Service):
             batches.setdefault(track.detokenizer, []).append(item)
             if out.finished:
                 self.tracks.pop(out.request_id, None)
+                if self.cache is not None:
+                    self.cache.offer(out.request_id, out.block_hashes)
         for tok, items in batches.items():
             asyncio.ensure_future(self._push(tok, m.DetokenizeBatch(self.instance, self.progress, items)))
 
@@ -206,23 +247,26 @@ class WorkerService(Service):
             if job.decode_worker not in self._kv_dealers:
                 raise RuntimeError(f"unknown decode worker {job.decode_worker!r}")
             n_blocks = -(-(len(job.token_ids) + 1) // bs)
+            # Export first: the engine thread may be busy with a long prefill step, and the decode side's
+            # lease must only cover the transfer, not that wait.
+            kv = await self._thread.call(lambda: self.engine.export_kv(rid))
             reply = await self._request(job.decode_worker, m.KvReserve(
                 rid, n_blocks, len(job.token_ids), job.params.max_tokens, self.instance, LEASE_S), m.KvReserveReply)
             if not reply.ok:
                 await self.send_router(m.ErrorReply(rid, "overloaded", f"{job.decode_worker}: {reply.reason}"))
                 return
-            kv = await self._thread.call(lambda: self.engine.export_kv(rid))
             ack = await self._request(job.decode_worker, m.KvTransfer(
                 rid, reply.lease_id, out.new_token_ids[0], list(job.token_ids), list(job.block_hashes), job.params,
                 bs, KV_LAYOUT, kv, job.detokenizer, first_logprob=(to_wire_logprobs(out.logprobs) or [None])[0],
                 priority=job.priority, arrival_time=job.arrival_time,
-                num_cached_tokens=out.usage.cached_tokens), m.KvAck)
+                num_cached_tokens=out.usage.cached_tokens, cache_salt=job.cache_salt), m.KvAck)
             if not ack.ok:
                 reason = f"{job.decode_worker} refused the KV: {ack.reason}"
                 await self.send_router(m.ErrorReply(rid, "internal", reason))
                 return
-            await self.send_router(m.PrefillDone(rid, self.instance, len(job.token_ids), out.usage.cached_tokens,
-                                                 prefill_s=time.monotonic() - track.started))
+            await self.send_router(self._prefill_done(out, track))
+            if self.cache is not None:
+                self.cache.offer(rid, out.block_hashes, kv)
         except TimeoutError:
             await self.send_router(m.ErrorReply(rid, "worker_lost", f"{job.decode_worker} did not answer the handoff"))
         except Exception as exc:
@@ -254,10 +298,44 @@ class WorkerService(Service):
                 m.DetokenizeItem(t.request_id, 0, [t.first_token])]))
             await self._thread.call(lambda: self.engine.add_prefilled_request(
                 t.request_id, t.token_ids, t.first_token, to_engine_params(t.params), t.kv, reservation_id=t.lease_id,
-                priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob)))
+                priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob), cache_salt=t.cache_salt))
         except Exception as exc:
             self.tracks.pop(t.request_id, None)
             await self._thread.call(lambda: self.engine.cancel_reservation(t.lease_id))
             await asend_msg(self._kv_router, m.KvAck(t.request_id, t.lease_id, False, str(exc)), peer)
             return
         await asend_msg(self._kv_router, m.KvAck(t.request_id, t.lease_id, True), peer)
+
+    # -- the device tier's KV events ----------------------------------------------------------
+
+    def _prefill_done(self, out: RequestOutput, track: Track) -> m.PrefillDone:
+        assert track.job is not None
+        return m.PrefillDone(out.request_id, self.instance, len(track.job.token_ids), out.usage.cached_tokens,
+                             dict(out.usage.cached_by_tier), prefill_s=time.monotonic() - track.started,
+                             fetch_s=track.fetch_s)
+
+    async def _events_loop(self) -> None:
+        last_steps = -1
+        while True:
+            await asyncio.sleep(EVENTS_PERIOD_S)
+            assert self._thread is not None
+            if self._thread.steps != last_steps or self.cache is not None:  # imports change the pool too
+                last_steps = self._thread.steps
+                await self._publish_changes()
+
+    async def _publish_changes(self) -> None:
+        assert self._thread is not None
+        stored, evicted = await self._thread.call(self.engine.pool.drain_events)
+        for msg in self.publisher.changes("device", stored, evicted):
+            await self.send_router(msg)
+
+    async def _publish_snapshot(self) -> None:
+        assert self._thread is not None
+        await self._publish_changes()
+        hashes = await self._thread.call(self.engine.pool.cached_hashes)
+        for msg in self.publisher.snapshot("device", hashes):
+            await self.send_router(msg)
+
+    async def _on_resync(self, msg: m.KvResync) -> None:
+        self.log.info("resync asked by the router", reason=msg.reason)
+        await self._publish_snapshot()

@@ -61,6 +61,7 @@ class LetterTokenizer:
     """Decodes id i as one letter, 'a' + i % 26: enough for the detokenizer and stop strings."""
 
     eos_token_ids = (2,)
+    fingerprint = "letters"  # names the tokenizer in the engine's cache namespace
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(ord("a") + i % 26) for i in ids)

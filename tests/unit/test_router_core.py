@@ -9,7 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deepinfer.cache.hashing import CacheNamespace, HashKeys, hash_blocks
 from deepinfer.protocol.messages import (
+    PROTOCOL_VERSION,
     AbortRequest,
     EncodeRequest,
     EncodeResult,
@@ -17,6 +19,8 @@ from deepinfer.protocol.messages import (
     GenerateRequest,
     Heartbeat,
     Hello,
+    KvEvents,
+    KvResync,
     PrefillDone,
     PrefillJob,
     RequestFinished,
@@ -25,6 +29,7 @@ from deepinfer.protocol.messages import (
     TextDeltaItem,
     TextDeltas,
 )
+from deepinfer.services.router import MeshPins
 from deepinfer.services.router_core import Outbound, Phase, RouterConfig, RouterCore
 
 C1, C2 = b"client-1", b"client-2"
@@ -64,10 +69,11 @@ class Mesh:
         assert isinstance(out.msg, EncodeRequest), out
         return out.msg
 
-    def encoded(self, enc: EncodeRequest, n: int | None = None) -> list[Outbound]:
+    def encoded(self, enc: EncodeRequest, n: int | None = None, hashes: list[bytes] | None = None) -> list[Outbound]:
         ids = enc.prompt_token_ids if n is None else list(range(n))
         sender = self.core.request(enc.request_id).where.tokenizer
-        return self.core.on_encode_result(sender, EncodeResult(enc.request_id, ids or [1], []), self.now)
+        result = EncodeResult(enc.request_id, ids or [1], hashes or [])
+        return self.core.on_encode_result(sender, result, self.now)
 
     def placed(self, client: bytes = C1, **kw: Any) -> PrefillJob:
         [out] = self.encoded(self.admit(client, **kw))
@@ -265,6 +271,190 @@ def test_draining_workers_get_nothing_new() -> None:
     mesh.beat("pre0", "prefill", queued_prompt_tokens=10_000)
     mesh.placed()
     assert mesh.core.request("0").where.prefill == "pre0"
+
+
+# ----- cache-aware placement and the prefix index -----
+
+NS16 = CacheNamespace("model", "tok", "float32", "layers,kv,block_size,kv_heads,head_dim", block_size=16)
+
+
+class KvMesh(Mesh):
+    """A Mesh whose instances also publish KV events, numbered per publisher as real ones are."""
+
+    def __init__(self, config: RouterConfig | None = None, **instances: str) -> None:
+        super().__init__(config, **instances)
+        self.kv_seq: dict[str, int] = {}
+
+    def kv(self, publisher: str, tier: str, stored: list[bytes], *, seq: int | None = None, incarnation: str = "i0",
+           snapshot: bool = False, sender: str | None = None, evicted: list[bytes] | None = None) -> list[Outbound]:
+        seq = self.kv_seq.get(publisher, 0) if seq is None else seq
+        self.kv_seq[publisher] = seq + 1
+        ev = KvEvents(publisher, incarnation, seq, tier, stored, evicted or [], snapshot)
+        return self.core.on_kv_events(sender or publisher, ev, self.now)
+
+    def hello(self, name: str, role: str, **capabilities: str) -> list[Outbound]:
+        caps = {"incarnation": self.inc.get(name, "i0"), **capabilities}
+        return self.core.on_hello(Hello(2, role, name, capabilities=caps), self.now)
+
+    def job(self, n: int, salt: str | None = None, **kw: Any) -> tuple[PrefillJob, str]:
+        """A request of `n` prompt tokens (ids 0..n-1) placed: its job and where it went."""
+        enc = self.admit(n=n, **kw)
+        ids = list(range(n))
+        hashes = hash_blocks(NS16, ids, HashKeys(salt))
+        [out] = self.encoded(enc, n=n, hashes=hashes)
+        assert isinstance(out.msg, PrefillJob), out
+        return out.msg, str(out.dest)
+
+
+def chain(n: int, salt: str | None = None) -> list[bytes]:
+    return hash_blocks(NS16, list(range(n)), HashKeys(salt))
+
+
+def two_prefills(config: RouterConfig | None = None, a_queue: int = 0, b_queue: int = 100) -> KvMesh:
+    mesh = KvMesh(config or RouterConfig(heartbeat_timeout_s=3.0), tok0="tokenizer", dec0="decode")
+    mesh.beat("preA", "prefill", queued_prompt_tokens=a_queue)
+    mesh.beat("preB", "prefill", queued_prompt_tokens=b_queue)
+    return mesh
+
+
+def test_prefix_on_a_workers_device_wins_over_a_slightly_shorter_queue() -> None:
+    mesh = two_prefills()
+    assert mesh.kv("preB", "device", chain(640)) == []
+    job, dest = mesh.job(640)
+    assert dest == "preB" and job.expected_cached_blocks == 40
+    # Charged by what it must compute: the whole prompt is cached but its last token.
+    assert mesh.core.table.get("preB").prefill_tokens == 1
+
+
+def test_a_long_enough_queue_outweighs_the_cached_prefix() -> None:
+    mesh = two_prefills(b_queue=5000)  # 5000 tokens ahead on B ≈ 8 s; recomputing 640 on A ≈ 1 s
+    mesh.kv("preB", "device", chain(640))
+    job, dest = mesh.job(640)
+    assert dest == "preA" and job.expected_cached_blocks == 0
+
+
+def test_least_loaded_placement_ignores_the_cache() -> None:
+    mesh = two_prefills(RouterConfig(heartbeat_timeout_s=3.0, placement="least_loaded"))
+    mesh.kv("preB", "device", chain(640))
+    job, dest = mesh.job(640)
+    assert dest == "preA"
+    assert mesh.core.table.get("preA").prefill_tokens == 640  # the baseline charges whole prompts
+    with pytest.raises(ValueError, match="placement"):
+        RouterConfig(placement="random")
+
+
+def test_daemon_tiers_count_for_the_workers_that_read_from_them() -> None:
+    mesh = two_prefills(a_queue=100, b_queue=0)
+    mesh.hello("preA", "prefill", kvcache="kv0")
+    assert mesh.core.table.get("preA").kvcache == "kv0" and mesh.core.table.get("preB").kvcache is None
+    mesh.kv("kv0", "host", chain(320))
+    mesh.kv("kv0", "disk", chain(640)[20:])
+    job, dest = mesh.job(640)  # preA: 20 blocks from DRAM and 20 from disk beat recomputing on preB
+    assert dest == "preA" and job.expected_cached_blocks == 40
+    # A daemon too slow to be worth reading from: recompute instead.
+    slow = two_prefills(RouterConfig(heartbeat_timeout_s=3.0, prior_disk_fetch_s_per_token=1.0), 100, 0)
+    slow.hello("preA", "prefill", kvcache="kv0")
+    slow.kv("kv0", "disk", chain(640))
+    assert slow.job(640)[1] == "preB"
+
+
+def test_job_carries_the_tenant_salt_and_the_prediction_and_metrics_compare_it() -> None:
+    mesh = two_prefills(RouterConfig(heartbeat_timeout_s=3.0, tenants={"key-a": "salt-a"}))
+    mesh.kv("preB", "device", chain(640, "salt-a"))
+    other, dest = mesh.job(640, salt="salt-b")  # another tenant's chain: no hit anywhere
+    assert (other.cache_salt, other.expected_cached_blocks) == (None, 0)
+    job, dest = mesh.job(640, salt="salt-a", api_key="key-a")
+    assert (dest, job.cache_salt, job.expected_cached_blocks) == ("preB", "salt-a", 40)
+    mesh.done(job, num_cached_tokens=624, cached_by_tier={"device": 624}, prefill_s=0.05)
+    m = mesh.core.metrics
+    assert (m.predicted_cached_tokens, m.actual_cached_tokens) == (640, 624)
+    assert m.predicted_cached_by_tier == {"device": 640} and m.actual_cached_by_tier == {"device": 624}
+
+
+def test_prefill_reports_move_the_rate_and_fetch_estimates() -> None:
+    mesh = two_prefills(a_queue=0, b_queue=0)
+    model = mesh.core.cache
+    assert model.rate("preA") == 600.0
+    job, _ = mesh.job(1000)
+    assert mesh.core.request(job.request_id).where.prefill == "preA"  # a tie goes to the first name
+    # 840 computed tokens in 0.5 - 0.08 s = 2000 tok/s; 160 tokens from DRAM in 0.08 s = 5e-4 s/token.
+    mesh.done(job, num_cached_tokens=160, cached_by_tier={"host": 160}, prefill_s=0.5, fetch_s=0.08)
+    assert model.rate("preA") == pytest.approx(600 + 0.2 * 1400)
+    assert model.fetch_s_per_token["host"] == pytest.approx(2e-5 + 0.2 * (5e-4 - 2e-5))
+    assert model.fetch_s_per_token["disk"] == pytest.approx(6e-5) and model.rate("preB") == 600.0
+    # The faster worker now takes a prompt even with more queued ahead of it: (100 + 500) / 880 < 500 / 600.
+    mesh.beat("preA", "prefill", queued_prompt_tokens=100)
+    assert mesh.job(500)[1] == "preA"
+    # Reports without timings teach nothing.
+    before = dict(model.rates)
+    job, _ = mesh.job(500)
+    mesh.done(job, num_cached_tokens=0)
+    assert model.rates == before
+
+
+def test_a_gap_in_kv_events_asks_the_publisher_for_exactly_one_resync() -> None:
+    mesh = two_prefills()
+    assert mesh.kv("preB", "device", chain(320)) == []
+    [resync] = mesh.kv("preB", "device", chain(640)[20:], seq=3)
+    assert resync.dest == "preB" and isinstance(resync.msg, KvResync) and "events 1..2 were lost" in resync.msg.reason
+    assert mesh.kv("preB", "device", []) == []
+    assert mesh.kv("preB", "device", [], seq=7) == []  # a second gap while the snapshot is awaited
+    assert mesh.core.metrics.resyncs == 1 and mesh.core.metrics.kv_events == 4
+    # The blocks before the break are forgotten: only the ones announced since then count.
+    assert mesh.core.cache.index.longest_prefix(chain(640), "preB", "device") == 0
+    assert mesh.kv("preB", "device", chain(640), snapshot=True) == []
+    assert mesh.job(640)[1] == "preB"
+
+
+def test_kv_events_from_another_instance_than_the_publisher_are_stale() -> None:
+    mesh = two_prefills()
+    assert mesh.kv("preB", "device", chain(640), sender="preA") == []
+    assert mesh.core.metrics.stale == 1 and mesh.core.metrics.kv_events == 0
+    assert mesh.core.cache.index.size() == 0
+
+
+def test_a_dead_workers_blocks_are_forgotten_and_resynced_when_it_returns() -> None:
+    mesh = two_prefills()
+    mesh.kv("preB", "device", chain(640))
+    mesh.now = 2.0
+    for name, role in (("tok0", "tokenizer"), ("dec0", "decode"), ("preA", "prefill")):
+        mesh.beat(name, role)
+    mesh.core.tick(3.5)  # preB fell silent
+    assert not mesh.core.table.get("preB").alive and mesh.core.cache.index.size("preB") == 0
+    mesh.now = 3.5
+    mesh.beat("preB", "prefill")  # back, same process: it kept publishing, the router lost track
+    [resync] = mesh.kv("preB", "device", [])
+    assert isinstance(resync.msg, KvResync) and resync.dest == "preB"
+
+
+def test_a_restarted_workers_blocks_are_forgotten_and_its_fresh_stream_needs_no_resync() -> None:
+    mesh = two_prefills()
+    mesh.kv("preB", "device", chain(640))
+    mesh.beat("preB", "prefill", incarnation="i1", queued_prompt_tokens=100)
+    assert mesh.core.cache.index.size("preB") == 0
+    assert mesh.kv("preB", "device", chain(320), seq=0, incarnation="i1") == []
+    assert mesh.job(640)[0].expected_cached_blocks == 20
+    # The new process's events may come before the router sees the restart: they are kept.
+    mesh.kv("preA", "device", chain(640))
+    assert mesh.kv("preA", "device", chain(160), seq=0, incarnation="i1", snapshot=True) == []
+    mesh.beat("preA", "prefill", incarnation="i1")
+    assert mesh.core.cache.index.size("preA") == 10
+    assert mesh.core.metrics.resyncs == 0
+
+
+def test_mesh_pins_the_block_hash_scheme_from_the_first_service_that_names_one() -> None:
+    pins = MeshPins()
+    client = Hello(PROTOCOL_VERSION, "client", "cli")
+    assert pins.check(client, "router-0").accepted and pins.scheme is None
+    assert pins.check(Hello(PROTOCOL_VERSION, "tokenizer", "tok0", None, "sha:aa"), "router-0").accepted
+    assert pins.check(Hello(PROTOCOL_VERSION, "prefill", "pre0", "f" * 64, "sha:aa"), "router-0").accepted
+    assert (pins.scheme, pins.fingerprint) == ("sha:aa", "f" * 64)
+    refused = pins.check(Hello(PROTOCOL_VERSION, "kvcache", "kv0", None, "sha:bb"), "router-0")
+    assert not refused.accepted
+    assert "block hash scheme 'sha:bb' != 'sha:aa'" in refused.reason and "tokenizer tok0" in refused.reason
+    other_model = pins.check(Hello(PROTOCOL_VERSION, "decode", "dec0", "e" * 64, "sha:aa"), "router-0")
+    assert not other_model.accepted and "fingerprint" in other_model.reason
+    assert pins.check(client, "router-0").accepted and pins.scheme == "sha:aa"
 
 
 # ----- the request's life -----
@@ -596,6 +786,7 @@ INSTANCES = {
     "w0": "worker",
 }
 CLIENTS = (C1, C2, b"client-3")
+KV_CHAIN = chain(120)
 CODES = ("overloaded", "invalid_request", "worker_lost", "timeout", "internal")
 
 
@@ -617,6 +808,8 @@ class Model:
         self.live: dict[tuple[bytes, str], str] = {}  # (client, its id) → router id, admitted and not ended
         self.gone: set[bytes] = set()
         self.ended = 0
+        self.kv_seq: dict[str, int] = {}
+        self.kv_inc: dict[str, str] = {}
         for name, role in INSTANCES.items():
             self.mesh.beat(name, role)
 
@@ -637,7 +830,7 @@ class Model:
             st.sampled_from(
                 ["generate"] * 2
                 + ["progress"] * 6
-                + ["encode", "prefill_done", "delta", "error", "abort", "gone", "restart", "time", "time"]
+                + ["encode", "prefill_done", "delta", "error", "abort", "gone", "restart", "time", "time", "kv"]
             )
         )
         out = getattr(self, f"do_{kind}")()
@@ -661,7 +854,7 @@ class Model:
             return []
         if r.phase is Phase.TOKENIZING:
             n = self.draw(st.integers(1, 120))
-            return self.core.on_encode_result(r.where.tokenizer, EncodeResult(r.rid, list(range(n)), []), now)
+            return self.core.on_encode_result(r.where.tokenizer, EncodeResult(r.rid, list(range(n)), chain(n)), now)
         choice = self.draw(st.integers(0, 5))
         if r.phase is Phase.FINISHING or (r.phase is Phase.PREFILLING and choice < 2):
             return self.core.on_prefill_done(PrefillDone(r.rid, r.where.prefill, len(r.prompt_ids), 3), now)
@@ -681,7 +874,7 @@ class Model:
             return []
         sender = r.where.tokenizer if self.draw(st.booleans()) else self.instance()
         n = self.draw(st.integers(1, 120))
-        return self.core.on_encode_result(sender, EncodeResult(r.rid, list(range(n)), []), self.mesh.now)
+        return self.core.on_encode_result(sender, EncodeResult(r.rid, list(range(n)), chain(n)), self.mesh.now)
 
     def do_prefill_done(self) -> list[Outbound]:
         r = self.pick(Phase.PREFILLING, Phase.FINISHING, Phase.DECODING)
@@ -731,6 +924,21 @@ class Model:
             hello = Hello(1, INSTANCES[name], name, capabilities={"incarnation": incarnation})
             return self.core.on_hello(hello, self.mesh.now)
         return self.mesh.beat(name, INSTANCES[name], incarnation=incarnation)
+
+    def do_kv(self) -> list[Outbound]:
+        """KV events, mostly in order, sometimes skipping ahead, restarting or sent by the wrong instance."""
+        publisher = self.instance()
+        seq = self.kv_seq.get(publisher, 0) + self.draw(st.sampled_from([0, 0, 0, 1, 3]))
+        incarnation = self.draw(st.sampled_from(["i0", "i0", "i0", "i1"]))
+        if incarnation != self.kv_inc.setdefault(publisher, "i0"):
+            self.kv_inc[publisher], seq = incarnation, self.draw(st.sampled_from([0, 2]))
+        self.kv_seq[publisher] = seq + 1
+        blocks = KV_CHAIN[: self.draw(st.integers(0, len(KV_CHAIN)))]
+        ev = KvEvents(publisher, incarnation, seq, "device", blocks, [], self.draw(st.booleans()))
+        sender = publisher if self.draw(st.integers(0, 4)) else self.instance()
+        out = self.core.on_kv_events(sender, ev, self.mesh.now)
+        assert all(o.dest == publisher == sender and isinstance(o.msg, KvResync) for o in out)
+        return out
 
     def do_time(self) -> list[Outbound]:
         self.mesh.now += self.draw(st.sampled_from([0.5, 0.5, 1.0, 2.5, 4.0]))

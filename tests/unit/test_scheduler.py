@@ -7,6 +7,7 @@ import random
 import pytest
 
 from deepinfer.cache.block_pool import BlockPool, NoFreeBlocksError
+from deepinfer.cache.hashing import CacheNamespace, ChainHasher, HashKeys, hash_blocks
 from deepinfer.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 
@@ -383,4 +384,262 @@ def test_random_workload_with_handoffs_keeps_invariants():
     for r in live:
         s.finish(r, FinishReason.ABORT)
     assert pool.num_free == 16
+    pool.check_integrity()
+
+
+# -- prefix cache -----------------------------------------------------------------------------
+
+NS = CacheNamespace("model", "tokenizer", "float32", "test-layout", block_size=4)
+
+
+def cached(rid: str, tokens: list[int], t: float = 0.0, salt: str | None = None) -> Request:
+    """A request that takes part in the prefix cache: it carries its hash chain."""
+    return Request(rid, list(tokens), SamplingParams(max_tokens=100), arrival_time=t,
+                   hasher=ChainHasher(NS, HashKeys(salt)))
+
+
+def chain(tokens: list[int], salt: str | None = None) -> list[bytes]:
+    return hash_blocks(NS, tokens, HashKeys(salt))
+
+
+def caching_scheduler(num_blocks: int, budget: int = 64, **kw) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks), block_size=4, max_num_seqs=8, max_num_batched_tokens=budget, **kw)
+
+
+def test_full_blocks_are_named_as_their_kv_is_computed_prompt_and_output():
+    s = caching_scheduler(8, budget=6)
+    a = cached("a", list(range(1, 11)))  # 10 tokens
+    s.add(a)
+    assert run_step(s) == {"a": 6}  # chunk 1: block 0 full, block 1 half
+    assert a.block_ids == [0, 1] and s.pool.cached_hashes() == chain(a.prompt_token_ids)[:1]
+    assert run_step(s) == {"a": 4}  # the prompt: block 1 full, block 2 half, one token sampled
+    assert s.pool.cached_hashes() == chain(a.prompt_token_ids)
+    run_step(s)  # position 10 (the first output token)
+    assert s.pool.num_cached == 2
+    run_step(s)  # position 11: block 2 holds prompt tokens 8, 9 and two outputs, all computed
+    assert a.output_token_ids == [7, 7, 7] and s.pool.cached_hashes() == chain(a.all_token_ids)[:3]
+    assert s.pool.block_of(chain(a.all_token_ids)[2]) == 2
+    s.finish(a, FinishReason.STOP)
+    assert s.pool.num_free == 8 and s.pool.num_cached == 3  # freed, still cached
+    s.pool.check_integrity()
+
+
+def test_second_request_with_the_same_prefix_reuses_the_first_ones_blocks():
+    s = caching_scheduler(8)
+    a = cached("a", list(range(1, 11)), t=0)
+    s.add(a)
+    run_step(s)
+    assert a.block_ids == [0, 1, 2]
+    # While a runs: its two full blocks are shared, b computes only its own tail.
+    b = cached("b", list(range(1, 9)) + [50, 51, 52], t=1)
+    s.add(b)
+    out = s.schedule()
+    assert [(c.request.request_id, c.num_new_tokens, c.start) for c in out.chunks] == [("a", 1, 10), ("b", 3, 8)]
+    assert b.block_ids == [0, 1, 3] and b.num_computed_tokens == 8
+    assert [s.pool.ref_cnt(x) for x in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert (b.num_cached_tokens, b.cached_by_tier) == (8, {"device": 8})
+    assert (out.prefix_lookups, out.prefix_query_tokens, out.prefix_hit_tokens) == (1, 11, 8)
+    s.update(out)
+    # After a finishes its shared blocks stay with b; a third request finds them all the same.
+    s.finish(a, FinishReason.STOP)
+    assert [s.pool.ref_cnt(x) for x in (0, 1, 2)] == [1, 1, 0]
+    c = cached("c", list(range(1, 13)), t=2)
+    s.add(c)
+    out = s.schedule()
+    assert c.block_ids == [0, 1, 4] and c.num_computed_tokens == 8  # block 2 held tokens 9-10 only: not full
+    assert [ch.num_new_tokens for ch in out.chunks if ch.request is c] == [4]
+    s.pool.check_integrity()
+
+
+def test_a_hit_never_covers_the_last_token():
+    s = caching_scheduler(8)
+    a = cached("a", list(range(1, 9)))  # exactly two blocks
+    s.add(a)
+    run_step(s)
+    s.finish(a, FinishReason.STOP)  # free queue: 2..7, then 1, 0 (both named)
+    b = cached("b", list(range(1, 9)))  # the same prompt: its last token's logits must be computed
+    s.add(b)
+    assert run_step(s) == {"b": 4}
+    assert b.block_ids == [0, 2] and b.num_cached_tokens == 4
+    # Block 2 now holds the same KV as block 1; the hash keeps its first block, 2 stays plain.
+    h1 = chain(a.prompt_token_ids)[1]
+    assert s.pool.block_of(h1) == 1 and s.pool.name_of(2) is None
+    s.finish(b, FinishReason.STOP)
+    c = cached("c", list(range(1, 4)))  # shorter than a block: nothing to look up
+    s.add(c)
+    assert run_step(s) == {"c": 3} and c.num_cached_tokens == 0
+    s.pool.check_integrity()
+
+
+def test_a_hit_then_a_chunked_rest_under_the_budget():
+    s = caching_scheduler(16, budget=4)
+    a = cached("a", list(range(1, 15)), t=0)  # 14 tokens: 4 chunks of at most 4
+    s.add(a)
+    for _ in range(4):
+        run_step(s)
+    assert a.num_computed_tokens == 14 and a.block_ids == [0, 1, 2, 3]
+    s.finish(a, FinishReason.STOP)
+    b = cached("b", list(range(1, 13)) + [60, 61, 62, 63, 64, 65], t=1)  # 12 shared tokens, then 6 more
+    s.add(b)
+    assert run_step(s) == {"b": 4}  # tokens 12-15 in a fresh block; the budget counts computed tokens only
+    assert b.block_ids == [0, 1, 2, 4] and b.num_computed_tokens == 16 and b.output_token_ids == []
+    assert run_step(s) == {"b": 2}
+    assert b.block_ids == [0, 1, 2, 4, 5] and b.output_token_ids == [7] and b.num_cached_tokens == 12
+    s.pool.check_integrity()
+
+
+def test_a_preempted_request_refinds_its_own_blocks():
+    s = caching_scheduler(4)
+    a, b = cached("a", list(range(1, 9)), t=0), cached("b", list(range(20, 27)), t=1)
+    s.add(a)
+    s.add(b)
+    assert run_step(s) == {"a": 8, "b": 7}
+    assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
+    out = s.schedule()  # a needs a third block: b goes; its full block 2 stays cached, 3 is reused
+    assert out.preempted == [b] and a.block_ids == [0, 1, 3]
+    s.update(out)
+    a.output_token_ids.append(7)
+    s.finish(a, FinishReason.STOP)
+    out = s.schedule()
+    # b's 8 tokens (7 prompt + 1 output): block 0 of its chain is still block 2; it recomputes the rest.
+    assert [(c.request.request_id, c.start, c.num_new_tokens) for c in out.chunks] == [("b", 4, 4)]
+    assert b.block_ids == [2, 3] and b.num_computed_tokens == 4
+    assert (out.prefix_lookups, out.prefix_hit_tokens) == (1, 4)
+    assert (b.num_cached_tokens, b.cached_by_tier) == (0, {})  # only a first admission's hit is the prompt's
+    s.update(out)
+    s.pool.check_integrity()
+
+
+def test_failed_admission_leaves_the_hit_blocks_where_they_were():
+    s = caching_scheduler(4)
+    a = cached("a", list(range(1, 9)), t=0)
+    s.add(a)
+    run_step(s)
+    s.finish(a, FinishReason.STOP)  # free queue: 2, 3, 1, 0 (1 and 0 named)
+    c = cached("c", list(range(30, 37)), t=1)  # 7 tokens: 2 blocks, and its first output still fits
+    s.add(c)
+    run_step(s)
+    assert c.block_ids == [2, 3]
+    b = cached("b", list(range(1, 9)) + list(range(40, 48)), t=2)  # hits 0, 1; needs 2 more blocks, 0 left
+    s.add(b)
+    assert run_step(s) == {"c": 1}
+    assert s.waiting == [b] and b.block_ids == [] and b.num_computed_tokens == 0 and b.num_cached_tokens == 0
+    assert (s.pool.ref_cnt(0), s.pool.ref_cnt(1), s.pool.num_free) == (0, 0, 2)
+    assert s.pool.lookup(chain(a.prompt_token_ids)) == [0, 1]
+    s.finish(c, FinishReason.STOP)  # free queue: 1, 0, 3, 2
+    assert run_step(s) == {"b": 8}
+    assert b.block_ids == [0, 1, 3, 2] and b.num_cached_tokens == 8
+    s.pool.check_integrity()
+
+
+def test_hits_count_under_the_tier_the_block_was_imported_from_once():
+    s = caching_scheduler(8)
+    tokens = list(range(1, 10))
+    [blk] = s.pool.allocate(1)  # what an import does: copy KV in, name it, mark its origin, free it
+    s.pool.register(blk, chain(tokens)[0])
+    s.pool.set_origin(blk, "host")
+    s.pool.free([blk])
+    a = cached("a", tokens, t=0)
+    s.add(a)
+    run_step(s)
+    assert a.block_ids[0] == blk and (a.num_cached_tokens, a.cached_by_tier) == (4, {"host": 4})
+    assert s.pool.origin(blk) is None  # device-resident from now on
+    b = cached("b", tokens, t=1)
+    s.add(b)
+    run_step(s)
+    assert (b.num_cached_tokens, b.cached_by_tier) == (8, {"device": 8})
+
+
+def test_no_hits_across_salts_or_with_caching_disabled():
+    s = caching_scheduler(8)
+    a = cached("a", list(range(1, 10)), salt="tenant-1")
+    s.add(a)
+    run_step(s)
+    b = cached("b", list(range(1, 10)), t=1, salt="tenant-2")
+    s.add(b)
+    run_step(s)
+    assert b.num_cached_tokens == 0 and set(a.block_ids).isdisjoint(b.block_ids)
+    c = cached("c", list(range(1, 10)), t=2, salt="tenant-1")
+    s.add(c)
+    run_step(s)
+    assert c.num_cached_tokens == 8 and c.block_ids[:2] == a.block_ids[:2]
+
+    off = caching_scheduler(8, enable_prefix_caching=False)
+    x, y = cached("x", list(range(1, 10)), t=0), cached("y", list(range(1, 10)), t=1)
+    off.add(x)
+    run_step(off)
+    off.add(y)
+    out = off.schedule()
+    assert y.num_cached_tokens == 0 and y.block_ids == [3, 4, 5] and out.prefix_lookups == 0
+    assert off.pool.num_cached == 0
+
+
+def test_handed_off_request_names_its_prompt_blocks():
+    s = caching_scheduler(8)
+    h = cached("h", list(range(1, 11)))
+    h.output_token_ids = [9]
+    h.num_computed_tokens = 10
+    h.block_ids = s.pool.allocate(3)
+    s.add_running(h)
+    assert s.pool.cached_hashes() == chain(h.prompt_token_ids)  # two full prompt blocks
+    s.finish(h, FinishReason.ABORT)
+    assert s.pool.lookup(chain(list(range(1, 13)))) == [0, 1]
+
+
+def test_random_workload_with_shared_prefixes_computes_the_right_kv():
+    """A fake model writes each position's token into its KV slot; every chunk checks that the KV it
+    attends to (positions before it, hit or computed) is exactly its own prefix, and that it only
+    writes into blocks nobody else holds and nobody can find by hash."""
+    rng = random.Random(2)
+    bs = 4
+    pool = BlockPool(14)
+    s = Scheduler(pool, block_size=bs, max_num_seqs=4, max_num_batched_tokens=10)
+    kv: dict[int, list[int | None]] = {b: [None] * bs for b in range(14)}
+    stems = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
+    live: list[Request] = []
+    block_of_hash: dict[bytes, list[int]] = {}  # every chain hash seen -> the block's tokens
+    hit_tokens = preemptions = 0
+    for step in range(500):
+        if rng.random() < 0.3:
+            tokens = rng.choice(stems)[: rng.randint(1, 12)] + [rng.randrange(1, 50) for _ in range(rng.randint(0, 6))]
+            r = cached(f"r{step}", tokens, t=step, salt=rng.choice([None, None, "x"]))
+            s.add(r)
+            live.append(r)
+        out = s.schedule()
+        hit_tokens += out.prefix_hit_tokens
+        for c in out.chunks:
+            req, toks = c.request, c.request.all_token_ids
+            for p in range(c.start):
+                assert kv[req.block_ids[p // bs]][p % bs] == toks[p], (req.request_id, p)
+            for p in range(c.start, c.start + c.num_new_tokens):
+                b = req.block_ids[p // bs]
+                assert pool.ref_cnt(b) == 1 and pool.name_of(b) is None, (req.request_id, p, b)
+                kv[b][p % bs] = toks[p]
+        s.update(out)
+        preemptions += len(out.preempted)
+        for c in out.chunks:
+            r = c.request
+            for i, name in enumerate(r.hasher.hashes):
+                block_of_hash[name] = r.all_token_ids[i * bs:(i + 1) * bs]
+            if r.num_computed_tokens == r.num_tokens:
+                r.output_token_ids.append(rng.randrange(1, 50))
+        for r in list(live):
+            if r.status == RequestStatus.RUNNING and len(r.output_token_ids) > rng.randint(2, 8):
+                s.finish(r, FinishReason.LENGTH)
+            elif rng.random() < 0.02:
+                s.finish(r, FinishReason.ABORT)
+            if r.is_finished:
+                live.remove(r)
+        holders = [b for r in s.requests.values() for b in r.block_ids]
+        assert all(pool.ref_cnt(b) == holders.count(b) for b in range(14))
+        assert len(set(holders)) + pool.num_free == pool.num_blocks
+        for b in range(14):  # a named block holds exactly the tokens its name stands for
+            name = pool.name_of(b)
+            if name is not None:
+                assert kv[b] == block_of_hash[name], b
+        pool.check_integrity()
+    assert hit_tokens > 0 and preemptions > 0
+    for r in live:
+        s.finish(r, FinishReason.ABORT)
+    assert pool.num_free == 14
     pool.check_integrity()

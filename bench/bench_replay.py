@@ -1,0 +1,399 @@
+"""Replay the Mooncake FAST'25 trace (multi-turn, prefix-sharing) against the mesh, cache on vs cache off.
+
+    python -m bench.bench_replay [--trace PATH] [--block-tokens 16] [--sample 0.03125] [--requests N]
+                                 [--time-scale 10] [--model smollm2] [--threads 2] [--placement] [--out PATH]
+
+The trace (bench/data/mooncake-fast25/) has arrival times, lengths and one hash id per 512-token block;
+bench/trace.py turns each block id into a fixed run of --block-tokens token ids, so requests that share
+leading ids share exactly that prefix. Whole prefix groups are sampled (--sample), arrivals compressed
+(--time-scale), and every request is sent at its arrival time through AsyncClient with prompt_token_ids,
+greedy, EOS ignored, max_tokens = the scaled output length.
+
+Default mode: the same replay against a fresh mesh with the KV cache (device pool + cache daemon's host and
+disk tiers) and one without; prints the token hit rate per tier next to the trace's own reusable fraction,
+TTFT p50/p99 and throughput, and the off/on ratios. --placement: two prefill workers, cache on, router
+placement "cache_aware" vs "least_loaded". See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from bench.bench_mesh import pct, table
+from bench.trace import (
+    TRACE_BLOCK_TOKENS,
+    ScaleConfig,
+    ScaledRequest,
+    ScaledTrace,
+    load_trace,
+    reusable_fraction,
+    sample_groups,
+    scale_trace,
+    scaled_items,
+    trace_items,
+)
+from deepinfer.engine.fetch import resolve_model
+from deepinfer.engine.identity import model_config_at
+from deepinfer.launch.mesh import InprocMesh
+from deepinfer.launch.supervisor import Supervisor
+from deepinfer.launch.topology import Topology
+from deepinfer.protocol.client import AsyncClient, MeshError
+from deepinfer.services.router_state import RouterConfig
+
+DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"
+RESULTS = Path(__file__).parent / "results"
+TIERS = ("device", "host", "disk")
+KV_BLOCK = 16  # the mesh's KV block size (Topology.block_size default): what a block cache can hit
+# The default workload: 1/48 of the prefix groups, seed 8 — 77 requests, 35.6k prompt tokens at b = 16, 65.5%
+# of them reusable, as in the whole trace (65.1%; samples vary from ~45% to ~80%, big groups dominate) —
+# arriving over ~100 s, about what the P/D pair on 2 cores prefills in that time without the cache.
+DEFAULT_SAMPLE, DEFAULT_SAMPLE_SEED, DEFAULT_TIME_SCALE = "1/48", 8, 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One mesh configuration the workload runs against."""
+
+    name: str
+    cache: bool
+    num_prefill: int = 1
+    router_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    model: str
+    transport: str  # "ipc" (a process per service) or "inproc" (one process)
+    colocated: bool
+    threads: int  # torch threads per worker
+    kv_cache_mb: int
+    host_cache_mb: int
+    disk_cache_mb: int
+    router_options: dict[str, Any]  # for every arm (queue limits), before the arm's own
+
+
+def mesh_topology(s: MeshSettings, arm: Arm, run_dir: Path) -> tuple[Topology, list[str]]:
+    """The one place that knows the cache wiring's API: `Topology.local(..., kvcache, cache_dir,
+    host_cache_mb, disk_cache_mb, prefix_caching)`, router options through `dataclasses.replace`. Arguments
+    that this tree's Topology.local or RouterConfig lack are left out and named in the returned notes, so
+    the benchmark still runs (without that part) on a mesh that predates it."""
+    wanted: dict[str, Any] = {"kvcache": arm.cache, "prefix_caching": arm.cache, "host_cache_mb": s.host_cache_mb,
+                              "disk_cache_mb": s.disk_cache_mb}
+    if arm.cache:
+        # A fresh disk tier per run: the default directory outlives runs and would serve hits from the last one.
+        wanted["cache_dir"] = str(run_dir / "kvcache")
+    accepted = inspect.signature(Topology.local).parameters
+    notes = [f"Topology.local has no {k!r} argument (left out)" for k in wanted if k not in accepted]
+    if arm.cache and "kvcache" not in accepted:
+        notes.append("this mesh has no cache daemon wiring: the cache-on arms ran without the cache daemon")
+    topo = Topology.local(s.model, s.transport, run_dir if s.transport == "ipc" else None,
+                          disaggregated=not s.colocated, num_prefill=arm.num_prefill, threads=s.threads,
+                          kv_cache_mb=s.kv_cache_mb, **{k: v for k, v in wanted.items() if k in accepted})
+    known = {f.name for f in dataclasses.fields(RouterConfig)}
+    options = {**s.router_options, **arm.router_options}
+    notes += [f"the router has no {k!r} option (left out)" for k in options if k not in known]
+    options = {**topo.router_options, **{k: v for k, v in options.items() if k in known}}
+    return dataclasses.replace(topo, router_options=options), notes
+
+
+# -- running one arm ------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def supervised(topo: Topology, run_dir: Path) -> Iterator[None]:
+    """One process per service under a Supervisor, serving; stopped on the way out (logs shown on failure)."""
+    (run_dir / "topology.toml").write_text(topo.to_toml())
+    sup = Supervisor(run_dir / "topology.toml", log_dir=run_dir)
+    ok = False
+    try:
+        sup.start()
+        sup.wait_ready(timeout_s=300)
+        yield
+        ok = True
+    finally:
+        sup.stop()
+        if not ok:
+            for log in sorted(run_dir.glob("*.log")):
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+                print(f"--- {log.name} (last lines)\n{tail}", file=sys.stderr)
+
+
+async def replay(endpoint: str, ctx: Any, requests: list[ScaledRequest], warm: list[list[int]], timeout_s: float,
+                 label: str) -> list[dict[str, Any]]:
+    """Send each request at its arrival time; one row per request (an `error` code instead of figures if
+    the mesh refused or failed it). Times in the rows are from the first arrival."""
+    async with AsyncClient(endpoint, timeout_s=timeout_s, ctx=ctx) as c:
+        await asyncio.gather(*(c.generate(prompt_token_ids=p, max_tokens=2, ignore_eos=True) for p in warm))
+        start = time.perf_counter()
+        done = 0
+
+        async def one(r: ScaledRequest) -> dict[str, Any]:
+            nonlocal done
+            await asyncio.sleep(max(0.0, start + r.arrival_s - time.perf_counter()))
+            sent = time.perf_counter() - start
+            row: dict[str, Any] = {"index": r.index, "arrival_s": r.arrival_s, "late_s": sent - r.arrival_s,
+                                   "prompt_tokens": len(r.prompt), "max_tokens": r.max_tokens}
+            try:
+                res = await c.generate(prompt_token_ids=list(r.prompt), max_tokens=r.max_tokens, ignore_eos=True)
+            except MeshError as exc:
+                row.update(error=exc.code, message=str(exc))
+            else:
+                u, t = res.usage, res.timings
+                row.update(completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+                           cached_by_tier=dict(u.cached_by_tier), ttft_s=t.ttft_s, e2e_s=t.e2e_s, queue_s=t.queue_s,
+                           prefill_s=t.prefill_s)
+            row["finished_s"] = time.perf_counter() - start
+            done += 1
+            if done % max(1, len(requests) // 10) == 0 or done == len(requests):
+                print(f"  {label}: {done}/{len(requests)} done at {row['finished_s']:.0f} s", file=sys.stderr)
+            return row
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+def run_arm(s: MeshSettings, arm: Arm, requests: list[ScaledRequest], warm: list[list[int]],
+            timeout_s: float) -> tuple[list[dict[str, Any]], list[str]]:
+    """A fresh mesh (fresh cache) for this arm, the replay, the mesh stopped."""
+    run_dir = Path(tempfile.mkdtemp(prefix="direplay-"))
+    try:
+        topo, notes = mesh_topology(s, arm, run_dir)
+        if s.transport == "inproc":
+            async def main() -> list[dict[str, Any]]:
+                mesh = InprocMesh(topo)
+                await mesh.start()
+                try:
+                    return await replay(topo.frontend, mesh.ctx, requests, warm, timeout_s, arm.name)
+                finally:
+                    await mesh.stop()
+
+            return asyncio.run(main()), notes
+        with supervised(topo, run_dir):
+            return asyncio.run(replay(topo.frontend, None, requests, warm, timeout_s, arm.name)), notes
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# -- figures ------------------------------------------------------------------------------------------------
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if "error" not in r]
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    cached = sum(r["cached_tokens"] for r in ok)
+    by_tier = Counter[str]()
+    for r in ok:
+        by_tier.update(r["cached_by_tier"])
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    wall = max((r["finished_s"] for r in rows), default=0.0)
+    per_s = lambda n: n / wall if wall else None
+    return {
+        "requests": len(rows), "ok": len(ok), "errors": dict(Counter(r["error"] for r in rows if "error" in r)),
+        "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
+        "hit_rate_by_tier": {t: by_tier[t] / prompt if prompt else None for t in sorted({*TIERS, *by_tier})},
+        "ttft_p50_s": pct(ttft, 50) if ttft else None, "ttft_p99_s": pct(ttft, 99) if ttft else None,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "wall_s": wall, "req_s": per_s(len(ok)), "prompt_tok_s": per_s(prompt),
+        "computed_prompt_tok_s": per_s(prompt - cached),
+        "output_tok_s": per_s(sum(r["completion_tokens"] for r in ok)),
+        "max_send_late_s": max((r["late_s"] for r in rows), default=0.0),
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(arms: dict[str, dict[str, Any]], reusable_kv: float, placement: bool) -> dict[str, float | None]:
+    if placement:
+        ca, ll = arms["cache_aware"], arms["least_loaded"]
+        return {"TTFT p50, least_loaded / cache_aware": ratio(ll["ttft_p50_s"], ca["ttft_p50_s"]),
+                "TTFT p99, least_loaded / cache_aware": ratio(ll["ttft_p99_s"], ca["ttft_p99_s"]),
+                "hit rate, cache_aware / least_loaded": ratio(ca["hit_rate"], ll["hit_rate"]),
+                "hit rate cache_aware / reusable (KV blocks)": ratio(ca["hit_rate"], reusable_kv)}
+    on, off = arms["cache on"], arms["cache off"]
+    return {"TTFT p50, off / on": ratio(off["ttft_p50_s"], on["ttft_p50_s"]),
+            "TTFT p99, off / on": ratio(off["ttft_p99_s"], on["ttft_p99_s"]),
+            "throughput (req/s), on / off": ratio(on["req_s"], off["req_s"]),
+            "wall, off / on": ratio(off["wall_s"], on["wall_s"]),
+            "hit rate on / reusable (KV blocks)": ratio(on["hit_rate"], reusable_kv)}
+
+
+def print_report(r: dict[str, Any]) -> None:
+    f = lambda v, spec=".3f": "-" if v is None else format(v, spec)
+    pc = lambda v: "-" if v is None else f"{100 * v:.1f}%"
+    w = r["workload"]
+    print(f"\nMooncake FAST'25 replay, {r['model_name']}, {r['mesh']['transport']} mesh, {r['mode']} mode; "
+          f"{w['requests']} requests over {w['span_s']:.0f} s (time / {w['time_scale']:g}), "
+          f"{w['prompt_tokens']} prompt tokens (mean {w['mean_prompt']:.0f}, max {w['max_prompt']}), "
+          f"{w['output_tokens']} output tokens, b = {w['block_tokens']}")
+    print(f"reusable with an unbounded cache: {pc(w['reusable_scaled'])} of scaled prompt tokens, "
+          f"{pc(w['reusable_kv_blocks'])} in full {KV_BLOCK}-token KV blocks (this sample unscaled: "
+          f"{pc(w['reusable_unscaled'])}; whole trace unscaled: {pc(w['reusable_whole_trace'])})")
+    if w["skipped"] or w["truncated"]:
+        print(f"prompts over {w['max_input_tokens']} tokens: {w['skipped']} skipped, {w['truncated']} truncated")
+    arms = r["arms"]
+    table(["arm", "ok", "errors", "hit", *TIERS, "TTFT p50 s", "TTFT p99 s", "wall s", "req/s", "prompt tok/s"],
+          [[name, str(a["ok"]), str(sum(a["errors"].values())), pc(a["hit_rate"]),
+            *(pc(a["hit_rate_by_tier"].get(t)) for t in TIERS), f(a["ttft_p50_s"]), f(a["ttft_p99_s"]),
+            f(a["wall_s"], ".1f"), f(a["req_s"], ".2f"), f(a["prompt_tok_s"], ".0f")] for name, a in arms.items()])
+    for name, a in arms.items():
+        if a["errors"]:
+            print(f"  {name}: errors {a['errors']}")
+        if a["max_send_late_s"] > 0.5:
+            print(f"  {name}: the client sent a request up to {a['max_send_late_s']:.1f} s late")
+    print("\nratios:")
+    for name, v in r["ratios"].items():
+        print(f"  {name:<45} {f(v, '.2f'):>6}")
+    for n in r["notes"]:
+        print(f"note: {n}")
+    print(f"\nreproduce: {r['command']}")
+
+
+# -- main ---------------------------------------------------------------------------------------------------
+
+
+def build_workload(args: argparse.Namespace, vocab: int, context: int) -> tuple[ScaledTrace, dict[str, Any]]:
+    whole = load_trace(args.trace)
+    picked = sample_groups(whole, float(Fraction(args.sample)), args.sample_seed)[: args.requests]
+    max_input = args.max_input_tokens or context - args.max_output_tokens - 1  # prompt + output fit the context
+    cfg = ScaleConfig(block_tokens=args.block_tokens, low=args.low, vocab=vocab, seed=args.seed,
+                      time_scale=args.time_scale, max_output_tokens=args.max_output_tokens,
+                      max_input_tokens=max_input, long_prompts=args.long_prompts)
+    st = scale_trace(picked, cfg)
+    if not st.requests:
+        raise SystemExit("no requests left after sampling and filtering")
+    prompts = [len(x.prompt) for x in st.requests]
+    kept = [picked[x.index] for x in st.requests]
+    return st, {
+        "trace": str(args.trace), "sample": args.sample, "sample_seed": args.sample_seed, "seed": args.seed,
+        "requests": len(st.requests),
+        "block_tokens": args.block_tokens, "time_scale": args.time_scale, "span_s": st.requests[-1].arrival_s,
+        "prompt_tokens": sum(prompts), "mean_prompt": statistics.fmean(prompts), "max_prompt": max(prompts),
+        "output_tokens": sum(x.max_tokens for x in st.requests), "max_input_tokens": max_input,
+        "long_prompts": args.long_prompts, "skipped": len(st.skipped), "truncated": len(st.truncated),
+        "token_range": [args.low, vocab],
+        "reusable_scaled": reusable_fraction(scaled_items(st.requests), args.block_tokens),
+        "reusable_kv_blocks": reusable_fraction(scaled_items(st.requests), args.block_tokens, KV_BLOCK),
+        "reusable_unscaled": reusable_fraction(trace_items(kept), TRACE_BLOCK_TOKENS),
+        "reusable_whole_trace": reusable_fraction(trace_items(whole), TRACE_BLOCK_TOKENS),
+    }
+
+
+def command_line(args: argparse.Namespace) -> str:
+    parts = ["python -m bench.bench_replay"] + ([f"--trace {args.trace}"] if args.trace != DEFAULT_TRACE else [])
+    parts += [f"--block-tokens {args.block_tokens}", f"--sample {args.sample}", f"--sample-seed {args.sample_seed}",
+             f"--time-scale {args.time_scale:g}", f"--model {args.model}",
+             f"--threads {args.threads}", f"--transport {args.transport}", f"--seed {args.seed}",
+             f"--kv-cache-mb {args.kv_cache_mb}", f"--host-cache-mb {args.host_cache_mb}",
+             f"--disk-cache-mb {args.disk_cache_mb}", f"--max-output-tokens {args.max_output_tokens}",
+             f"--long-prompts {args.long_prompts}", f"--low {args.low}"]
+    parts += [f"--requests {args.requests}"] if args.requests else []
+    parts += [f"--max-input-tokens {args.max_input_tokens}"] if args.max_input_tokens else []
+    parts += ["--colocated"] if args.colocated else []
+    parts += ["--placement"] if args.placement else []
+    return " ".join(parts)
+
+
+def fraction(text: str) -> str:
+    """argparse type: a fraction in (0, 1] as a decimal or p/q, kept as written (the report repeats it)."""
+    try:
+        value = Fraction(text)
+    except (ValueError, ZeroDivisionError) as exc:
+        raise argparse.ArgumentTypeError(f"not a fraction: {text!r}") from exc
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="a Mooncake-format JSONL trace")
+    ap.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block (b)")
+    ap.add_argument("--sample", type=fraction, default=DEFAULT_SAMPLE, help="fraction of prefix groups (requests "
+                    f"sharing a first block) kept, as 0.02 or 1/48; 1 = all (default {DEFAULT_SAMPLE})")
+    ap.add_argument("--sample-seed", type=int, default=DEFAULT_SAMPLE_SEED, help="which groups are kept")
+    ap.add_argument("--requests", type=int, default=None, help="then keep only the first N requests")
+    ap.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                    help="replay the trace's clock this many times faster")
+    ap.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a Hugging Face directory")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads in all: a disaggregated mesh gives each "
+                    "worker half (at least 1), a co-located worker gets all")
+    ap.add_argument("--transport", choices=("ipc", "inproc"), default="ipc",
+                    help="ipc: one process per service; inproc: the whole mesh in this process")
+    ap.add_argument("--colocated", action="store_true", help="one prefill+decode worker instead of a P/D pair")
+    ap.add_argument("--placement", action="store_true",
+                    help="two prefill workers, cache on: router placement cache_aware vs least_loaded")
+    ap.add_argument("--kv-cache-mb", type=int, default=512, help="device KV pool per worker")
+    ap.add_argument("--host-cache-mb", type=int, default=256, help="cache daemon DRAM tier")
+    ap.add_argument("--disk-cache-mb", type=int, default=2048, help="cache daemon disk tier")
+    ap.add_argument("--max-output-tokens", type=int, default=64, help="cap on a scaled output length")
+    ap.add_argument("--max-input-tokens", type=int, default=None,
+                    help="longer prompts are skipped or truncated (default: the model context - max output - 1)")
+    ap.add_argument("--long-prompts", choices=("skip", "truncate"), default="skip")
+    ap.add_argument("--low", type=int, default=256, help="token ids are drawn from [low, vocab): above the "
+                    "model's special tokens")
+    ap.add_argument("--seed", type=int, default=0, help="the token ids each block id stands for")
+    ap.add_argument("--timeout-s", type=float, default=1800.0, help="client wait per request")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON report (default: bench/results/replay[-placement].json)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    path = resolve_model(args.model)
+    mc = model_config_at(path)
+    st, workload = build_workload(args, mc.vocab_size, mc.max_position_embeddings)
+    # Queue limits sized to the whole workload: a replay measures latency, not admission control.
+    queue = {"max_queued_requests": len(st.requests) + 16, "max_queued_prompt_tokens": workload["prompt_tokens"] + 4096}
+    settings = MeshSettings(str(path), args.transport, args.colocated,
+                            args.threads if args.colocated else max(1, args.threads // 2),
+                            args.kv_cache_mb, args.host_cache_mb, args.disk_cache_mb, queue)
+    if args.placement:
+        arms = [Arm(p, True, 2, {"placement": p}) for p in ("cache_aware", "least_loaded")]
+    else:
+        arms = [Arm("cache on", True), Arm("cache off", False)]
+    rng = random.Random(f"warm:{args.seed}")  # warm-up prompts share no block with the trace's
+    warm = [[rng.randrange(args.low, mc.vocab_size) for _ in range(32)] for _ in range(2)]
+    print(f"{workload['requests']} requests, {workload['prompt_tokens']} prompt tokens over "
+          f"{workload['span_s']:.0f} s; arms: {', '.join(a.name for a in arms)}", file=sys.stderr)
+
+    r: dict[str, Any] = {
+        "mode": "placement" if args.placement else "cache", "command": command_line(args), "model": str(path),
+        "model_name": Path(path).stem, "workload": workload, "arms": {}, "rows": {}, "notes": [],
+        "mesh": dataclasses.asdict(settings) | {"kv_block": KV_BLOCK},
+        "env": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                "loadavg": os.getloadavg()}}
+    for arm in arms:
+        print(f"{arm.name} ...", file=sys.stderr)
+        rows, notes = run_arm(settings, arm, st.requests, warm, args.timeout_s)
+        r["rows"][arm.name], r["arms"][arm.name] = rows, summarize(rows)
+        r["notes"] += [n for n in notes if n not in r["notes"]]  # most notes are the same for every arm
+    r["ratios"] = ratios(r["arms"], workload["reusable_kv_blocks"], args.placement)
+    print_report(r)
+    out = args.out or RESULTS / f"replay{'-placement' if args.placement else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""A worker's side of the cache daemon: fetch a cached prefix before prefill, write new blocks behind.
+
+The daemon is an optimisation, never a dependency. Every call has a deadline; a call that times out marks
+the daemon down, and while it is down fetches and writes are skipped (requests are computed in full)
+and a probe asks it every `PROBE_PERIOD_S` whether it is back. Write-behind runs off the request's
+path with a bounded number of stores in flight; past that, blocks are simply not offered (a cache may
+always forget).
+
+The engine is touched only through `EngineThread.call`; the hashes used for lookups are the engine's
+own chain over the request's tokens, so a block fetched here is one this engine would compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.protocol import messages as m
+from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
+from deepinfer.services.engine_thread import EngineThread
+
+FETCH_DEADLINE_S = 1.0  # the daemon sends what it has read by then
+REPLY_SLACK_S = 1.0  # on top of a deadline, for the wire and the daemon's queue
+STORE_TIMEOUT_S = 10.0
+PROBE_PERIOD_S = 1.0
+MAX_STORES_IN_FLIGHT = 4
+
+
+@dataclass
+class CacheClientStats:
+    fetches: int = 0
+    fetched_blocks: int = 0
+    imported_blocks: int = 0
+    fetch_misses: int = 0
+    skipped_down: int = 0  # fetches or writes skipped while the daemon was down
+    timeouts: int = 0
+    stores: int = 0
+    stored_blocks: int = 0
+    stores_dropped: int = 0  # write-behind not attempted: too many in flight
+
+
+class CacheClient:
+    def __init__(self, instance: str, endpoint: str, ctx: Any, engine: LLMEngine, thread: EngineThread) -> None:
+        self.instance = instance
+        self.engine = engine
+        self.thread = thread
+        self.sock = make_dealer(ctx, endpoint, instance.encode())
+        self.up = True
+        self.stats = CacheClientStats()
+        self.log = structlog.get_logger("deepinfer").bind(service="cache-client", instance=instance)
+        self._replies: dict[tuple[str, type], asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._stores_in_flight = 0
+        self._probe: asyncio.Task[None] | None = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    async def recv_forever(self) -> None:
+        while True:
+            try:
+                reply = await arecv_msg(self.sock)
+            except Exception as exc:  # a malformed reply is a miss, not a dead worker
+                self.log.warning("bad reply from the cache daemon", error=str(exc))
+                continue
+            fut = self._replies.get((getattr(reply, "request_id", ""), type(reply)))
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def _call(self, msg: Any, reply_type: type, timeout_s: float) -> Any:
+        key = (msg.request_id, reply_type)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[key] = fut
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asend_msg(self.sock, msg)
+                return await fut
+        except TimeoutError:
+            self.stats.timeouts += 1
+            self._mark_down(f"no {reply_type.__name__} within {timeout_s:g}s")
+            raise
+        finally:
+            self._replies.pop(key, None)
+
+    def _mark_down(self, why: str) -> None:
+        if self.up:
+            self.log.warning("cache daemon unreachable: computing in full until it answers", reason=why)
+        self.up = False
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_until_up())
+
+    async def _probe_until_up(self) -> None:
+        while not self.up:
+            await asyncio.sleep(PROBE_PERIOD_S)
+            rid = f"probe-{next(self._ids)}"
+            key = (rid, m.CacheLookupReply)
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._replies[key] = fut
+            try:
+                async with asyncio.timeout(PROBE_PERIOD_S):
+                    await asend_msg(self.sock, m.CacheLookup(rid, []))
+                    await fut
+                self.up = True
+                self.log.info("cache daemon answers again")
+            except TimeoutError:
+                pass
+            finally:
+                self._replies.pop(key, None)
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        self.sock.close(linger=0)
+
+    # -- before prefill ---------------------------------------------------------------------
+
+    async def load_prefix(self, request_id: str, token_ids: list[int],
+                          cache_salt: str | None) -> tuple[float, Callable[[], int] | None]:
+        """Fetch the part of the prompt's cached prefix that is not on the device. Returns the seconds spent
+        and, when blocks came, an importer: run it on the engine thread in the same call that adds the
+        request, so no step can evict the imported blocks before the request's admission finds them."""
+        if not self.engine.config.enable_prefix_caching:
+            return 0.0, None
+        bs = self.engine.config.block_size
+        # A hit never covers the last prompt token: its logits are needed.
+        hashes = self.engine.block_hashes(token_ids, cache_salt)[: (len(token_ids) - 1) // bs]
+        if not hashes:
+            return 0.0, None
+        if not self.up:
+            self.stats.skipped_down += 1
+            return 0.0, None
+        t0 = time.monotonic()
+        have = await self.thread.call(lambda: self.engine.cached_prefix_blocks(hashes))
+        if have == len(hashes):
+            return time.monotonic() - t0, None
+        want = hashes[have:]
+        self.stats.fetches += 1
+        try:
+            reply: m.CacheBlocks = await self._call(
+                m.CacheFetch(f"{request_id}/fetch", want, FETCH_DEADLINE_S), m.CacheBlocks,
+                FETCH_DEADLINE_S + REPLY_SLACK_S)
+        except TimeoutError:
+            return time.monotonic() - t0, None
+        n = len(reply.block_hashes)
+        if n == 0 or reply.kv is None:
+            self.stats.fetch_misses += 1
+            return time.monotonic() - t0, None
+        if reply.block_hashes != want[:n] or len(reply.tiers) != n or reply.kv.shape[0] != n:
+            self.log.warning("cache daemon answered another prefix; ignored", request_id=request_id)
+            return time.monotonic() - t0, None
+        self.stats.fetched_blocks += n
+        return time.monotonic() - t0, lambda: self._import(hashes[:have], reply)
+
+    def _import(self, head: list[bytes], reply: m.CacheBlocks) -> int:
+        """On the engine thread: import each run of blocks that came from the same tier, holding the chain
+        before it (the device-resident head, earlier runs) so an import cannot evict its own prefix."""
+        imported, start = 0, 0
+        assert reply.kv is not None
+        for i in range(1, len(reply.tiers) + 1):
+            if i == len(reply.tiers) or reply.tiers[i] != reply.tiers[start]:
+                n = self.engine.import_cached_blocks(reply.block_hashes[start:i], reply.kv[start:i],
+                                                     reply.tiers[start], keep_resident=head)
+                imported += n
+                if n < i - start:
+                    break  # the pool is full or the head is gone: the rest could not be reached
+                head = head + reply.block_hashes[start:i]
+                start = i
+        self.stats.imported_blocks += imported
+        return imported
+
+    # -- write-behind -----------------------------------------------------------------------
+
+    def offer(self, request_id: str, hashes: list[bytes], kv: torch.Tensor | None = None) -> None:
+        """Offer a request's full blocks to the daemon, off the caller's path. `kv` holds at least
+        len(hashes) blocks in order (a handoff's exported prompt KV); without it they are exported from the
+        device pool (a finished request's blocks stay there, named, until evicted)."""
+        if not hashes or not self.engine.config.enable_prefix_caching:
+            return
+        if not self.up:
+            self.stats.skipped_down += 1
+            return
+        if self._stores_in_flight >= MAX_STORES_IN_FLIGHT:
+            self.stats.stores_dropped += 1
+            return
+        self._stores_in_flight += 1
+        asyncio.ensure_future(self._write_behind(request_id, hashes, kv))
+
+    async def _write_behind(self, request_id: str, hashes: list[bytes], kv: torch.Tensor | None) -> None:
+        rid = f"{request_id}/store-{next(self._ids)}"
+        try:
+            known: m.CacheLookupReply = await self._call(m.CacheLookup(rid, hashes), m.CacheLookupReply,
+                                                         REPLY_SLACK_S)
+            missing = [i for i, tier in enumerate(known.tiers) if not tier]
+            if not missing:
+                return
+            if kv is not None:
+                names, blocks = [hashes[i] for i in missing], kv[missing]
+            else:
+                wanted = [hashes[i] for i in missing]
+                names, blocks = await self.thread.call(lambda: self.engine.export_cached_blocks(wanted))
+                if not names or blocks is None:
+                    return
+            ack: m.CacheStoreAck = await self._call(
+                m.CacheStore(rid, self.engine.cache_namespace.id, names, blocks.contiguous()), m.CacheStoreAck,
+                STORE_TIMEOUT_S)
+            self.stats.stores += 1
+            self.stats.stored_blocks += ack.stored
+            if ack.reason:
+                self.log.warning("cache daemon refused a store", reason=ack.reason)
+        except TimeoutError:
+            pass
+        except Exception:
+            self.log.exception("write-behind failed", request_id=request_id)
+        finally:
+            self._stores_in_flight -= 1
