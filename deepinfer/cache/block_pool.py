@@ -136,6 +136,14 @@ class BlockPool:
         self._note(block_hash, added=True)
         return True
 
+    def forget_free(self) -> int:
+        """Unname every free cached block (held blocks keep their names: their KV is in use). Returns how
+        many names were dropped; each is reported as evicted."""
+        victims = [b for b in self._free if self._name[b] is not None]
+        for b in victims:
+            self._evict(b)
+        return len(victims)
+
     def origin(self, block_id: int) -> str | None:
         """The tier a named block's KV was imported from ("host", "disk"), None if computed here or
         already hit since."""

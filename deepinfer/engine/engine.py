@@ -500,6 +500,11 @@ class LLMEngine:
         self.stats.blocks_imported += n
         return n
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (an operator's reset, and how tests empty the device
+        tier to reach the cache daemon's). Returns how many were forgotten."""
+        return self.pool.forget_free()
+
     def prompt_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         """Logits [len(prompt), vocab] at every prompt position from one prefill pass, outside the
         scheduler (for scoring and for checking against an oracle). Uses and returns pool blocks."""

@@ -179,3 +179,17 @@ def test_events_applied_to_a_snapshot_always_give_the_cached_set():
             index = (index - set(evicted)) | set(stored)
             assert index == set(pool.cached_hashes()), step
         pool.check_integrity()
+
+
+def test_forget_free_unnames_only_free_blocks_and_reports_them():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    ha, hb = bytes([1]) * 32, bytes([2]) * 32
+    pool.register(a, ha)
+    pool.register(b, hb)
+    pool.drain_events()
+    pool.free([a])
+    assert pool.forget_free() == 1
+    assert pool.block_of(ha) is None and pool.block_of(hb) == b  # b is held: its name stays
+    assert pool.drain_events() == ([], [ha])
+    pool.check_integrity()

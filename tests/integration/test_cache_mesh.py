@@ -1,0 +1,183 @@
+"""The tiered KV cache through the whole mesh, on the real model: every tier a prompt's prefix can come
+from gives the same greedy tokens as computing it (the engine with prefix caching off is the reference),
+and usage reports where the cached tokens came from.
+
+Tiers are reached for real: the device tier by repeating a prompt; the cache daemon's DRAM by emptying
+the workers' device caches (an operator reset) after write-behind stored the blocks; its disk by a DRAM
+tier too small to keep them. Restarting and killing the daemon are in test_cache_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.request import SamplingParams
+from deepinfer.launch.mesh import InprocMesh
+from deepinfer.launch.topology import Topology
+from deepinfer.protocol.client import AsyncClient
+
+pytestmark = pytest.mark.smollm2
+
+SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence. "
+          "Our warehouses are in Rotterdam, Singapore and Houston; parcels over 30 kg travel by sea; "
+          "refunds take five working days; customers may change the address until the parcel leaves. ") * 3
+QUESTION = "Where are the warehouses?"
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    """The reference: the engine computing everything (no prefix caching)."""
+    return LLMEngine.load(smollm2_path, EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False))
+
+
+def chat(question: str = QUESTION) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def reference(engine: LLMEngine, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    ids = engine.tokenizer.encode_chat(messages)
+    return ids, engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids
+
+
+def topology(path, cache_dir, disaggregated: bool = False, host_mb: int = 64, **router) -> Topology:
+    topo = Topology.local(str(path), "inproc", disaggregated=disaggregated, threads=1, kv_cache_mb=64,
+                          cache_dir=cache_dir, host_cache_mb=host_mb, disk_cache_mb=256)
+    return Topology(topo.model, topo.frontend, topo.backend, topo.tokenizers, topo.workers, router, topo.kvcaches)
+
+
+def workers(mesh: InprocMesh) -> list:
+    return [s for s in mesh.services if hasattr(s, "engine")]
+
+
+async def reset_devices(mesh: InprocMesh) -> None:
+    for w in workers(mesh):
+        await w._thread.call(w.engine.reset_prefix_cache)
+
+
+async def stored(mesh: InprocMesh, hashes: list[bytes], tiers: set[str], timeout_s: float = 30.0) -> None:
+    """Wait until write-behind put every block in one of `tiers` and the daemon's disk queue is empty."""
+    daemon = mesh.service("kvcache-0")
+    for _ in range(int(timeout_s / 0.05)):
+        if all(t in tiers for t in daemon.store.lookup(hashes)) and not daemon.store.pending_writes():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"blocks not stored: {daemon.store.lookup(hashes)}")
+
+
+def cacheable(engine: LLMEngine, ids: list[int], salt: str | None = None) -> list[bytes]:
+    """Hashes of the blocks a hit may cover: full blocks, never the last prompt token."""
+    return engine.block_hashes(ids, salt)[: (len(ids) - 1) // engine.config.block_size]
+
+
+def test_cold_device_dram_and_next_turn_hits_give_the_same_tokens(smollm2_path, engine, tmp_path):
+    ids, want = reference(engine, chat())
+    hashes = cacheable(engine, ids)
+    n = len(hashes) * engine.config.block_size
+
+    async def run():
+        mesh = InprocMesh(topology(smollm2_path, tmp_path / "kv"))
+        await mesh.start()
+        try:
+            async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                cold = await c.generate(messages=chat(), max_tokens=MAX_TOKENS)
+                device = await c.generate(messages=chat(), max_tokens=MAX_TOKENS)
+                await stored(mesh, hashes, {"host"})
+                await reset_devices(mesh)
+                host = await c.generate(messages=chat(), max_tokens=MAX_TOKENS)
+                turn2 = chat() + [{"role": "assistant", "content": cold.text},
+                                  {"role": "user", "content": "And which one is in Asia?"}]
+                second = await c.generate(messages=turn2, max_tokens=MAX_TOKENS)
+            return cold, device, host, second
+        finally:
+            await mesh.stop()
+
+    cold, device, host, second = asyncio.run(run())
+    assert cold.token_ids == device.token_ids == host.token_ids == want
+    assert cold.usage.cached_tokens == 0
+    assert (device.usage.cached_tokens, device.usage.cached_by_tier) == (n, {"device": n})
+    assert (host.usage.cached_tokens, host.usage.cached_by_tier) == (n, {"host": n})
+    # The next turn reuses the first turn's prompt and its answer (written back when it finished).
+    turn2_ids, turn2_want = reference(engine, chat() + [{"role": "assistant", "content": cold.text},
+                                                         {"role": "user", "content": "And which one is in Asia?"}])
+    assert second.token_ids == turn2_want
+    assert second.usage.cached_tokens > len(ids)
+
+
+def test_disk_hit_after_eviction_from_dram_through_a_pd_transfer(smollm2_path, engine, tmp_path):
+    ids, want = reference(engine, chat("How long do refunds take?"))
+    hashes = cacheable(engine, ids)
+    n = len(hashes) * engine.config.block_size
+
+    async def run():
+        # 1 MB of DRAM holds one 737 KB block: the rest of the prefix is evicted to the disk tier only.
+        mesh = InprocMesh(topology(smollm2_path, tmp_path / "kv", disaggregated=True, host_mb=1))
+        await mesh.start()
+        try:
+            async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                cold = await c.generate(messages=chat("How long do refunds take?"), max_tokens=MAX_TOKENS)
+                await stored(mesh, hashes, {"host", "disk"})
+                await reset_devices(mesh)
+                disk = await c.generate(messages=chat("How long do refunds take?"), max_tokens=MAX_TOKENS)
+            stats = mesh.service("kvcache-0").store.stats()
+            return cold, disk, stats
+        finally:
+            await mesh.stop()
+
+    cold, disk, stats = asyncio.run(run())
+    assert cold.token_ids == disk.token_ids == want
+    assert disk.usage.cached_tokens == n
+    assert disk.usage.cached_by_tier.get("disk", 0) >= n - 2 * engine.config.block_size
+    assert sum(disk.usage.cached_by_tier.values()) == n
+
+
+def test_tenants_share_blocks_within_a_tenant_and_never_across(smollm2_path, engine, tmp_path):
+    ids, want = reference(engine, chat())
+    n = len(cacheable(engine, ids)) * engine.config.block_size
+
+    async def run():
+        mesh = InprocMesh(topology(smollm2_path, tmp_path / "kv", tenants={"key-a": "salt-a", "key-b": "salt-b"}))
+        await mesh.start()
+        try:
+            ep = mesh.topology.frontend
+            async with (AsyncClient(ep, ctx=mesh.ctx, timeout_s=120, api_key="key-a") as a,
+                        AsyncClient(ep, ctx=mesh.ctx, timeout_s=120, api_key="key-b") as b):
+                a1 = await a.generate(messages=chat(), max_tokens=MAX_TOKENS)
+                a2 = await a.generate(messages=chat(), max_tokens=MAX_TOKENS)
+                b1 = await b.generate(messages=chat(), max_tokens=MAX_TOKENS)
+                b2 = await b.generate(messages=chat(), max_tokens=MAX_TOKENS)
+            return a1, a2, b1, b2
+        finally:
+            await mesh.stop()
+
+    a1, a2, b1, b2 = asyncio.run(run())
+    assert a1.token_ids == a2.token_ids == b1.token_ids == b2.token_ids == want
+    assert (a1.usage.cached_tokens, a2.usage.cached_tokens) == (0, n)
+    assert (b1.usage.cached_tokens, b2.usage.cached_tokens) == (0, n)  # tenant b never hit a's blocks
+
+
+def test_requests_are_served_while_the_cache_daemon_is_down(smollm2_path, engine, tmp_path):
+    ids, want = reference(engine, chat())
+
+    async def run():
+        mesh = InprocMesh(topology(smollm2_path, tmp_path / "kv"))
+        await mesh.start()
+        try:
+            async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                mesh.service("kvcache-0").stop()
+                await asyncio.sleep(0.5)
+                outs = [await c.generate(messages=chat(), max_tokens=MAX_TOKENS)]
+                await reset_devices(mesh)
+                outs.append(await c.generate(messages=chat(), max_tokens=MAX_TOKENS))
+            client = workers(mesh)[0].cache
+            return outs, client.up, client.stats
+        finally:
+            await mesh.stop()
+
+    outs, up, stats = asyncio.run(run())
+    assert [o.token_ids for o in outs] == [want, want]
+    assert all(o.usage.cached_tokens == 0 for o in outs)
+    assert not up and stats.timeouts >= 1
