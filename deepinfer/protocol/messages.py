@@ -205,6 +205,7 @@ class Heartbeat:
     running: int = 0  # sequences in the running batch
     waiting: int = 0  # requests queued, not yet running
     queued_prompt_tokens: int = 0  # prompt tokens not yet computed
+    tokens_per_s: float = 0.0  # measured compute throughput over recent steps that computed a block or more
     draining: bool = False  # finishing its work, accepts nothing new
     sent_time: float = 0.0
 

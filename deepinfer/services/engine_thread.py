@@ -22,6 +22,8 @@ T = TypeVar("T")
 
 COALESCE_GAP_S = 0.003  # a burst has ended when no command came for this long
 COALESCE_MAX_S = 0.03  # never hold an idle engine back longer than this
+RATE_MIN_TOKENS = 16  # steps computing fewer tokens (decode only) say little about prefill throughput
+RATE_ALPHA = 0.2
 
 
 class EngineThread:
@@ -31,6 +33,9 @@ class EngineThread:
         self.loop = loop
         self.on_outputs = on_outputs
         self.steps = 0
+        # Tokens computed per second of step, an EWMA over steps of at least RATE_MIN_TOKENS tokens: what
+        # the router divides a prompt's uncached tokens by to predict its prefill time.
+        self.tokens_per_s = 0.0
         self._commands: deque[tuple[Callable[[], Any], asyncio.Future[Any] | None]] = deque()
         self._wake = threading.Event()
         self._stop = False
@@ -72,6 +77,12 @@ class EngineThread:
                 self.loop.call_soon_threadsafe(self._resolve, fut, result, exc)
         return n
 
+    def _measure(self, tokens: int, seconds: float) -> None:
+        if tokens >= RATE_MIN_TOKENS and seconds > 0:
+            sample = tokens / seconds
+            self.tokens_per_s = sample if not self.tokens_per_s else self.tokens_per_s + RATE_ALPHA * (
+                sample - self.tokens_per_s)
+
     def _run(self) -> None:
         while not self._stop:
             was_idle = not self.engine.has_unfinished()
@@ -86,8 +97,10 @@ class EngineThread:
                         break
                     self._run_commands()
             if self.engine.has_unfinished():
+                computed, t0 = self.engine.stats.tokens_computed, time.monotonic()
                 outputs = self.engine.step()
                 self.steps += 1
+                self._measure(self.engine.stats.tokens_computed - computed, time.monotonic() - t0)
                 if outputs:
                     self.loop.call_soon_threadsafe(self.on_outputs, outputs)
             else:

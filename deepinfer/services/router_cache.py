@@ -5,8 +5,10 @@ from the prefix index and rates measured on the mesh. Pure: no sockets, no clock
 
 * `queued_tokens`: the worker's prompt tokens still to compute (`Instance.queued_tokens`; the router charges
   each job it sends by its predicted *uncached* tokens, so queued cache hits are not counted as work).
-* `rate`: the worker's prefill throughput, an EWMA over its PrefillDone reports of computed tokens
-  (prompt − cached) per second of compute (prefill_s − fetch_s), starting from a configured prior.
+* `rate`: the worker's prefill throughput: what its heartbeats report (tokens per second of engine step,
+  measured over steps that computed a block or more), else an EWMA over its PrefillDone reports of
+  computed tokens (prompt − cached) per second (prefill_s − fetch_s, which includes waiting in the
+  worker's queue, so it underestimates a busy worker), else a configured prior.
 * `cached_tokens`: the blocks the worker would find — the leading run in its own device pool, then the run
   its cache daemon holds (host DRAM, then disk) — in tokens, capped so the prompt's last token is always
   computed (its logits give the first output token).
@@ -75,7 +77,8 @@ class PrefillCostModel:
             cached[tier] = min(blocks[tier] * self.block_size, budget)
             budget -= cached[tier]
         uncached = prompt_tokens - sum(cached.values())
-        rate = self.rate(inst.name)
+        measured = inst.load.tokens_per_s if inst.load is not None else 0.0
+        rate = measured if measured > 0 else self.rate(inst.name)
         fetch = sum(n * self.fetch_s_per_token[t] for t, n in cached.items())
         seconds = (inst.queued_tokens + uncached) / rate + fetch
         return Prediction(inst.name, blocks, cached, uncached, seconds)

@@ -133,7 +133,8 @@ class WorkerService(Service):
         waiting = list(e.scheduler.waiting)
         return dict(free_blocks=e.num_free_blocks, total_blocks=e.pool.num_blocks, running=len(e.scheduler.running),
                     waiting=len(waiting),
-                    queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting))
+                    queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+                    tokens_per_s=self._thread.tokens_per_s if self._thread else 0.0)
 
     def idle(self) -> bool:
         e = self.engine

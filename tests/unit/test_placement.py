@@ -64,3 +64,11 @@ def test_config_refuses_nonsense_priors() -> None:
         RouterConfig(prior_prefill_tokens_per_s=0.0)
     with pytest.raises(ValueError, match="estimate_alpha"):
         RouterConfig(estimate_alpha=0.0)
+
+
+def test_a_heartbeat_measured_throughput_takes_precedence_over_the_learned_rate() -> None:
+    model = model_with(prior_prefill_tokens_per_s=100.0)
+    fast = Instance("w0", "prefill", "i0", load=Heartbeat("prefill", "w0", "i0", 1, 1, tokens_per_s=1000.0))
+    unmeasured = worker("w1")
+    assert model.predict(fast, BLOCKS, prompt_tokens=100).seconds == pytest.approx(100 / 1000)
+    assert model.predict(unmeasured, BLOCKS, prompt_tokens=100).seconds == pytest.approx(100 / 100)
