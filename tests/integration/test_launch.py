@@ -45,16 +45,27 @@ name = "d0"
 role = "decode"
 kv = "tcp://10.0.0.3:5570"
 threads = 8
+kvcache = "kv-b"
+[[kvcache]]
+name = "kv-b"
+endpoint = "tcp://10.0.0.3:5580"
+dir = "/mnt/nvme/kv"
+disk_mb = 100000
 """)
     topo = Topology.load(path)
     assert topo.router_options == {"heartbeat_timeout_s": 3.0}
     assert topo.worker("d0").threads == 8 and topo.tokenizer("tok-a").detok.startswith("tcp://")
+    assert topo.worker("d0").kvcache == "kv-b" and topo.worker("p0").kvcache is None
+    assert topo.kvcache("kv-b").dir == "/mnt/nvme/kv" and topo.kvcache("kv-b").disk_mb == 100000
+    assert topo.block_size == 16
 
 
 @pytest.mark.parametrize("text, match", [
     ('[router]\nfrontend="a"\nbackend="b"\n', "tokenizer"),
     ('[router]\nfrontend="a"\nbackend="b"\n[[tokenizer]]\nname="t"\ndetok="x"\n', "worker"),
     ('[[tokenizer]]\nname="t"\ndetok="x"\n', "malformed"),
+    ('[router]\nfrontend="a"\nbackend="b"\n[[tokenizer]]\nname="t"\ndetok="x"\n'
+     '[[worker]]\nname="w"\nrole="worker"\nkv="k"\nkvcache="nope"\n', "no kvcache named 'nope'"),
 ])
 def test_bad_topologies_are_refused_with_a_reason(tmp_path, text, match):
     path = tmp_path / "t.toml"
@@ -69,10 +80,11 @@ def test_systemd_units(tmp_path):
     path.write_text(topo.to_toml())
     files = unit_files(path, topo, launcher="/usr/bin/deepinfer-launch")
     assert set(files) == {"deepinfer.target", "deepinfer-router@.service", "deepinfer-tokenizer@.service",
-                          "deepinfer-worker@.service"}
+                          "deepinfer-worker@.service", "deepinfer-kvcache@.service"}
     target = files["deepinfer.target"]
     for name in ("deepinfer-router@router.service", "deepinfer-tokenizer@tokenizer-0.service",
-                 "deepinfer-worker@prefill-0.service", "deepinfer-worker@decode-0.service"):
+                 "deepinfer-worker@prefill-0.service", "deepinfer-worker@decode-0.service",
+                 "deepinfer-kvcache@kvcache-0.service"):
         assert name in target
     worker = files["deepinfer-worker@.service"]
     assert "service worker --topology" in worker and "--name %i" in worker and "Restart=on-failure" in worker
@@ -83,7 +95,8 @@ def test_systemd_units(tmp_path):
     # verify needs concrete instances of the templates next to them
     for inst, template in (("deepinfer-router@router.service", "deepinfer-router@.service"),
                            ("deepinfer-worker@prefill-0.service", "deepinfer-worker@.service"),
-                           ("deepinfer-tokenizer@tokenizer-0.service", "deepinfer-tokenizer@.service")):
+                           ("deepinfer-tokenizer@tokenizer-0.service", "deepinfer-tokenizer@.service"),
+                           ("deepinfer-kvcache@kvcache-0.service", "deepinfer-kvcache@.service")):
         shutil.copy(out / template, out / inst)
     res = subprocess.run(["systemd-analyze", "verify", "--man=no", *(str(p) for p in sorted(out.iterdir()))],
                          capture_output=True, text=True)
@@ -108,7 +121,7 @@ def test_up_serves_then_drains_on_sigterm(smollm2_path, tmp_path):
         assert "Paris" in r.text
         children = subprocess.run(["pgrep", "-f", "--", f"--topology {tmp_path}/topology.toml"], capture_output=True,
                                   text=True).stdout.split()
-        assert len(children) == 4  # router, tokenizer, prefill, decode
+        assert len(children) == 5  # router, tokenizer, prefill, decode, kvcache
 
         def long_request() -> None:
             with Client(endpoint, timeout_s=120) as c2:
