@@ -82,10 +82,11 @@ def first_token(engine: LLMEngine, prompt: list[int], salt: str) -> tuple[int, U
 
 def computed(engine: LLMEngine, prompt: list[int], salt: str) -> dict[str, Any]:
     """A miss (or, with a salt already computed, a device hit): submit → first token."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     token, usage = first_token(engine, prompt, salt)
     ttft = time.perf_counter() - t0
-    return {"ttft_s": ttft, "prefill_s": ttft, "token": token, "cached_by_tier": usage.cached_by_tier}
+    return {"ttft_s": ttft, "prefill_s": ttft, "cpu_s": time.process_time() - c0, "token": token,
+            "cached_by_tier": usage.cached_by_tier}
 
 
 def import_runs(engine: LLMEngine, reply: m.CacheBlocks) -> int:
@@ -109,7 +110,7 @@ def tier_hit(engine: LLMEngine, prompt: list[int], salt: str, n_blocks: int, fet
     """The worker's path for a prefix held by the cache daemon: device lookup, fetch, import, then prefill what
     is left and sample. Timed from the lookup to the first token."""
     hashes = engine.block_hashes(prompt, salt)[:n_blocks]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     on_device = engine.cached_prefix_blocks(hashes)  # CacheClient.load_prefix asks this first
     t1 = time.perf_counter()
     if on_device:
@@ -120,8 +121,9 @@ def tier_hit(engine: LLMEngine, prompt: list[int], salt: str, n_blocks: int, fet
     t3 = time.perf_counter()
     token, usage = first_token(engine, prompt, salt)
     t4 = time.perf_counter()
-    return {"ttft_s": t4 - t0, "lookup_s": t1 - t0, **parts, "import_s": t3 - t2, "prefill_s": t4 - t3,
-            "blocks_served": len(reply.block_hashes), "blocks_imported": imported, "stop_reason": reply.reason,
+    return {"ttft_s": t4 - t0, "cpu_s": time.process_time() - c0, "lookup_s": t1 - t0, **parts,
+            "import_s": t3 - t2, "prefill_s": t4 - t3, "blocks_served": len(reply.block_hashes),
+            "blocks_imported": imported, "stop_reason": reply.reason,
             "token": token, "cached_by_tier": usage.cached_by_tier}
 
 
@@ -310,6 +312,9 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"\nnvme: page-cache residency after the drop {f(n.get('resident_after_drop'), '.3f')}; "
               f"store.read (read + verify + bookkeeping) {f(n['read_gb_s'])} GB/s; raw cold read of the same "
               f"files {f(n['raw_cold_read_gb_s'])} GB/s; blocks served {n['blocks_served']:.0f}/{r['cached_blocks']}")
+    cores = ", ".join(f"{x:.2f}" for x in r["miss_cores_used_per_round"])
+    print(f"load: 1-min average after each round {r['loadavg_per_round']}; cores the miss kept busy (CPU s / "
+          f"wall s, {r['threads']} = none lost to others) per round: {cores}")
     print(f"first token (greedy) identical in every case: {r['same_first_token']} {sorted(r['first_tokens'])}")
     print(f"\nreproduce: {r['command']}")
 
@@ -362,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
                        max_pending_write_bytes=2 * prefix_bytes)
     disk.open()
     rounds: list[dict[str, dict[str, Any]]] = []
+    loads: list[float] = []  # 1-minute load average after each round
     try:
         with contextlib.ExitStack() as stack:
             wire = None if args.no_wire else stack.enter_context(wire_fetch(dram, tuple(kv.shape[1:])))
@@ -370,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = one_round(f"r{i}", engine, prompt, n_blocks, kv, dram, disk, wire)
                 if i:
                     rounds.append(row)
+                    loads.append(round(os.getloadavg()[0], 2))
     finally:
         dram.close()
         disk.close()
@@ -388,7 +395,9 @@ def main(argv: list[str] | None = None) -> None:
         "prompt": f"{plen} token ids, random.Random({args.seed}).randrange({args.low}, vocab)",
         "fetch_deadline_s": FETCH_DEADLINE_S, "engine_config": dict(vars(cfg)), "disk_dir_parent":
         str(parent or tempfile.gettempdir()), "loadavg_start": loadavg_start,
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "command": command,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "loadavg_per_round": loads,
+        "miss_cores_used_per_round": [row["miss"]["cpu_s"] / row["miss"]["ttft_s"] for row in rounds],
+        "command": command,
         "first_tokens": sorted(tokens), "same_first_token": len(tokens) == 1,
         "summary": summarize(rounds, plen), "rounds": rounds,
         "env": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),

@@ -15,6 +15,7 @@ request in the mesh. Failures raise a `MeshError` subclass that names what went 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import time
@@ -170,12 +171,14 @@ class Client:
                 if isinstance(msg, m.ErrorReply):
                     done = True
                     raise error_from_reply(msg)
+                # Ended before the caller sees the last message: a caller that stops iterating there must
+                # not abort a request that already finished.
+                done = isinstance(msg, m.RequestFinished)
                 yield msg
-                if isinstance(msg, m.RequestFinished):
-                    done = True
+                if done:
                     return
         finally:
-            if not done:
+            if not done and not self._sock.closed:
                 send_msg(self._sock, m.AbortRequest(rid, "client cancelled the stream"))
 
 
@@ -236,17 +239,19 @@ class AsyncClient:
         """Yield StreamDelta records, then the RequestFinished. Leaving early or cancelling aborts."""
         req = build_request(self._ids.next(), prompt, messages, prompt_token_ids, True, priority, self.api_key,
                             params.pop("timeout_s", None), params)
-        async for msg in self._exchange(req):
-            yield msg
+        async with contextlib.aclosing(self._exchange(req)) as exchange:
+            async for msg in exchange:
+                yield msg
 
     async def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                        prompt_token_ids: list[int] | None = None, priority: int = 0,
                        **params: Any) -> m.RequestFinished:
         req = build_request(self._ids.next(), prompt, messages, prompt_token_ids, False, priority, self.api_key,
                             params.pop("timeout_s", None), params)
-        async for msg in self._exchange(req):
-            if isinstance(msg, m.RequestFinished):
-                return msg
+        async with contextlib.aclosing(self._exchange(req)) as exchange:
+            async for msg in exchange:
+                if isinstance(msg, m.RequestFinished):
+                    return msg
         raise MeshError("the router ended the request without a result", req.request_id)
 
     async def _exchange(self, req: m.GenerateRequest) -> AsyncIterator[m.StreamDelta | m.RequestFinished]:
@@ -261,13 +266,13 @@ class AsyncClient:
                 if isinstance(msg, m.ErrorReply):
                     done = True
                     raise error_from_reply(msg)
+                done = isinstance(msg, m.RequestFinished)  # before the yield: the caller may stop there
                 yield msg
-                if isinstance(msg, m.RequestFinished):
-                    done = True
+                if done:
                     return
         except TimeoutError as exc:
             raise RequestTimeoutError(f"request {rid}: no answer within {self.timeout_s}s", rid) from exc
         finally:
             self._queues.pop(rid, None)
-            if not done:
+            if not done and not self._sock.closed:
                 await asend_msg(self._sock, m.AbortRequest(rid, "client cancelled the request"))

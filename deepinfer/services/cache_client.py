@@ -60,6 +60,7 @@ class CacheClient:
         self._ids = itertools.count()
         self._stores_in_flight = 0
         self._probe: asyncio.Task[None] | None = None
+        self._writes: set[asyncio.Task[None]] = set()
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -115,8 +116,10 @@ class CacheClient:
                 self._replies.pop(key, None)
 
     def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        """Drop in-flight write-behind (a cache may forget) and close the socket."""
+        for task in [self._probe, *self._writes]:
+            if task is not None:
+                task.cancel()
         self.sock.close(linger=0)
 
     # -- before prefill ---------------------------------------------------------------------
@@ -190,7 +193,9 @@ class CacheClient:
             self.stats.stores_dropped += 1
             return
         self._stores_in_flight += 1
-        asyncio.ensure_future(self._write_behind(request_id, hashes, kv))
+        task = asyncio.ensure_future(self._write_behind(request_id, hashes, kv))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
     async def _write_behind(self, request_id: str, hashes: list[bytes], kv: torch.Tensor | None) -> None:
         rid = f"{request_id}/store-{next(self._ids)}"

@@ -181,3 +181,62 @@ def test_requests_are_served_while_the_cache_daemon_is_down(smollm2_path, engine
     assert [o.token_ids for o in outs] == [want, want]
     assert all(o.usage.cached_tokens == 0 for o in outs)
     assert not up and stats.timeouts >= 1
+
+
+def test_damaged_disk_blocks_are_detected_quarantined_and_recomputed(smollm2_path, engine, tmp_path):
+    """Four kinds of damage to the disk tier's files, each on a block further along one prompt's prefix. Each
+    round empties the device cache and asks again: the fetch stops at the first damaged block (quarantined,
+    counted), everything after it is computed, the tokens stay right, and write-behind repairs the block."""
+    from deepinfer.cache.block_file import HEADER_BYTES
+
+    messages = [{"role": "system", "content": SYSTEM * 2}, {"role": "user", "content": QUESTION}]
+    ids, want = reference(engine, messages)
+    hashes = cacheable(engine, ids)
+    bs = engine.config.block_size
+    assert len(hashes) > 16
+
+    def damage(root, k: int, kind: str) -> None:
+        files = {p.stem: p for p in root.rglob("*.kvb")}
+        target, neighbour = files[hashes[k].hex()], files[hashes[k + 1].hex()]
+        raw = bytearray(target.read_bytes())
+        if kind == "flip":
+            raw[HEADER_BYTES + 1000] ^= 0x01
+            target.write_bytes(bytes(raw))
+        elif kind == "truncate":
+            target.write_bytes(bytes(raw[: len(raw) // 3]))
+        elif kind == "swap":  # headers intact, payloads exchanged
+            other = bytearray(neighbour.read_bytes())
+            target.write_bytes(bytes(raw[:HEADER_BYTES] + other[HEADER_BYTES:]))
+            neighbour.write_bytes(bytes(other[:HEADER_BYTES] + raw[HEADER_BYTES:]))
+        else:  # a valid block under the wrong name
+            target.write_bytes(neighbour.read_bytes())
+
+    rounds = [(3, "flip"), (6, "truncate"), (9, "wrong_name"), (13, "swap")]  # swap damages 14 too: last
+
+    async def run():
+        # 1 MB of DRAM holds one block: the prefix is read back from the files.
+        mesh = InprocMesh(topology(smollm2_path, tmp_path / "kv", host_mb=1))
+        await mesh.start()
+        results = []
+        try:
+            async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                await c.generate(messages=messages, max_tokens=MAX_TOKENS)
+                await stored(mesh, hashes, {"host", "disk"})
+                daemon = mesh.service("kvcache-0")
+                for k, kind in rounds:
+                    await stored(mesh, hashes, {"host", "disk"})
+                    daemon.store.host.clear()  # the one block DRAM holds may be the one damaged next
+                    damage(tmp_path / "kv", k, kind)
+                    await reset_devices(mesh)
+                    r = await c.generate(messages=messages, max_tokens=MAX_TOKENS)
+                    quarantined = sum(v for key, v in daemon.store.stats().items() if "quarantine" in key)
+                    results.append((r, quarantined))
+        finally:
+            await mesh.stop()
+        return results
+
+    results = asyncio.run(run())
+    for i, ((k, kind), (r, quarantined)) in enumerate(zip(rounds, results)):
+        assert r.token_ids == want, kind
+        assert r.usage.cached_tokens == k * bs, (kind, r.usage)
+        assert quarantined >= i + 1, kind
