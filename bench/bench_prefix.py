@@ -238,8 +238,8 @@ def raw_cold_read(store: TieredStore, paths: list[Path]) -> float:
 def one_round(tag: str, engine: LLMEngine, prompt: list[int], n_blocks: int, kv: torch.Tensor,
               dram: TieredStore, disk: TieredStore, wire: Fetch | None) -> dict[str, dict[str, Any]]:
     shape = tuple(kv.shape[1:])
-    salt = lambda case: f"{tag}/{case}"  # noqa: E731
-    names = lambda case: engine.block_hashes(prompt, salt(case))[:n_blocks]  # noqa: E731
+    salt = lambda case: f"{tag}/{case}"
+    names = lambda case: engine.block_hashes(prompt, salt(case))[:n_blocks]
     row: dict[str, dict[str, Any]] = {}
     gc.collect()
     row["miss"] = computed(engine, prompt, salt("miss"))
@@ -288,7 +288,7 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], prompt_tokens: int) -> di
 
 
 def print_report(r: dict[str, Any]) -> None:
-    f = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
+    f = lambda v, spec=".2f": "-" if v is None else format(v, spec)
     s = r["summary"]
     print(f"\n{r['model']} fp32, {r['threads']} threads: {r['prompt_tokens']}-token prompt, first "
           f"{r['cached_tokens']} tokens ({r['cached_blocks']} blocks, {r['prefix_bytes'] / 2**20:.1f} MiB of KV) "

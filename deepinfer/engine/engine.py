@@ -486,9 +486,10 @@ class LLMEngine:
         [n, layers, 2, block_size, kv_heads, head_dim] (None when none is): for write-behind."""
         return self.prefix_cache.export_blocks(hashes)
 
-    def import_cached_blocks(self, hashes: Sequence[BlockHash], kv: torch.Tensor, tier: str,
+    def import_cached_blocks(self, hashes: Sequence[BlockHash], kv: torch.Tensor | Sequence[torch.Tensor], tier: str,
                              keep_resident: Sequence[BlockHash] = ()) -> int:
-        """Cache KV fetched from `tier` ("host" or "disk"): block i of `kv` is named hashes[i]. Fills
+        """Cache KV fetched from `tier` ("host" or "disk"): block i of `kv` (one tensor [n, layers, 2,
+        block_size, kv_heads, head_dim], or n per-block tensors) is named hashes[i]. Fills
         free blocks only (evicting least recently used cached ones, never a referenced block); returns
         how many blocks were imported. A later hit on one counts under `tier` in `Usage.cached_by_tier`.
 

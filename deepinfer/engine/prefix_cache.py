@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.cache.block_pool import BlockHash, BlockPool
 from deepinfer.cache.hashing import HASH_BYTES, CacheNamespace, ChainHasher, HashKeys, hash_blocks
-from deepinfer.engine.handoff import check_kv, import_blocks
+from deepinfer.engine.handoff import HandoffError, check_kv
 
 IMPORT_TIERS = ("host", "disk")
 
@@ -56,9 +56,10 @@ class DevicePrefixCache:
             return [], None
         return present, self.kv.index_select(0, torch.tensor(ids, dtype=torch.int64, device=self.kv.device))
 
-    def import_blocks(self, hashes: Sequence[BlockHash], data: torch.Tensor, tier: str,
+    def import_blocks(self, hashes: Sequence[BlockHash], data: torch.Tensor | Sequence[torch.Tensor], tier: str,
                       keep_resident: Sequence[BlockHash] = ()) -> int:
-        """Copy fetched blocks in (block i of `data` is named hashes[i]) and leave them cached and free,
+        """Copy fetched blocks in (block i of `data` — one tensor [n, *block] or n tensors [*block], as
+        they arrived off the wire — is named hashes[i]) and leave them cached and free,
         marked as coming from `tier`. Hashes already resident are skipped; the rest go into free
         blocks, evicting the least recently used cached ones but never a referenced block, in chain
         order until the pool has no free block left. Returns how many blocks were imported.
@@ -73,7 +74,10 @@ class DevicePrefixCache:
         for h in (*keep_resident, *hashes):
             if not isinstance(h, bytes) or len(h) != HASH_BYTES:
                 raise ValueError(f"a block hash must be {HASH_BYTES} bytes, got {h!r:.80}")
-        check_kv(data, self.kv, len(hashes) * self.block_size)
+        if isinstance(data, torch.Tensor):
+            check_kv(data, self.kv, len(hashes) * self.block_size)
+        else:
+            check_blocks(data, self.kv, len(hashes))
         if not self.enabled:
             return 0
         head = self.pool.lookup(keep_resident)
@@ -95,8 +99,8 @@ class DevicePrefixCache:
                 held.append(b)
             if not fresh:
                 return 0
-            index = torch.tensor([i for i, _ in fresh], dtype=torch.int64, device=data.device)
-            import_blocks(self.kv, [b for _, b in fresh], data.index_select(0, index))
+            for i, b in fresh:  # straight into each slab: no gathered intermediate copy
+                self.kv[b].copy_(data[i])
             imported = 0
             for i, b in fresh:
                 # A hash repeated within `hashes` names only its first block; the copy stays plain.
@@ -106,3 +110,13 @@ class DevicePrefixCache:
             return imported
         finally:
             self.pool.free(reversed(held))
+
+
+def check_blocks(blocks: Sequence[torch.Tensor], kv: torch.Tensor, n: int) -> None:
+    """Raise HandoffError unless `blocks` are `n` tensors each shaped and typed like one slab of `kv`."""
+    if len(blocks) != n:
+        raise HandoffError(f"{len(blocks)} block tensors for {n} hashes")
+    for t in blocks:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(kv.shape[1:]) or t.dtype != kv.dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise HandoffError(f"a block is {got}; expected {kv.dtype} {tuple(kv.shape[1:])}")

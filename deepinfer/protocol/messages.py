@@ -65,6 +65,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 2
+MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
 # rather than finish_reason "error"; the value exists so the engine's enum maps one to one.
@@ -456,13 +457,15 @@ class CacheFetch:
 @message(0x43)
 class CacheBlocks:
     """Cache daemon → worker, reply to CacheFetch: the first len(block_hashes) requested blocks, each
-    verified (checksum and identity) before sending; `kv` is None when none could be sent."""
+    verified (checksum and identity) before sending, one frame per block ([layers, 2, block_size,
+    kv_heads, head_dim]) sent straight from the daemon's copy — never gathered into one buffer. At most
+    MAX_FETCH_BLOCKS come per reply (the frame limit); the worker asks again for the rest."""
 
     request_id: str
     block_hashes: list[bytes]
     tiers: list[str]  # where each came from
-    kv: Tensor | None = None
-    reason: str = ""  # why fewer blocks came than asked (miss, corrupt block, deadline)
+    blocks: list[Tensor] = field(default_factory=list)
+    reason: str = ""  # why fewer blocks came than asked (miss, corrupt block, deadline, reply limit)
 
 
 @message(0x44)

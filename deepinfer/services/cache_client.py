@@ -143,37 +143,47 @@ class CacheClient:
         have = await self.thread.call(lambda: self.engine.cached_prefix_blocks(hashes))
         if have == len(hashes):
             return time.monotonic() - t0, None
-        want = hashes[have:]
         self.stats.fetches += 1
-        try:
-            reply: m.CacheBlocks = await self._call(
-                m.CacheFetch(f"{request_id}/fetch", want, FETCH_DEADLINE_S), m.CacheBlocks,
-                FETCH_DEADLINE_S + REPLY_SLACK_S)
-        except TimeoutError:
-            return time.monotonic() - t0, None
-        n = len(reply.block_hashes)
-        if n == 0 or reply.kv is None:
+        got: list[bytes] = []
+        tiers: list[str] = []
+        blocks: list[torch.Tensor] = []
+        deadline = t0 + FETCH_DEADLINE_S
+        while have + len(got) < len(hashes):  # one reply per MAX_FETCH_BLOCKS blocks
+            want = hashes[have + len(got):]
+            left = deadline - time.monotonic()
+            try:
+                reply: m.CacheBlocks = await self._call(
+                    m.CacheFetch(f"{request_id}/fetch-{len(got)}", want, max(left, 0.0)), m.CacheBlocks,
+                    max(left, 0.0) + REPLY_SLACK_S)
+            except TimeoutError:
+                break
+            n = len(reply.block_hashes)
+            if reply.block_hashes != want[:n] or len(reply.tiers) != n or len(reply.blocks) != n:
+                self.log.warning("cache daemon answered another prefix; ignored", request_id=request_id)
+                break
+            got += reply.block_hashes
+            tiers += reply.tiers
+            blocks += reply.blocks
+            if n < min(len(want), m.MAX_FETCH_BLOCKS) or n == 0:
+                break  # the daemon's prefix ends here
+        if not got:
             self.stats.fetch_misses += 1
             return time.monotonic() - t0, None
-        if reply.block_hashes != want[:n] or len(reply.tiers) != n or reply.kv.shape[0] != n:
-            self.log.warning("cache daemon answered another prefix; ignored", request_id=request_id)
-            return time.monotonic() - t0, None
-        self.stats.fetched_blocks += n
-        return time.monotonic() - t0, lambda: self._import(hashes[:have], reply)
+        self.stats.fetched_blocks += len(got)
+        return time.monotonic() - t0, lambda: self._import(hashes[:have], got, tiers, blocks)
 
-    def _import(self, head: list[bytes], reply: m.CacheBlocks) -> int:
+    def _import(self, head: list[bytes], hashes: list[bytes], tiers: list[str], blocks: list[torch.Tensor]) -> int:
         """On the engine thread: import each run of blocks that came from the same tier, holding the chain
         before it (the device-resident head, earlier runs) so an import cannot evict its own prefix."""
         imported, start = 0, 0
-        assert reply.kv is not None
-        for i in range(1, len(reply.tiers) + 1):
-            if i == len(reply.tiers) or reply.tiers[i] != reply.tiers[start]:
-                n = self.engine.import_cached_blocks(reply.block_hashes[start:i], reply.kv[start:i],
-                                                     reply.tiers[start], keep_resident=head)
+        for i in range(1, len(tiers) + 1):
+            if i == len(tiers) or tiers[i] != tiers[start]:
+                n = self.engine.import_cached_blocks(hashes[start:i], blocks[start:i], tiers[start],
+                                                     keep_resident=head)
                 imported += n
                 if n < i - start:
                     break  # the pool is full or the head is gone: the rest could not be reached
-                head = head + reply.block_hashes[start:i]
+                head = head + hashes[start:i]
                 start = i
         self.stats.imported_blocks += imported
         return imported

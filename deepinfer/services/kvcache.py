@@ -5,8 +5,9 @@ heartbeats, KvEvents out; KvResync, Shutdown in) and a bound ROUTER where the wo
 
 * CacheLookup → CacheLookupReply: where each block is (memory only, answered at once);
 * CacheFetch → CacheBlocks: the longest cached prefix, read and verified on the I/O threads (pinned while
-  read, promoted from disk to DRAM), as one zero-copy frame; whatever is not ready by the deadline is
-  left out — a slow disk means fewer hits, never a stalled prefill;
+  read, promoted from disk to DRAM), one zero-copy frame per block straight from the tier's own bytes
+  (gathering ~90 MB into one fresh buffer would cost more than the wire); whatever is not ready by the
+  deadline is left out — a slow disk means fewer hits, never a stalled prefill;
 * CacheStore → CacheStoreAck: write-behind from workers; blocks go to DRAM now and to disk behind, on
   the I/O threads (files are written and fsynced before they become visible).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -128,21 +130,21 @@ class KvCacheService(Service):
             reply = await self._io(self._read, req.request_id, hashes, deadline)
         except Exception as exc:  # a store bug is a miss for the worker, never a dead daemon
             self.log.exception("fetch failed", request_id=req.request_id)
-            reply = m.CacheBlocks(req.request_id, [], [], None, f"internal: {exc}")
+            reply = m.CacheBlocks(req.request_id, [], [], [], f"internal: {exc}")
         await asend_msg(self.sock, reply, peer)
 
     def _read(self, request_id: str, hashes: list[bytes], deadline: float) -> m.CacheBlocks:
-        """On an I/O thread: read the prefix and lay it out as one tensor [n, *block_shape]."""
-        result = self.store.read(hashes, deadline)
-        n = len(result.hashes)
-        if n == 0:
-            return m.CacheBlocks(request_id, [], [], None, result.reason or "miss")
-        buf = bytearray(n * self.block_nbytes)
-        view = memoryview(buf)
-        for i, payload in enumerate(result.payloads):
-            view[i * self.block_nbytes:(i + 1) * self.block_nbytes] = payload
-        kv = torch.frombuffer(buf, dtype=torch.float32).view(n, *self.block_shape)
-        return m.CacheBlocks(request_id, list(result.hashes), list(result.tiers), kv, result.reason)
+        """On an I/O thread: read the prefix; each block becomes a tensor over its payload (no copy: a host
+        payload is never modified once stored, and the reply holds a reference to it until sent)."""
+        limited = len(hashes) > m.MAX_FETCH_BLOCKS
+        result = self.store.read(hashes[: m.MAX_FETCH_BLOCKS], deadline)
+        if not result.hashes:
+            return m.CacheBlocks(request_id, [], [], [], result.reason or "miss")
+        with warnings.catch_warnings():  # frombuffer warns about read-only memory; the frame is only read
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = [torch.frombuffer(p, dtype=torch.float32).view(self.block_shape) for p in result.payloads]
+        reason = result.reason or ("reply limit" if limited and len(blocks) == m.MAX_FETCH_BLOCKS else "")
+        return m.CacheBlocks(request_id, list(result.hashes), list(result.tiers), blocks, reason)
 
     async def _store(self, peer: bytes, req: m.CacheStore) -> None:
         self.progress += 1

@@ -243,6 +243,23 @@ def test_export_import_round_trip_counts_host_hits(tiny_llama, hf, oracle):
     assert_whole(a, b)
 
 
+def test_import_takes_blocks_one_tensor_each_as_they_come_off_the_wire(tiny_llama):
+    prompt = tokens(22, seed=8)
+    a = engine(tiny_llama)
+    [cold] = run(a, [prompt])
+    hashes = a.block_hashes(prompt)
+    _, kv = a.export_cached_blocks(hashes)
+    b = engine(tiny_llama)
+    with pytest.raises(HandoffError):
+        b.import_cached_blocks(hashes, [kv[0]] * 4, "host")  # 4 tensors for 5 hashes
+    with pytest.raises(HandoffError):
+        b.import_cached_blocks(hashes[:1], [kv[0, :1]], "host")  # not one block's shape
+    assert b.import_cached_blocks(hashes, [kv[i].clone() for i in range(5)], "disk") == 5
+    [hit] = run(b, [prompt])
+    assert hit.token_ids == cold.token_ids and hit.usage.cached_by_tier == {"disk": 20}
+    assert_whole(a, b)
+
+
 def test_import_fills_free_blocks_only_and_keeps_the_prefix_it_completes(tiny_llama, hf, oracle):
     prompt = tokens(22, seed=8)
     a = engine(tiny_llama)

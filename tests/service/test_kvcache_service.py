@@ -128,9 +128,9 @@ def test_store_lookup_fetch_and_events(smollm2_path, tmp_path):
             assert look.tiers == ["host", "", "host"]
             got = await mesh.ask(m.CacheFetch("r4", [*hashes, missing]))
             assert got.block_hashes == hashes and got.tiers == ["host"] * 3
-            assert torch.equal(got.kv, kv)
+            assert torch.equal(torch.stack(got.blocks), kv)
             none = await mesh.ask(m.CacheFetch("r5", [missing, hashes[0]]))
-            assert none.block_hashes == [] and none.kv is None
+            assert none.block_hashes == [] and none.blocks == []
             await mesh.flushed()
             await asyncio.sleep(0.2)  # one events period
             return set(hashes), mesh.router
@@ -196,7 +196,28 @@ def test_warm_restart_serves_from_disk_and_never_serves_a_corrupt_block(smollm2_
     look, got, kv, stats, later = asyncio.run(run())
     assert look.tiers == ["disk"] * 4  # rebuilt from the files: a warm restart
     assert got.block_hashes == block_hashes(4)[:2] and got.tiers == ["disk", "disk"]
-    assert torch.equal(got.kv, kv[:2])  # the prefix before the corrupt block, byte for byte
+    assert torch.equal(torch.stack(got.blocks), kv[:2])  # the prefix before the corrupt block, byte for byte
     assert got.reason == "corrupt"
     assert sum(v for k, v in stats.items() if "quarantine" in k) >= 1
     assert later.tiers == ["host", "host", "", "disk"]  # promoted on hit; the corrupt one is gone
+
+
+def test_a_fetch_longer_than_one_reply_is_cut_at_the_frame_limit(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(m, "MAX_FETCH_BLOCKS", 2)
+
+    async def run():
+        mesh = Mesh(smollm2_path, tmp_path / "kv")
+        try:
+            d = await mesh.start_daemon()
+            hashes = block_hashes(5)
+            kv = kv_for(d, 5, seed=2)
+            await mesh.ask(m.CacheStore("w", d.namespace.id, hashes, kv))
+            first = await mesh.ask(m.CacheFetch("f1", hashes))
+            rest = await mesh.ask(m.CacheFetch("f2", hashes[2:]))
+            return first, rest, kv
+        finally:
+            await mesh.close()
+
+    first, rest, kv = asyncio.run(run())
+    assert first.block_hashes == block_hashes(5)[:2] and first.reason == "reply limit"
+    assert torch.equal(torch.stack(first.blocks + rest.blocks[:1]), kv[:3])
