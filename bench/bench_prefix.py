@@ -8,8 +8,8 @@ Cases, all on one engine, each with a cache salt of its own so that no device bl
 
 * miss: the whole prompt computed (add_request with max_tokens=1, step until it finishes);
 * device: the same prompt and salt right after the miss, the prefix still in the engine's pool (reference);
-* dram: the worker's path with the prefix in the cache daemon's DRAM tier: TieredStore.read, laid out as one
-  tensor by the daemon's own `KvCacheService._read`, `import_cached_blocks(..., "host")`, then the prompt's
+* dram: the worker's path with the prefix in the cache daemon's DRAM tier: TieredStore.read, a tensor per
+  block by the daemon's own `KvCacheService._read`, `import_cached_blocks(..., "host")`, then the prompt's
   last tokens computed and the first token sampled; timed from the device lookup to the first token;
 * dram+zmq: the same, the fetch going over a real ipc:// DEALER → ROUTER pair (CacheFetch → CacheBlocks);
 * nvme: as dram, the blocks only in a disk tier (its host tier has no room) whose files were dropped from the
@@ -91,12 +91,11 @@ def computed(engine: LLMEngine, prompt: list[int], salt: str) -> dict[str, Any]:
 
 def import_runs(engine: LLMEngine, reply: m.CacheBlocks) -> int:
     """As the worker's CacheClient._import: each run of blocks from one tier, holding the chain before it."""
-    assert reply.kv is not None
     head: list[bytes] = []
     imported = start = 0
     for i in range(1, len(reply.tiers) + 1):
         if i == len(reply.tiers) or reply.tiers[i] != reply.tiers[start]:
-            n = engine.import_cached_blocks(reply.block_hashes[start:i], reply.kv[start:i], reply.tiers[start],
+            n = engine.import_cached_blocks(reply.block_hashes[start:i], reply.blocks[start:i], reply.tiers[start],
                                             keep_resident=head)
             imported += n
             if n < i - start:
@@ -117,7 +116,7 @@ def tier_hit(engine: LLMEngine, prompt: list[int], salt: str, n_blocks: int, fet
         raise RuntimeError(f"{on_device} blocks of salt {salt!r} already on the device: not a tier hit")
     reply, parts = fetch(hashes)
     t2 = time.perf_counter()
-    imported = import_runs(engine, reply) if reply.kv is not None else 0
+    imported = import_runs(engine, reply) if reply.blocks else 0
     t3 = time.perf_counter()
     token, usage = first_token(engine, prompt, salt)
     t4 = time.perf_counter()
