@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import platform
@@ -56,7 +55,6 @@ from deepinfer.launch.mesh import InprocMesh
 from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
 from deepinfer.protocol.client import AsyncClient, MeshError
-from deepinfer.services.router_state import RouterConfig
 
 DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"
 RESULTS = Path(__file__).parent / "results"
@@ -90,28 +88,15 @@ class MeshSettings:
     router_options: dict[str, Any]  # for every arm (queue limits), before the arm's own
 
 
-def mesh_topology(s: MeshSettings, arm: Arm, run_dir: Path) -> tuple[Topology, list[str]]:
-    """The one place that knows the cache wiring's API: `Topology.local(..., kvcache, cache_dir,
-    host_cache_mb, disk_cache_mb, prefix_caching)`, router options through `dataclasses.replace`. Arguments
-    that this tree's Topology.local or RouterConfig lack are left out and named in the returned notes, so
-    the benchmark still runs (without that part) on a mesh that predates it."""
-    wanted: dict[str, Any] = {"kvcache": arm.cache, "prefix_caching": arm.cache, "host_cache_mb": s.host_cache_mb,
-                              "disk_cache_mb": s.disk_cache_mb}
-    if arm.cache:
-        # A fresh disk tier per run: the default directory outlives runs and would serve hits from the last one.
-        wanted["cache_dir"] = str(run_dir / "kvcache")
-    accepted = inspect.signature(Topology.local).parameters
-    notes = [f"Topology.local has no {k!r} argument (left out)" for k in wanted if k not in accepted]
-    if arm.cache and "kvcache" not in accepted:
-        notes.append("this mesh has no cache daemon wiring: the cache-on arms ran without the cache daemon")
+def mesh_topology(s: MeshSettings, arm: Arm, run_dir: Path) -> Topology:
+    """The mesh of one arm: cache on = a cache daemon with a fresh disk tier (the default directory outlives
+    runs and would serve hits from the last one) and prefix caching in the workers; cache off = neither."""
     topo = Topology.local(s.model, s.transport, run_dir if s.transport == "ipc" else None,
                           disaggregated=not s.colocated, num_prefill=arm.num_prefill, threads=s.threads,
-                          kv_cache_mb=s.kv_cache_mb, **{k: v for k, v in wanted.items() if k in accepted})
-    known = {f.name for f in dataclasses.fields(RouterConfig)}
-    options = {**s.router_options, **arm.router_options}
-    notes += [f"the router has no {k!r} option (left out)" for k in options if k not in known]
-    options = {**topo.router_options, **{k: v for k, v in options.items() if k in known}}
-    return dataclasses.replace(topo, router_options=options), notes
+                          kv_cache_mb=s.kv_cache_mb, kvcache=arm.cache, prefix_caching=arm.cache,
+                          cache_dir=run_dir / "kvcache", host_cache_mb=s.host_cache_mb,
+                          disk_cache_mb=s.disk_cache_mb)
+    return dataclasses.replace(topo, router_options={**s.router_options, **arm.router_options})
 
 
 # -- running one arm ------------------------------------------------------------------------------------------
@@ -170,11 +155,11 @@ async def replay(endpoint: str, ctx: Any, requests: list[ScaledRequest], warm: l
 
 
 def run_arm(s: MeshSettings, arm: Arm, requests: list[ScaledRequest], warm: list[list[int]],
-            timeout_s: float) -> tuple[list[dict[str, Any]], list[str]]:
+            timeout_s: float) -> list[dict[str, Any]]:
     """A fresh mesh (fresh cache) for this arm, the replay, the mesh stopped."""
     run_dir = Path(tempfile.mkdtemp(prefix="direplay-"))
     try:
-        topo, notes = mesh_topology(s, arm, run_dir)
+        topo = mesh_topology(s, arm, run_dir)
         if s.transport == "inproc":
             async def main() -> list[dict[str, Any]]:
                 mesh = InprocMesh(topo)
@@ -184,9 +169,9 @@ def run_arm(s: MeshSettings, arm: Arm, requests: list[ScaledRequest], warm: list
                 finally:
                     await mesh.stop()
 
-            return asyncio.run(main()), notes
+            return asyncio.run(main())
         with supervised(topo, run_dir):
-            return asyncio.run(replay(topo.frontend, None, requests, warm, timeout_s, arm.name)), notes
+            return asyncio.run(replay(topo.frontend, None, requests, warm, timeout_s, arm.name))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -384,9 +369,8 @@ def main(argv: list[str] | None = None) -> None:
                 "loadavg": os.getloadavg()}}
     for arm in arms:
         print(f"{arm.name} ...", file=sys.stderr)
-        rows, notes = run_arm(settings, arm, st.requests, warm, args.timeout_s)
+        rows = run_arm(settings, arm, st.requests, warm, args.timeout_s)
         r["rows"][arm.name], r["arms"][arm.name] = rows, summarize(rows)
-        r["notes"] += [n for n in notes if n not in r["notes"]]  # most notes are the same for every arm
     r["ratios"] = ratios(r["arms"], workload["reusable_kv_blocks"], args.placement)
     print_report(r)
     out = args.out or RESULTS / f"replay{'-placement' if args.placement else ''}.json"
