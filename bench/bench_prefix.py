@@ -48,6 +48,7 @@ from deepinfer.cache.store import TieredStore
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams, Usage
+from deepinfer.launch.tuning import tune_malloc
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import make_dealer, make_router, recv_msg, recv_routed, send_msg
 from deepinfer.services.cache_client import FETCH_DEADLINE_S
@@ -319,6 +320,7 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    tune_malloc()  # what every DeepInfer service process does at start (deepinfer/launch/tuning.py)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from deepinfer.engine.config import EngineConfig
 from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir
+from deepinfer.launch.tuning import tune_malloc
 from deepinfer.services.base import Service
 from deepinfer.services.kvcache import KvCacheService
 from deepinfer.services.router import RouterConfig, RouterService
@@ -103,6 +104,7 @@ class InprocMesh:
 
 def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[], None] | None = None) -> None:
     """Run one service in this process until SIGINT/SIGTERM."""
+    tune_malloc()
     try:
         import uvloop
 
@@ -148,6 +150,7 @@ class EmbeddedMesh:
         self._mesh: InprocMesh | None = None
 
     def __enter__(self) -> str:
+        tune_malloc()
         self._thread.start()
 
         async def start() -> InprocMesh:
@@ -175,6 +178,7 @@ class EmbeddedMesh:
 
 def serve_inproc(topology: Topology, on_ready: Callable[[], None] | None = None) -> None:
     """`deepinfer-launch up --inproc`: the whole mesh in this process until SIGINT/SIGTERM."""
+    tune_malloc()
     try:
         import uvloop
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import structlog
 
 from deepinfer.launch.topology import Topology
+from deepinfer.launch.tuning import MALLOC_ENV
 
 log = structlog.get_logger("deepinfer.supervisor")
 
@@ -65,7 +66,8 @@ class Supervisor:
         return next(c for c in self.children if c.name == name)
 
     def _spawn(self, c: Child) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(c.threads), MKL_NUM_THREADS=str(c.threads),
+        env = dict(MALLOC_ENV, **os.environ)  # (a MALLOC_* the operator set wins)
+        env.update(OMP_NUM_THREADS=str(c.threads), MKL_NUM_THREADS=str(c.threads),
                    DEEPINFER_THREADS=str(c.threads), PYTHONUNBUFFERED="1",
                    DEEPINFER_LOG_LEVEL=os.environ.get("DEEPINFER_LOG_LEVEL", "info"))
         cmd = [sys.executable, "-m", "deepinfer.launch.cli", "service", c.role, "--topology",
