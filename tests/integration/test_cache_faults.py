@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -20,11 +19,11 @@ import zmq
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
-from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient
 from deepinfer.protocol.sockets import make_dealer, recv_msg, send_msg
+from tests.integration.supervised import supervised_mesh
 
 pytestmark = pytest.mark.smollm2
 
@@ -47,23 +46,8 @@ def prompts_and_reference(smollm2_path):
 def mesh(smollm2_path, tmp_path):
     topo = Topology.local(str(smollm2_path), "ipc", tmp_path, disaggregated=False, threads=1,
                           kv_cache_mb=KV_CACHE_MB, cache_dir=tmp_path / "kv", host_cache_mb=64, disk_cache_mb=256)
-    path = tmp_path / "topology.toml"
-    path.write_text(topo.to_toml())
-    sup = Supervisor(path, log_dir=tmp_path)
-    sup.start()
-    stop = threading.Event()
-
-    def keep_alive() -> None:  # what `up` does: restart dead children
-        while not stop.wait(0.1):
-            sup.poll()
-
-    try:
-        sup.wait_ready(timeout_s=300)
-        threading.Thread(target=keep_alive, daemon=True).start()
+    with supervised_mesh(topo, tmp_path, poll_s=0.1) as sup:
         yield sup
-    finally:
-        stop.set()
-        sup.stop()
 
 
 def wait_for_daemon(endpoint: str, timeout_s: float = 60.0) -> None:

@@ -10,15 +10,14 @@ import asyncio
 import dataclasses
 import os
 import signal
-import threading
 import time
 
 import pytest
 
-from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient, Client, WorkerLostError
+from tests.integration.supervised import supervised_mesh
 
 pytestmark = pytest.mark.smollm2
 
@@ -27,24 +26,8 @@ pytestmark = pytest.mark.smollm2
 def mesh(smollm2_path, tmp_path):
     topo = Topology.local(str(smollm2_path), "ipc", tmp_path, disaggregated=True, threads=1, kv_cache_mb=64)
     topo = dataclasses.replace(topo, router_options={"heartbeat_timeout_s": 1.5})
-    path = tmp_path / "topology.toml"
-    path.write_text(topo.to_toml())
-    sup = Supervisor(path, log_dir=tmp_path)
-    sup.start()
-    stop = threading.Event()
-
-    def keep_alive() -> None:  # what `up` does: restart dead children
-        while not stop.wait(0.2):
-            sup.poll()
-
-    try:
-        sup.wait_ready(timeout_s=300)
-        thread = threading.Thread(target=keep_alive, daemon=True)
-        thread.start()
+    with supervised_mesh(topo, tmp_path) as sup:
         yield sup
-    finally:
-        stop.set()
-        sup.stop()
 
 
 async def stream_until_error(endpoint: str, n: int) -> list[tuple[float, BaseException | m.RequestFinished]]:
