@@ -125,7 +125,8 @@ def run_client(endpoint: str, prompts: list[list[int]], warm: list[list[int]], n
 def run_inproc_mesh(model: str, threads: int, kv_cache_mb: int, prompts: list[list[int]],
                     warm: list[list[int]], new_tokens: int) -> dict[str, float]:
     async def main() -> dict[str, float]:
-        topo = Topology.local(model, "inproc", disaggregated=False, threads=threads, kv_cache_mb=kv_cache_mb)
+        topo = Topology.local(model, "inproc", disaggregated=False, threads=threads, kv_cache_mb=kv_cache_mb,
+                              kvcache=False)
         mesh = InprocMesh(topo)
         await mesh.start()
         try:
@@ -144,25 +145,34 @@ def run_inproc_mesh(model: str, threads: int, kv_cache_mb: int, prompts: list[li
 
 
 @contextlib.contextmanager
-def process_mesh(model: str, disaggregated: bool, threads: int, kv_cache_mb: int) -> Iterator[Topology]:
-    """The mesh as one process per service under a Supervisor, ready; stopped (and its logs shown if
-    something failed) on the way out."""
-    run_dir = Path(tempfile.mkdtemp(prefix="dimesh-"))
-    topo = Topology.local(model, "ipc", run_dir, disaggregated=disaggregated, threads=threads,
-                          kv_cache_mb=kv_cache_mb)
+def supervised(topo: Topology, run_dir: Path) -> Iterator[None]:
+    """`topo` as one process per service under a Supervisor, serving; stopped on the way out, with the last
+    lines of every service's log shown if something failed."""
     (run_dir / "topology.toml").write_text(topo.to_toml())
     sup = Supervisor(run_dir / "topology.toml", log_dir=run_dir)
     ok = False
     try:
         sup.start()
         sup.wait_ready(timeout_s=300)
-        yield topo
+        yield
         ok = True
     finally:
         sup.stop()
         if not ok:
             for log in sorted(run_dir.glob("*.log")):
-                print(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text().splitlines()[-15:]), file=sys.stderr)
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+                print(f"--- {log.name} (last lines)\n{tail}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def process_mesh(model: str, disaggregated: bool, threads: int, kv_cache_mb: int) -> Iterator[Topology]:
+    """The mesh as one process per service, without a cache daemon: this benchmark measures what the mesh
+    costs against the engine, which has no daemon to write behind to."""
+    run_dir = Path(tempfile.mkdtemp(prefix="dimesh-"))
+    topo = Topology.local(model, "ipc", run_dir, disaggregated=disaggregated, threads=threads,
+                          kv_cache_mb=kv_cache_mb, kvcache=False)
+    with supervised(topo, run_dir):
+        yield topo
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

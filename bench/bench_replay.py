@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -31,12 +30,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from bench.bench_mesh import pct, table
+from bench.bench_mesh import pct, supervised, table
 from bench.trace import (
     TRACE_BLOCK_TOKENS,
     ScaleConfig,
@@ -52,7 +50,6 @@ from bench.trace import (
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import model_config_at
 from deepinfer.launch.mesh import InprocMesh
-from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
 from deepinfer.protocol.client import AsyncClient, MeshError
 
@@ -100,25 +97,6 @@ def mesh_topology(s: MeshSettings, arm: Arm, run_dir: Path) -> Topology:
 
 
 # -- running one arm ------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def supervised(topo: Topology, run_dir: Path) -> Iterator[None]:
-    """One process per service under a Supervisor, serving; stopped on the way out (logs shown on failure)."""
-    (run_dir / "topology.toml").write_text(topo.to_toml())
-    sup = Supervisor(run_dir / "topology.toml", log_dir=run_dir)
-    ok = False
-    try:
-        sup.start()
-        sup.wait_ready(timeout_s=300)
-        yield
-        ok = True
-    finally:
-        sup.stop()
-        if not ok:
-            for log in sorted(run_dir.glob("*.log")):
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-                print(f"--- {log.name} (last lines)\n{tail}", file=sys.stderr)
 
 
 async def replay(endpoint: str, ctx: Any, requests: list[ScaledRequest], warm: list[list[int]], timeout_s: float,
