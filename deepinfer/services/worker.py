@@ -316,12 +316,14 @@ class WorkerService(Service):
                              fetch_s=track.fetch_s)
 
     async def _events_loop(self) -> None:
-        last_steps = -1
+        last: tuple[int, int] | None = None
         while True:
             await asyncio.sleep(EVENTS_PERIOD_S)
             assert self._thread is not None
-            if self._thread.steps != last_steps or self.cache is not None:  # imports change the pool too
-                last_steps = self._thread.steps
+            # The pool's names change only in steps and imports: an idle engine is not woken to drain nothing.
+            now = (self._thread.steps, self.cache.stats.imported_blocks if self.cache is not None else 0)
+            if now != last:
+                last = now
                 await self._publish_changes()
 
     async def _publish_changes(self) -> None:
