@@ -128,9 +128,28 @@ class EngineConfig:
     use_native_kernels: bool = True
     # Keep freed full blocks addressable by their hash so later prompts with the same prefix reuse them.
     enable_prefix_caching: bool = True
+    # Speculative decoding: None (off), "ngram", "suffix", "self:L" (the model's first L layers as the
+    # draft) or "draft:PATH" (a smaller model sharing the tokenizer). See deepinfer.engine.spec.
+    speculative: str | None = None
+    # The most tokens proposed for one request in one step.
+    num_speculative_tokens: int = 4
+    # Let the controller choose each request's k per step (0 = off) from measured costs and acceptance;
+    # False: always propose up to num_speculative_tokens.
+    adaptive_speculation: bool = True
+    # n-gram matching: the shortest and longest suffix of a request's tokens looked up.
+    ngram_min: int = 1
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ConfigError("block_size must be positive")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ConfigError("num_speculative_tokens must be in [1, 32]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError("ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
+        if self.speculative is not None:
+            from deepinfer.engine.spec.base import parse_speculative
+
+            parse_speculative(self.speculative)  # raises ConfigError naming what is wrong

@@ -182,6 +182,10 @@ class Usage:
     # cached_tokens split by the tier the prefix KV came from ("device", "host", "disk"); only tiers
     # that served tokens appear.
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: draft tokens proposed for this request and how many of them the model
+    # accepted (each accepted one is a completion token that cost no step of its own).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def to_dict(self) -> dict[str, int | dict[str, int]]:
         return {
@@ -189,6 +193,8 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "cached_by_tier": dict(self.cached_by_tier),
+            "spec_proposed_tokens": self.spec_proposed_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
         }
 
 
