@@ -93,6 +93,9 @@ class EngineStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     blocks_imported: int = 0  # named blocks copied in from another tier (import_cached_blocks)
+    # Speculative decoding: draft tokens verified, and how many of them were accepted.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class LLMEngine:
