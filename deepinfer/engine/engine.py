@@ -69,8 +69,10 @@ from deepinfer.engine.request import (
     SamplingParams,
     Usage,
 )
-from deepinfer.engine.sampler import Sampler, SamplingRow, make_generator
+from deepinfer.engine.sampler import Sampler, make_generator
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from deepinfer.engine.spec.speculator import Speculator, build_proposer
+from deepinfer.engine.spec.verify import VerifyGroup, VerifyResult, verify
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import LoadedModel, load_model_weights
 
@@ -131,6 +133,10 @@ class LLMEngine:
         # Reservation leases are measured on this clock (injectable for tests).
         self._clock = clock
         self.sampler = Sampler()
+        self.speculator: Speculator | None = None
+        if self.config.speculative:
+            proposer = build_proposer(self.config, model, self.runner.kv)
+            self.speculator = Speculator(self.config, proposer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else self.model_config.eos_token_ids
         self._generators: dict[str, torch.Generator | None] = {}
         # Per request: the detokenizer and the text it has released so far.
@@ -170,7 +176,7 @@ class LLMEngine:
             prompt_ids = list(prompt)
         self._validate(prompt_ids, params)
         req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
-                      prefill_only=prefill_only, hasher=self.prefix_cache.new_hasher(cache_salt))
+                      prefill_only=prefill_only, hasher=self.prefix_cache.new_hasher(cache_salt), tenant=cache_salt)
         self._track(req)
         self.scheduler.add(req)
         return request_id
@@ -294,8 +300,9 @@ class LLMEngine:
         beyond that go back to the pool at once.
 
         The request then runs exactly as if it had been prefilled here: in `running` at once (even
-        past `max_num_seqs`: the reservation was its admission), the seeded generator advanced past
-        the first token's draw, the detokenizer fed the first token. If the first token ends it (stop
+        past `max_num_seqs`: the reservation was its admission), the detokenizer fed the first token (a
+        seeded request's stream is keyed by position, so its next token draws exactly what a single
+        engine would have drawn). If the first token ends it (stop
         token, EOS, stop string, max_tokens=1, context limit) its terminal output comes with the next
         `step()` and its blocks are freed now.
 
@@ -344,14 +351,13 @@ class LLMEngine:
         self.pool.free(reversed(blocks[keep:]))
 
         req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
-                      hasher=self.prefix_cache.new_hasher(cache_salt))
+                      hasher=self.prefix_cache.new_hasher(cache_salt), tenant=cache_salt)
         req.block_ids = blocks[:keep]
         req.num_computed_tokens = len(prompt_ids)
         req.output_token_ids.append(first_token)
         if params.logprobs is not None and first_logprob is not None:
             req.output_logprobs.append(first_logprob)
         self._track(req)
-        self._replay_first_draw(req)
         self.scheduler.add_running(req)
         self.stats.handoffs_in += 1
         reason = self._check_stop(req, first_token)
@@ -359,17 +365,6 @@ class LLMEngine:
             self._finish(req, reason)
             self._pending.append(self._output(req, []))
         return request_id
-
-    def _replay_first_draw(self, req: Request) -> None:
-        """The prefill engine's generator drew once, for the first token. Draw the same here, so the
-        next tokens continue the stream a single engine would have used: the sampler draws a fixed
-        amount per step for a seeded row, whatever the logits, so sampling dummy logits replays it."""
-        generator = self._generators[req.request_id]
-        if generator is None:  # unseeded: the global RNG, nothing to reproduce
-            return
-        row = SamplingRow(req.params, req.prompt_token_ids, [], generator)
-        with torch.inference_mode():
-            self.sampler(torch.zeros((1, self.model_config.vocab_size)), [row])
 
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
@@ -380,7 +375,12 @@ class LLMEngine:
         # Leases hold even where no timer runs: a lost transfer's blocks come back here.
         self.expire_reservations()
         outputs, self._pending = self._pending, []
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(self.scheduler.running, self.scheduler.max_num_batched_tokens)
         sched = self.scheduler.schedule()
+        if spec is not None:
+            spec.clear_plan()
         if sched.is_empty:
             return outputs
         self.stats.num_steps += 1
@@ -389,15 +389,15 @@ class LLMEngine:
         self.stats.prefix_query_tokens += sched.prefix_query_tokens
         self.stats.prefix_hit_tokens += sched.prefix_hit_tokens
         try:
+            if spec is not None:
+                spec.draft(sched)
+            started = time.perf_counter()
             sampled, logits = self.runner.execute(sched)
-            self.scheduler.update(sched)
-            rows = [
-                SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, self._generators[r.request_id])
-                for r in sampled
-            ]
             # The model returns inference tensors, which the sampler's penalties update in place.
             with torch.inference_mode():
-                results = self.sampler(logits, rows)
+                results = verify(self.sampler, logits, [self._verify_group(c) for c in sampled])
+            if spec is not None:
+                spec.record_step(sched.num_batched_tokens, time.perf_counter() - started)
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("step failed", requests=[c.request.request_id for c in sched.chunks])
             for chunk in sched.chunks:
@@ -407,24 +407,59 @@ class LLMEngine:
                     self._finish(req, FinishReason.ERROR)
                     outputs.append(self._output(req, []))
             return outputs
-        self.stats.tokens_generated += len(sampled)
         self.stats.tokens_computed += sched.num_batched_tokens
-        for req, (token, logprob) in zip(sampled, results):
-            req.output_token_ids.append(token)
-            if logprob is not None:
-                req.output_logprobs.append(logprob)
-            reason = self._check_stop(req, token)
+        committed = [(chunk, *self._commit(chunk, result)) for chunk, result in zip(sampled, results)]
+        # Only now, with the committed tokens known, does the scheduler learn what KV stays.
+        self.scheduler.update(sched)
+        for chunk, new_tokens, reason in committed:
+            req = chunk.request
             if reason is not None:
                 self._finish(req, reason)
             elif req.prefill_only:
                 self._hold(req)
-            outputs.append(self._output(req, [token]))
+            outputs.append(self._output(req, new_tokens))
         return outputs
+
+    def _verify_group(self, chunk: ScheduledChunk) -> VerifyGroup:
+        r = chunk.request
+        probs = self.speculator.draft_probs(chunk) if self.speculator is not None else None
+        return VerifyGroup(r.params, r.prompt_token_ids, r.output_token_ids, self._generators[r.request_id],
+                           chunk.draft_token_ids, probs)
+
+    def _commit(self, chunk: ScheduledChunk, result: VerifyResult) -> tuple[list[int], FinishReason | None]:
+        """Append the verified run to the request, token by token, stopping at the first stop; set the
+        chunk's `num_rejected` so only KV of committed positions is kept. Returns the tokens appended
+        and the finish reason, if one of them ended the request."""
+        req = chunk.request
+        new_tokens: list[int] = []
+        reason = None
+        for token, logprob in zip(result.token_ids, result.logprobs, strict=True):
+            req.output_token_ids.append(token)
+            if logprob is not None:
+                req.output_logprobs.append(logprob)
+            new_tokens.append(token)
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                break
+        self.stats.tokens_generated += len(new_tokens)
+        end = chunk.start + chunk.num_new_tokens
+        # KV exists for the step's positions up to the last accepted draft; of those, a position stays
+        # only if its token was committed and is not the last one (whose KV the next step computes).
+        kept = min(end - (chunk.num_spec - result.num_accepted), req.num_tokens - 1)
+        chunk.num_rejected = end - kept
+        if chunk.num_spec and self.speculator is not None:
+            self.stats.spec_proposed_tokens += chunk.num_spec
+            committed_drafts = min(result.num_accepted, len(new_tokens) - 1)
+            self.stats.spec_accepted_tokens += committed_drafts
+            self.speculator.record(chunk, result.num_accepted, committed_drafts)
+        return new_tokens, reason
 
     def _hold(self, req: Request) -> None:
         """End a prefill-only request's life here by handoff, keeping its prompt blocks."""
         self.scheduler.hold(req)
         self._generators.pop(req.request_id, None)
+        if self.speculator is not None:
+            self.speculator.finished(req)
         # The decode side detokenizes the whole output, first token included.
         self._texts.pop(req.request_id, None)
         self.stats.handoffs_out += 1
@@ -446,6 +481,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
         self._generators.pop(req.request_id, None)
+        if self.speculator is not None:
+            self.speculator.finished(req)
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         handoff = req.status == RequestStatus.HELD
@@ -461,7 +498,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=req.finish_reason,
             usage=Usage(len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens,
-                        dict(req.cached_by_tier)),
+                        dict(req.cached_by_tier), req.spec_proposed_tokens, req.spec_accepted_tokens),
             logprobs=list(req.output_logprobs) if finished and req.params.logprobs is not None else None,
             error=req.error,
             text=text,

@@ -142,6 +142,16 @@ class Request:
     num_preemptions: int = 0
     # Stop after the first token and hand the prompt's KV to a decode engine (see LLMEngine.add_request).
     prefill_only: bool = False
+    # The tenant's cache salt: also scopes what a cross-request guesser may propose to it.
+    tenant: str | None = None
+    # Speculative decoding. Set by the engine before each schedule: how many draft tokens this request
+    # would verify in the step (0: none), and for a cheap guesser the drafts themselves. The
+    # scheduler may grant fewer (see Scheduler.schedule); neither is ever part of the committed tokens.
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Draft tokens verified for this request so far, and how many of those were committed.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # None on a FINISHED request means it ended by handoff rather than by finishing.
     finish_reason: FinishReason | None = None
     error: str | None = None

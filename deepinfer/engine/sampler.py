@@ -6,9 +6,11 @@ seeded row, the state of its own `torch.Generator`. Two rules keep it so:
 * every tensor op is row-wise (reductions, sorts and scans run along the vocabulary only, never
   across rows), and a filter is applied to exactly the rows that enable it, so neighbours in the
   batch and the row's index cannot change what a row sees;
-* a seeded row draws a fixed amount of randomness per sampling step (one exponential per vocabulary
-  entry) from its own generator, whatever its filters, so its generator advances identically at
-  every step and never shares a stream with another row.
+* a seeded row's randomness is keyed by position: the noise for output token i is drawn from the
+  row's generator freshly seeded with `stream_seed(seed, i, purpose)`. A token therefore depends only
+  on its logits and (seed, i) — never on how many tokens earlier steps drew, how many tokens a step
+  produces (speculative decoding commits several at once), or on which engine drew the ones before
+  (a prefill engine samples token 0, a decode engine continues at token 1 with nothing to replay).
 
 Random choice is an exponential race: argmax_i(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks i with
 probability p_i / sum(p). Unlike `torch.multinomial` over a batch it lets every row draw its noise
@@ -32,13 +34,29 @@ _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
 
 
+# Purposes of a seeded row's streams at one position: sampling the target's token, and the two draws
+# of the speculative rejection rule (see deepinfer.engine.spec.verify).
+NOISE, ACCEPT, RESIDUAL = 0, 1, 2
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, position: int, purpose: int = NOISE) -> int:
+    """The generator seed for one draw of a seeded request: SplitMix64 over (seed, position, purpose),
+    so neighbouring positions and purposes get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + purpose * 0x8CB92BA72F3D8DD7) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 @dataclass
 class SamplingRow:
-    """One sequence to pick a token for in this step.
+    """One sequence to pick a token for in this step: the token at output position
+    `len(output_token_ids)`, given the tokens before it.
 
-    `generator` belongs to the request and must be the same object at every step so its state carries
-    over; create it once with `make_generator(params.seed)`. It is None exactly when `params.seed` is
-    None, and then the row samples from torch's global RNG.
+    `generator` is the request's scratch generator (create it once with `make_generator(params.seed)`);
+    it is re-seeded per draw from (seed, position), so its prior state never matters. It is None exactly
+    when `params.seed` is None, and then the row samples from torch's global RNG.
     """
 
     params: SamplingParams
@@ -50,6 +68,16 @@ class SamplingRow:
         # Falling back to the global RNG would silently break the seed's reproducibility promise.
         if self.params.seed is not None and self.generator is None:
             raise ValueError("a seeded request needs its own generator: make_generator(params.seed)")
+
+    @property
+    def position(self) -> int:
+        return len(self.output_token_ids)
+
+    def seeded(self, purpose: int) -> torch.Generator:
+        """The row's generator, seeded for `purpose` at its position (seeded rows only)."""
+        assert self.generator is not None and self.params.seed is not None
+        self.generator.manual_seed(stream_seed(self.params.seed, self.position, purpose))
+        return self.generator
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -80,13 +108,9 @@ class Sampler:
         if all(_is_plain_greedy(row.params) for row in rows):
             # Fast path, taken every decode step of a greedy batch: one kernel and one sync.
             return [(token, None) for token in logits.argmax(dim=-1).tolist()]
-        if logits.dtype != torch.float32:
-            logits = logits.float()
 
         params = [row.params for row in rows]
-        penalised = [i for i, p in enumerate(params) if _has_penalty(p)]
-        if penalised:
-            _apply_penalties(logits, [rows[i] for i in penalised], penalised)
+        logits = self.penalise(logits, rows)
         # From here on `logits` holds the penalised logits and is only read: the logprobs below are
         # taken from it after sampling, so sampling must work on its own copy.
 
@@ -103,12 +127,42 @@ class Sampler:
             tokens[sampled_idx] = _sample(logits.index_select(0, sampled_idx), [rows[i] for i in sampled])
 
         token_ids: list[int] = tokens.tolist()
-        results: list[tuple[int, Logprob | None]] = [(token, None) for token in token_ids]
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return list(zip(token_ids, self.logprobs(logits, rows, token_ids), strict=True))
+
+    def penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """`logits` with each row's penalties applied (in place), as fp32."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        penalised = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+        if penalised:
+            _apply_penalties(logits, [rows[i] for i in penalised], penalised)
+        return logits
+
+    def probs(self, penalised: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[n, vocab] the distribution each row samples from: softmax of the penalised logits over
+        temperature, after the top-k, top-p and min-p filters; a greedy row is one-hot at its argmax."""
+        out = torch.zeros_like(penalised)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        if greedy:
+            idx = _index(greedy, penalised.device)
+            top = penalised.index_select(0, idx).argmax(dim=-1)
+            out[idx, top] = 1.0
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if sampled:
+            idx = _index(sampled, penalised.device)
+            out.index_copy_(0, idx, _filtered_probs(penalised.index_select(0, idx), [rows[i] for i in sampled]))
+        return out
+
+    def logprobs(self, penalised: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[Logprob | None]:
+        """Per row, the Logprob of `token_ids[i]` (and the top alternatives) under the penalised logits
+        when the row asks for logprobs, else None."""
+        results: list[Logprob | None] = [None] * len(rows)
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if wanted:
-            logprobs = _logprobs(logits, tokens, token_ids, [params[i] for i in wanted], wanted)
+            tokens = torch.tensor(token_ids, dtype=torch.long, device=penalised.device)
+            logprobs = _logprobs(penalised, tokens, token_ids, [rows[i].params for i in wanted], wanted)
             for i, logprob in zip(wanted, logprobs, strict=True):
-                results[i] = (token_ids[i], logprob)
+                results[i] = logprob
         return results
 
 
@@ -187,6 +241,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], positions: l
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Sampled token ids [len(rows)] for rows with temperature > 0. Never writes to `logits`."""
+    probs = _filtered_probs(logits, rows)
+    return probs.div_(exponential_noise(rows, logits.shape[1], logits.device)).argmax(dim=-1)
+
+
+def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[len(rows), vocab] fresh fp32 probabilities for rows with temperature > 0: softmax of logits over
+    temperature after the filters (masked tokens exactly 0). Never writes to `logits`."""
     device = logits.device
     vocab = logits.shape[1]
     params = [row.params for row in rows]
@@ -208,8 +269,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if min_p:
         _mask_rows(x, min_p, _min_p_mask)
 
-    probs = x.softmax(dim=-1)  # masked tokens have probability exactly 0
-    return probs.div_(_exponential_noise(rows, vocab, device)).argmax(dim=-1)
+    return x.softmax(dim=-1)  # masked tokens have probability exactly 0
 
 
 _MaskFn = Callable[[torch.Tensor, Sequence[float]], torch.Tensor]
@@ -256,9 +316,10 @@ def _min_p_mask(x: torch.Tensor, ps: Sequence[float]) -> torch.Tensor:
     return probs < _column(ps, x.device) * probs.amax(dim=-1, keepdim=True)
 
 
-def _exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(rows), vocab] i.i.d. Exp(1) noise: seeded rows from their own generators, one full row
-    each per call (a fixed draw, whatever the filters); unseeded rows from the global RNG."""
+def exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device,
+                      purpose: int = NOISE) -> torch.Tensor:
+    """[len(rows), vocab] i.i.d. Exp(1) noise: seeded rows from their own streams at their positions
+    (for `purpose`), unseeded rows from the global RNG."""
     noise = torch.empty((len(rows), vocab), dtype=torch.float32, device=device)
     unseeded = [j for j, row in enumerate(rows) if row.generator is None]
     if len(unseeded) == len(rows):
@@ -268,9 +329,9 @@ def _exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device
             global_noise = torch.empty((len(unseeded), vocab), dtype=torch.float32, device=device)
             noise.index_copy_(0, _index(unseeded, device), global_noise.exponential_())
         for j, row in enumerate(rows):
-            generator = row.generator
-            if generator is None:
+            if row.generator is None:
                 continue
+            generator = row.seeded(purpose)
             if generator.device == noise.device:
                 noise[j].exponential_(generator=generator)
             else:

@@ -34,6 +34,16 @@ Prefill/decode handoff adds two doors that bypass the waiting queue:
   checked: `running` may briefly exceed `max_num_seqs`, and waiting requests are then not admitted
   until it drops back below.
 
+Speculative decoding adds draft rows to decode steps, and splits "computed" from "committed":
+* a running request in its decode phase (one token to compute) that asks for `num_spec_tokens` drafts
+  gets a chunk of 1 + k tokens (`ScheduledChunk.num_spec = k`) — but only if the drafts' blocks and
+  budget are free without preempting anyone: speculation is optional, so it shrinks or drops first;
+* after the step the engine says how many of the chunk's tokens produced KV that stays
+  (`num_rejected` = the rejected drafts' positions, and any cut by a stop); `update` advances
+  `num_computed_tokens` by the rest only, returns the blocks that were allocated for the rejected
+  positions, and names only blocks full of committed tokens. A rejected draft's KV lies at or past
+  `num_computed_tokens`, in slots the next step overwrites, in a block no one else shares.
+
 The scheduler owns queues and block ids, nothing else: no tensors, no model, no sockets.
 """
 
@@ -49,7 +59,14 @@ from deepinfer.engine.request import FinishReason, Request, RequestStatus
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
+    # Draft tokens among num_new_tokens (the chunk's last ones); their ids, filled in by the engine.
+    num_spec: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    # Set by the engine before `update`: trailing tokens of the chunk whose KV is not kept.
+    num_rejected: int = 0
+    # len(request.block_ids) before this step allocated for it (a rollback never goes below it).
+    blocks_before: int = 0
 
     @property
     def start(self) -> int:
@@ -58,8 +75,9 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk completes the request's tokens, so its last logits are sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """True when this chunk completes the request's tokens, so its last logits (all 1 + num_spec
+        of them for a speculating chunk) are sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens - self.num_spec == self.request.num_tokens
 
 
 @dataclass
@@ -178,10 +196,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, req.num_computed_tokens + n, out):
+            before = len(req.block_ids)
+            spec = min(req.num_spec_tokens, budget - n) if req.num_tokens - req.num_computed_tokens == 1 else 0
+            # Drafts only take blocks that are free now: never preempt for a guess.
+            if spec > 0 and self._blocks_for(req.num_computed_tokens + n + spec) - before > self.pool.num_free:
+                spec = 0
+            if not self._reserve(req, req.num_computed_tokens + n + spec, out):
                 break  # req itself was preempted: nothing after it is left to run
-            out.chunks.append(ScheduledChunk(req, n))
-            budget -= n
+            out.chunks.append(ScheduledChunk(req, n + spec, num_spec=spec, blocks_before=before))
+            budget -= n + spec
             i += 1
 
         # After a preemption memory is short: admitting new work would only thrash.
@@ -196,20 +219,28 @@ class Scheduler:
                 break
             if self._caches(req) and not req.block_ids:
                 self._take_hit(req, hit, out)
+            before = len(req.block_ids)
             req.block_ids.extend(self.pool.allocate(need))
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=Request.sort_key)
-            out.chunks.append(ScheduledChunk(req, n))
+            out.chunks.append(ScheduledChunk(req, n, blocks_before=before))
             budget -= n
         return out
 
     def update(self, out: SchedulerOutput) -> None:
-        """Record that the model computed every scheduled chunk (call before appending sampled tokens),
-        and name the blocks that this made full in the prefix cache."""
+        """Record what the step computed and kept: each chunk's tokens but its `num_rejected` last ones
+        (call after appending the committed tokens, before finishing any request). Blocks allocated
+        only for rejected positions go back to the pool; blocks now full of committed KV are named."""
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens += chunk.num_new_tokens
-            self._register_full_blocks(chunk.request)
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_new_tokens - chunk.num_rejected
+            if chunk.num_rejected:
+                keep = max(chunk.blocks_before, self._blocks_for(req.num_tokens))
+                if len(req.block_ids) > keep:
+                    self.pool.free(reversed(req.block_ids[keep:]))
+                    del req.block_ids[keep:]
+            self._register_full_blocks(req)
 
     # -- prefix cache -----------------------------------------------------------------------
 

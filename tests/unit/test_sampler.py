@@ -419,9 +419,26 @@ def test_seeded_sampling_matches_softmax() -> None:
     generator = make_generator(77)
     params = SamplingParams(temperature=1.0, seed=77)
     counts: Counter[int] = Counter()
+    output: list[int] = []
+    # A seeded stream is keyed by position: the draws over 8000 positions of one request are i.i.d.
     for _ in range(8000):
-        counts[sampler(logits.unsqueeze(0).clone(), [SamplingRow(params, [], [], generator)])[0][0]] += 1
+        token = sampler(logits.unsqueeze(0).clone(), [SamplingRow(params, [], output, generator)])[0][0]
+        counts[token] += 1
+        output.append(token)
     assert chi_square(counts, probs) < CHI2_BOUND_7DOF
+
+
+def test_seeded_token_depends_only_on_seed_and_position() -> None:
+    """Whatever the generator went through before, the token at position i is the same: speculation
+    (several tokens per step) and a handoff (another engine's generator) cannot shift the stream."""
+    logits = torch.zeros(1, 1000)
+    params = SamplingParams(temperature=1.0, seed=5)
+    fresh = [sampler(logits.clone(), [make_row(params, output=[1] * i)])[0][0] for i in range(20)]
+    used = make_generator(5)
+    torch.rand(1000, generator=used)  # an arbitrary earlier draw
+    again = [sampler(logits.clone(), [SamplingRow(params, [], [1] * i, used)])[0][0] for i in reversed(range(20))]
+    assert again[::-1] == fresh
+    assert len(set(fresh)) > 10  # positions get different streams
 
 
 def test_filtered_sampling_renormalises_kept_mass() -> None:

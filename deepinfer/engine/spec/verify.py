@@ -1,0 +1,137 @@
+"""Verification: from the target's logits at a request's 1 + k rows, the tokens the step commits.
+
+Row j of a request that proposed drafts d_1..d_k holds the target's logits for the token after
+d_1..d_j (row 0: after the last committed token). Each row is a `SamplingRow` whose output already
+contains the drafts before it, so penalties, filters and the seeded stream of that position are
+exactly those of plain decoding at that position.
+
+* Point-mass proposals (n-gram, suffix, a draft model proposing its argmax): the target samples
+  every row as plain decoding would; d_j is accepted while it equals the target's token of row
+  j - 1; the first mismatch (or row k) contributes the target's own token. For greedy rows this is
+  "longest agreeing prefix plus the target's next token". For sampled rows it is the standard
+  rejection rule specialised to a one-hot q: d is accepted with probability p(d) (the chance the
+  target's sample is d) and on rejection the token is distributed as p with d removed, which is
+  norm(max(0, p - q)). Realised through the row's own seeded noise, the committed tokens are the
+  very tokens plain decoding draws: speculation cannot change a seeded request's output.
+* Proposals with a distribution q (a draft model sampling at temperature > 0): the standard rule of
+  Leviathan et al. / Chen et al.: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first
+  rejection draw from norm(max(0, p_j - q_j)) and stop; if all k are accepted draw a bonus token from
+  p_k. The committed tokens are distributed exactly as the target's; the draws come from the row's
+  seeded streams (ACCEPT and RESIDUAL purposes), so a seeded request repeats itself for the same drafts.
+
+Logprobs of committed tokens are the target's (penalised logits, before temperature and filters),
+as plain decoding reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.request import Logprob, SamplingParams
+from deepinfer.engine.sampler import ACCEPT, RESIDUAL, Sampler, SamplingRow, exponential_noise
+
+
+@dataclass
+class VerifyGroup:
+    """One request's rows in the step's logits: 1 + len(draft_token_ids) consecutive rows."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+    draft_token_ids: Sequence[int] = ()
+    draft_probs: torch.Tensor | None = None  # [k, vocab], None for a point-mass proposal
+
+    def rows(self) -> list[SamplingRow]:
+        out = list(self.output_token_ids)
+        drafts = list(self.draft_token_ids)
+        return [SamplingRow(self.params, self.prompt_token_ids, out + drafts[:j], self.generator)
+                for j in range(len(drafts) + 1)]
+
+
+@dataclass
+class VerifyResult:
+    token_ids: list[int]  # accepted drafts, then one token of the target's own
+    logprobs: list[Logprob | None]
+    num_accepted: int
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, groups: Sequence[VerifyGroup]) -> list[VerifyResult]:
+    """`logits`: [sum(1 + k_g), vocab], the groups' rows in order (written to: penalties in place)."""
+    sizes = [len(g.draft_token_ids) + 1 for g in groups]
+    if logits.shape[0] != sum(sizes):
+        raise ValueError(f"{logits.shape[0]} logits rows for groups of {sum(sizes)} rows")
+    results: list[VerifyResult | None] = [None] * len(groups)
+    starts = [sum(sizes[:i]) for i in range(len(groups))]
+    point = [i for i, g in enumerate(groups) if g.draft_probs is None]
+    if point:
+        rows = [row for i in point for row in groups[i].rows()]
+        index = torch.tensor([starts[i] + j for i in point for j in range(sizes[i])], dtype=torch.long)
+        picks = sampler(logits.index_select(0, index) if len(point) < len(groups) else logits, rows)
+        at = 0
+        for i in point:
+            group_picks = picks[at : at + sizes[i]]
+            at += sizes[i]
+            results[i] = _accept_point_mass(groups[i].draft_token_ids, group_picks)
+    for i, g in enumerate(groups):
+        if g.draft_probs is not None:
+            results[i] = _verify_distribution(sampler, logits[starts[i] : starts[i] + sizes[i]], g)
+    return [r for r in results if r is not None]
+
+
+def _accept_point_mass(drafts: Sequence[int], picks: list[tuple[int, Logprob | None]]) -> VerifyResult:
+    accepted = 0
+    while accepted < len(drafts) and picks[accepted][0] == drafts[accepted]:
+        accepted += 1
+    kept = picks[: accepted + 1]
+    return VerifyResult([t for t, _ in kept], [lp for _, lp in kept], accepted)
+
+
+def _verify_distribution(sampler: Sampler, logits: torch.Tensor, group: VerifyGroup) -> VerifyResult:
+    rows = group.rows()
+    penalised = sampler.penalise(logits, rows)
+    p = sampler.probs(penalised, rows)
+    q = group.draft_probs
+    assert q is not None
+    drafts = list(group.draft_token_ids)
+    tokens: list[int] = []
+    for j, d in enumerate(drafts):
+        u = _uniform(rows[j])
+        if accept_draft(float(p[j, d]), float(q[j, d]), u):
+            tokens.append(d)
+            continue
+        tokens.append(_draw(residual(p[j], q[j]), rows[j], RESIDUAL))
+        break
+    else:
+        tokens.append(_draw(p[len(drafts)], rows[len(drafts)], 0))
+    accepted = len(tokens) - 1
+    used = rows[: len(tokens)]
+    return VerifyResult(tokens, sampler.logprobs(penalised[: len(tokens)], used, tokens), accepted)
+
+
+def accept_draft(p_d: float, q_d: float, u: float) -> bool:
+    """The acceptance test of the standard rule: u < p(d) / q(d), with u ~ U[0, 1)."""
+    return u * q_d < p_d
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The distribution to draw from after a rejection: max(0, p - q), unnormalised. Rejection has
+    probability sum(max(0, q - p)) = sum(max(0, p - q)) > 0, so this is never all zero when reached —
+    except through rounding when p and q agree; then p itself is the right answer."""
+    r = (p - q).clamp_min_(0.0)
+    return r if float(r.sum()) > 0.0 else p.clone()
+
+
+def _uniform(row: SamplingRow) -> float:
+    if row.generator is None:
+        return float(torch.rand(()))
+    return float(torch.rand((), generator=row.seeded(ACCEPT)))
+
+
+def _draw(weights: torch.Tensor, row: SamplingRow, purpose: int) -> int:
+    """A token with probability proportional to `weights` (an exponential race, as the sampler draws)."""
+    noise = exponential_noise([row], weights.shape[0], weights.device, purpose)[0]
+    return int((weights / noise).argmax())
