@@ -79,6 +79,11 @@ class SpecContext:
     params: SamplingParams
     # The tenant's cache salt: a proposer that learns across requests keeps tenants apart by it.
     tenant: str | None = None
+    # For proposers that run a model over the request's paged KV: its block table (covering the
+    # positions the step may write, drafts included) and an epoch that changes whenever the request's
+    # KV was dropped and rebuilt (a preemption), invalidating whatever a draft model computed before.
+    block_ids: Sequence[int] = ()
+    kv_epoch: int = 0
 
 
 @dataclass

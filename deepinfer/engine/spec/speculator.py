@@ -27,7 +27,8 @@ from deepinfer.engine.spec.controller import SpecController
 
 
 def context_of(req: Request) -> SpecContext:
-    return SpecContext(req.request_id, req.all_token_ids, len(req.prompt_token_ids), req.params, req.tenant)
+    return SpecContext(req.request_id, req.all_token_ids, len(req.prompt_token_ids), req.params, req.tenant,
+                       req.block_ids, req.num_preemptions)
 
 
 class Speculator:
@@ -127,7 +128,7 @@ def build_proposer(config: EngineConfig, target: object | None = None, kv: torch
     if spec.kind == "suffix":
         from deepinfer.engine.spec.suffix import SuffixProposer
 
-        return SuffixProposer()
+        return SuffixProposer(ngram_min_n=config.ngram_min, ngram_max_n=config.ngram_max)
     from deepinfer.engine.spec.draft import DraftProposer
 
     if spec.kind == "self":
