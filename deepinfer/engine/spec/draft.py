@@ -53,7 +53,8 @@ class DraftProposer(Proposer):
         self._seen: dict[str, tuple[int, int, list[int], int]] = {}
 
     @classmethod
-    def self_draft(cls, target: object, kv: torch.Tensor | None, num_layers: int, config: EngineConfig) -> DraftProposer:
+    def self_draft(cls, target: object, kv: torch.Tensor | None, num_layers: int,
+                   config: EngineConfig) -> DraftProposer:
         if not isinstance(target, LlamaModel) or kv is None:
             raise ConfigError("a self-draft needs the engine's model and KV tensor")
         if not 1 <= num_layers < target.config.num_layers:
