@@ -34,9 +34,9 @@ _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
 
 
-# Purposes of a seeded row's streams at one position: sampling the target's token, and the two draws
-# of the speculative rejection rule (see deepinfer.engine.spec.verify).
-NOISE, ACCEPT, RESIDUAL = 0, 1, 2
+# Purposes of a seeded row's streams at one position: sampling the target's token, the two draws
+# of the speculative rejection rule (see deepinfer.engine.spec.verify), and a draft model's own draw.
+NOISE, ACCEPT, RESIDUAL, DRAFT = 0, 1, 2, 3
 _MASK64 = (1 << 64) - 1
 
 

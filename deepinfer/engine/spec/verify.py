@@ -67,18 +67,23 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: Sequence[VerifyGroup]
     results: list[VerifyResult | None] = [None] * len(groups)
     starts = [sum(sizes[:i]) for i in range(len(groups))]
     point = [i for i, g in enumerate(groups) if g.draft_probs is None]
-    if point:
-        rows = [row for i in point for row in groups[i].rows()]
-        index = torch.tensor([starts[i] + j for i in point for j in range(sizes[i])], dtype=torch.long)
-        picks = sampler(logits.index_select(0, index) if len(point) < len(groups) else logits, rows)
-        at = 0
-        for i in point:
-            group_picks = picks[at : at + sizes[i]]
-            at += sizes[i]
-            results[i] = _accept_point_mass(groups[i].draft_token_ids, group_picks)
-    for i, g in enumerate(groups):
-        if g.draft_probs is not None:
-            results[i] = _verify_distribution(sampler, logits[starts[i] : starts[i] + sizes[i]], g)
+    dist = [i for i, g in enumerate(groups) if g.draft_probs is not None]
+    for kind, members in (("point", point), ("dist", dist)):
+        if not members:
+            continue
+        rows = [row for i in members for row in groups[i].rows()]
+        whole = len(members) == len(groups)
+        index = torch.tensor([starts[i] + j for i in members for j in range(sizes[i])], dtype=torch.long)
+        part = logits if whole else logits.index_select(0, index)
+        if kind == "point":
+            picks = sampler(part, rows)
+            at = 0
+            for i in members:
+                results[i] = _accept_point_mass(groups[i].draft_token_ids, picks[at : at + sizes[i]])
+                at += sizes[i]
+        else:
+            for i, result in zip(members, _verify_distributions(sampler, part, rows, [groups[i] for i in members])):
+                results[i] = result
     return [r for r in results if r is not None]
 
 
@@ -90,26 +95,35 @@ def _accept_point_mass(drafts: Sequence[int], picks: list[tuple[int, Logprob | N
     return VerifyResult([t for t, _ in kept], [lp for _, lp in kept], accepted)
 
 
-def _verify_distribution(sampler: Sampler, logits: torch.Tensor, group: VerifyGroup) -> VerifyResult:
-    rows = group.rows()
+def _verify_distributions(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
+                          groups: Sequence[VerifyGroup]) -> list[VerifyResult]:
+    """The standard rule for groups whose drafts carry q; `logits` and `rows` hold all their rows."""
     penalised = sampler.penalise(logits, rows)
     p = sampler.probs(penalised, rows)
-    q = group.draft_probs
-    assert q is not None
-    drafts = list(group.draft_token_ids)
-    tokens: list[int] = []
-    for j, d in enumerate(drafts):
-        u = _uniform(rows[j])
-        if accept_draft(float(p[j, d]), float(q[j, d]), u):
-            tokens.append(d)
-            continue
-        tokens.append(_draw(residual(p[j], q[j]), rows[j], RESIDUAL))
-        break
-    else:
-        tokens.append(_draw(p[len(drafts)], rows[len(drafts)], 0))
-    accepted = len(tokens) - 1
-    used = rows[: len(tokens)]
-    return VerifyResult(tokens, sampler.logprobs(penalised[: len(tokens)], used, tokens), accepted)
+    results = []
+    at = 0
+    for g in groups:
+        drafts = list(g.draft_token_ids)
+        k = len(drafts)
+        assert g.draft_probs is not None
+        q = g.draft_probs
+        steps = torch.arange(k)
+        p_d = p[at : at + k][steps, drafts].tolist()
+        q_d = q[steps, drafts].tolist()
+        tokens: list[int] = []
+        for j, d in enumerate(drafts):
+            if accept_draft(p_d[j], q_d[j], _uniform(rows[at + j])):
+                tokens.append(d)
+                continue
+            tokens.append(_draw(residual(p[at + j], q[j]), rows[at + j], RESIDUAL))
+            break
+        else:
+            tokens.append(_draw(p[at + k], rows[at + k], 0))
+        used = list(range(at, at + len(tokens)))
+        logprobs = sampler.logprobs(penalised[at : at + len(tokens)], [rows[r] for r in used], tokens)
+        results.append(VerifyResult(tokens, logprobs, len(tokens) - 1))
+        at += k + 1
+    return results
 
 
 def accept_draft(p_d: float, q_d: float, u: float) -> bool:
