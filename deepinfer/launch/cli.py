@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from deepinfer.engine.config import EngineConfig
+from deepinfer.launch.topology import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
 
 
 def configure_logging(as_json: bool, level: str) -> None:
@@ -58,8 +59,43 @@ def fetch(name: str, cache_dir: Path | None) -> None:
     click.echo(str(fetch_smollm2(cache_dir=cache_dir, progress=True)))
 
 
+def _check_speculative(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse an unknown method while parsing, before any model loads."""
+    from deepinfer.launch.topology import speculative_problem
+
+    problem = None if value is None else speculative_problem(value)
+    if problem is not None:
+        raise click.BadParameter(problem)
+    return value
+
+
+def speculation_options(f):  # type: ignore[no-untyped-def]
+    """Speculative decoding: the decoding side (decode and co-located workers) proposes and verifies."""
+    opts = [
+        click.option("--speculative", metavar="METHOD", default=None, callback=_check_speculative,
+                     help="Speculative decoding: ngram, suffix, self:L (the model's first L layers as the draft) or "
+                          "draft:PATH (a smaller model with the same tokenizer). Runs where decoding does: "
+                          "on decode and co-located workers. Greedy output does not change. Default: off."),
+        click.option("--num-speculative-tokens", type=click.IntRange(MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS),
+                     default=4, show_default=True, help="The most draft tokens proposed per request per step."),
+        click.option("--no-adaptive-speculation", is_flag=True,
+                     help="Always propose up to --num-speculative-tokens instead of letting the controller "
+                          "choose each step's count from measured costs and acceptance."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def speculation(speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool) -> dict[str, Any]:
+    """The speculation options as EngineConfig / Topology.local / EmbeddedMesh keyword arguments."""
+    return dict(speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                adaptive_speculation=not no_adaptive_speculation)
+
+
 def engine_options(f):  # type: ignore[no-untyped-def]
     """Options shared by every command that builds an engine."""
+    f = speculation_options(f)
     opts = [
         click.option("--model", default="smollm2", show_default=True,
                      help="'smollm2' (fetched on first use), a Hugging Face directory or a .gguf file."),
@@ -76,13 +112,15 @@ def engine_options(f):  # type: ignore[no-untyped-def]
 
 
 def build_engine_config(kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                        threads: int | None) -> EngineConfig:
+                        threads: int | None, speculative: str | None = None, num_speculative_tokens: int = 4,
+                        no_adaptive_speculation: bool = False) -> EngineConfig:
     return EngineConfig(
         block_size=block_size,
         kv_cache_bytes=kv_cache_mb * 1024 * 1024,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         num_threads=threads,
+        **speculation(speculative, num_speculative_tokens, no_adaptive_speculation),
     )
 
 
@@ -119,14 +157,15 @@ def _params(max_tokens: int, temperature: float, top_p: float, top_k: int, min_p
 
 
 @contextlib.contextmanager
-def _mesh_endpoint(endpoint: str | None, model: str, threads: int | None, kv_cache_mb: int) -> Iterator[str]:
+def _mesh_endpoint(endpoint: str | None, model: str, threads: int | None, kv_cache_mb: int,
+                   spec_kw: dict[str, Any]) -> Iterator[str]:
     if endpoint:
         yield endpoint
         return
     from deepinfer.launch.mesh import EmbeddedMesh
 
     try:
-        mesh = EmbeddedMesh(model, threads=threads, kv_cache_mb=kv_cache_mb)
+        mesh = EmbeddedMesh(model, threads=threads, kv_cache_mb=kv_cache_mb, **spec_kw)
         with mesh as ep:
             yield ep
     except (ValueError, FileNotFoundError) as exc:
@@ -141,7 +180,8 @@ def _mesh_endpoint(endpoint: str | None, model: str, threads: int | None, kv_cac
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line, in input order.")
 def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-             threads: int | None, prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
+             threads: int | None, speculative: str | None, num_speculative_tokens: int,
+             no_adaptive_speculation: bool, prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              stop: tuple[str, ...], endpoint: str | None, api_key: str | None, as_json: bool) -> None:
     """Generate completions through the mesh (a running one, or an embedded one)."""
@@ -154,7 +194,8 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
         raise click.UsageError("give --prompt TEXT or --prompts-file FILE")
     params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
     specs = [dict(messages=[{"role": "user", "content": t}]) if chat else dict(prompt=t) for t in texts]
-    with _mesh_endpoint(endpoint, model, threads, kv_cache_mb) as ep, Client(ep, api_key=api_key) as client:
+    spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)
+    with _mesh_endpoint(endpoint, model, threads, kv_cache_mb, spec_kw) as ep, Client(ep, api_key=api_key) as client:
         results = client.generate_many([{**spec, **params} for spec in specs])
     failed = False
     for r in results:
@@ -167,8 +208,7 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
         if as_json:
             click.echo(json.dumps({
                 "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                "usage": {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
-                          "cached_tokens": r.usage.cached_tokens},
+                "usage": dataclasses.asdict(r.usage),  # every UsageWire field: cache tiers, speculation
                 "timings": {"ttft_s": r.timings.ttft_s, "e2e_s": r.timings.e2e_s},
             }, ensure_ascii=False))
         else:
@@ -185,16 +225,17 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
 @sampling_options
 @click.option("--system", default=None, help="A system message.")
 def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-         threads: int | None, chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int,
-         min_p: float, seed: int | None, stop: tuple[str, ...], endpoint: str | None, api_key: str | None,
-         system: str | None) -> None:
+         threads: int | None, speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool,
+         chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
+         stop: tuple[str, ...], endpoint: str | None, api_key: str | None, system: str | None) -> None:
     """Chat interactively (answers stream as they are generated; an empty line or Ctrl-D quits)."""
     from deepinfer.protocol import messages as m
     from deepinfer.protocol.client import Client, MeshError
 
     params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    with _mesh_endpoint(endpoint, model, threads, kv_cache_mb) as ep, Client(ep, api_key=api_key) as client:
+    spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)
+    with _mesh_endpoint(endpoint, model, threads, kv_cache_mb, spec_kw) as ep, Client(ep, api_key=api_key) as client:
         while True:
             try:
                 line = input("> ")
@@ -234,22 +275,29 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 @click.option("--disk-cache-mb", type=int, default=8192, show_default=True, help="Disk tier of the KV cache.")
 @click.option("--no-kvcache", is_flag=True, help="Run without a cache daemon (workers still reuse their own pool).")
 @click.option("--no-prefix-caching", is_flag=True, help="No KV reuse at all: every prompt is computed in full.")
+@speculation_options
 def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
        num_tokenizers: int, threads: int | None, kv_cache_mb: int, run_dir: Path | None, cache_dir: Path | None,
-       host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool, no_prefix_caching: bool) -> None:
-    """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM."""
+       host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool, no_prefix_caching: bool, speculative: str | None,
+       num_speculative_tokens: int, no_adaptive_speculation: bool) -> None:
+    """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM.
+    With --topology, every worker option (speculation too) comes from the file, per worker."""
     from deepinfer.launch.topology import Topology
 
+    if topology is not None and speculative is not None:  # it would be silently ignored
+        raise click.UsageError("--speculative configures the workers `up` builds; with --topology, set "
+                               "`speculative` per worker in the file")
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     cache = dict(kvcache=not (no_kvcache or no_prefix_caching), cache_dir=cache_dir, host_cache_mb=host_cache_mb,
                  disk_cache_mb=disk_cache_mb, prefix_caching=not no_prefix_caching)
+    spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)
     if inproc:
         from deepinfer.launch.mesh import serve_inproc
 
         topo = Topology.local(model, "inproc", disaggregated=not colocated, num_prefill=num_prefill,
                               num_decode=num_decode, num_tokenizers=num_tokenizers, threads=threads,
-                              kv_cache_mb=kv_cache_mb, **cache)
+                              kv_cache_mb=kv_cache_mb, **cache, **spec_kw)
         topo = dataclasses.replace(topo, frontend=f"ipc://{run_dir}/router-frontend.sock")
         serve_inproc(topo, on_ready=lambda: _announce(topo.frontend))
         return
@@ -258,7 +306,7 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
     if topology is None:
         topo = Topology.local(model, "ipc", run_dir, disaggregated=not colocated, num_prefill=num_prefill,
                               num_decode=num_decode, num_tokenizers=num_tokenizers, threads=threads,
-                              kv_cache_mb=kv_cache_mb, **cache)
+                              kv_cache_mb=kv_cache_mb, **cache, **spec_kw)
         topology = run_dir / "topology.toml"
         topology.write_text(topo.to_toml())
     sup = Supervisor(topology, log_dir=run_dir)

@@ -30,7 +30,9 @@ def engine_config(w: WorkerSpec, block_size: int = 16) -> EngineConfig:
     threads = w.threads or (int(os.environ["DEEPINFER_THREADS"]) if "DEEPINFER_THREADS" in os.environ else None)
     return EngineConfig(block_size=block_size, kv_cache_bytes=w.kv_cache_mb * 1024 * 1024,
                         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
-                        device=w.device, num_threads=threads, enable_prefix_caching=w.prefix_caching)
+                        device=w.device, num_threads=threads, enable_prefix_caching=w.prefix_caching,
+                        speculative=w.speculative, num_speculative_tokens=w.num_speculative_tokens,
+                        adaptive_speculation=w.adaptive_speculation)
 
 
 def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Context) -> Service:
@@ -141,9 +143,12 @@ class EmbeddedMesh:
     """
 
     def __init__(self, model: str, disaggregated: bool = False, threads: int | None = None,
-                 kv_cache_mb: int = 512) -> None:
+                 kv_cache_mb: int = 512, speculative: str | None = None, num_speculative_tokens: int = 4,
+                 adaptive_speculation: bool = True) -> None:
+        topo = Topology.local(model, "inproc", disaggregated=disaggregated, threads=threads, kv_cache_mb=kv_cache_mb,
+                              speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                              adaptive_speculation=adaptive_speculation)
         self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-")
-        topo = Topology.local(model, "inproc", disaggregated=disaggregated, threads=threads, kv_cache_mb=kv_cache_mb)
         self.topology = dataclasses.replace(topo, frontend=f"ipc://{self._tmp.name}/router-frontend.sock")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="embedded-mesh", daemon=True)

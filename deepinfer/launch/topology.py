@@ -16,6 +16,9 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`)::
     threads = 1
     kv = "tcp://10.0.0.2:5570"            # decode/worker roles: where prefill workers send KV
     kvcache = "kvcache-0"                 # the cache daemon on this worker's host (omit: none)
+    speculative = "ngram"                 # speculative decoding: "ngram", "suffix", "self:L", "draft:PATH"
+    num_speculative_tokens = 4            # the most draft tokens per request per step (1..32)
+    adaptive_speculation = true           # let the controller choose each step's k (false: always the cap)
     [[kvcache]]
     name = "kvcache-0"
     endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here
@@ -26,6 +29,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`)::
 The long-lived side binds (router frontend/backend, tokenizer detok, decode kv, kvcache endpoint);
 everyone else connects. `block_size` (top level, default 16) must be the same for every service: it is
 part of the KV-cache namespace, and the handshake refuses a service that hashes blocks differently.
+Speculation runs where decoding does: on decode and co-located workers. A prefill worker stops after the
+first token and has nothing to speculate on; `Topology.local` sets the speculation keys on decoding workers only.
 """
 
 from __future__ import annotations
@@ -53,6 +58,22 @@ class TopologyError(ValueError):
     """A topology that cannot run; the message names the entry."""
 
 
+# EngineConfig's bounds on num_speculative_tokens, checked here so a bad topology fails when it is read.
+MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS = 1, 32
+
+
+def speculative_problem(method: str) -> str | None:
+    """Why `method` is not a speculative decoding method the engine knows, or None."""
+    from deepinfer.engine.config import ConfigError
+    from deepinfer.engine.spec.base import parse_speculative  # imports torch: only when a method is named
+
+    try:
+        parse_speculative(method)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     name: str
@@ -65,6 +86,24 @@ class WorkerSpec:
     max_num_batched_tokens: int = 2048
     kvcache: str | None = None  # name of the cache daemon this worker reads from and writes to
     prefix_caching: bool = True  # keep freed full blocks addressable in the device pool
+    speculative: str | None = None  # speculative decoding method (EngineConfig.speculative); None: off
+    num_speculative_tokens: int = 4
+    adaptive_speculation: bool = True
+
+    def speculation_problem(self) -> str | None:
+        """What is wrong with this worker's speculation keys, naming the key, or None."""
+        k = self.num_speculative_tokens
+        if type(k) is not int or not MIN_SPECULATIVE_TOKENS <= k <= MAX_SPECULATIVE_TOKENS:  # TOML may give anything
+            bounds = f"[{MIN_SPECULATIVE_TOKENS}, {MAX_SPECULATIVE_TOKENS}]"
+            return f"num_speculative_tokens = {k!r}: must be an integer in {bounds}"
+        if not isinstance(self.adaptive_speculation, bool):
+            return f"adaptive_speculation = {self.adaptive_speculation!r}: must be true or false"
+        if self.speculative is None:
+            return None
+        if not isinstance(self.speculative, str):
+            return f"speculative = {self.speculative!r}: must be a string such as \"ngram\""
+        problem = speculative_problem(self.speculative)
+        return None if problem is None else f"speculative = {self.speculative!r}: {problem}"
 
 
 @dataclass(frozen=True)
@@ -111,6 +150,9 @@ class Topology:
         for w in self.workers:
             if w.kvcache is not None and w.kvcache not in daemons:
                 raise TopologyError(f"worker {w.name}: no kvcache named {w.kvcache!r}")
+            problem = w.speculation_problem()
+            if problem is not None:
+                raise TopologyError(f"worker {w.name}: {problem}")
         if self.block_size <= 0:
             raise TopologyError(f"block_size must be positive, got {self.block_size}")
 
@@ -136,10 +178,13 @@ class Topology:
     def local(cls, model: str, transport: str, run_dir: Path | None = None, disaggregated: bool = True,
               num_prefill: int = 1, num_decode: int = 1, num_tokenizers: int = 1, threads: int | None = None,
               kv_cache_mb: int = 512, kvcache: bool = True, cache_dir: str | os.PathLike[str] | None = None,
-              host_cache_mb: int = 256, disk_cache_mb: int = 2048, prefix_caching: bool = True) -> Topology:
+              host_cache_mb: int = 256, disk_cache_mb: int = 2048, prefix_caching: bool = True,
+              speculative: str | None = None, num_speculative_tokens: int = 4,
+              adaptive_speculation: bool = True) -> Topology:
         """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`).
         With `kvcache`, one cache daemon (disk tier in `cache_dir`, default `default_kvcache_dir()`)
-        serves every worker; `prefix_caching=False` also turns off reuse inside each worker."""
+        serves every worker; `prefix_caching=False` also turns off reuse inside each worker. The
+        speculation options go to the workers that decode (decode and co-located ones)."""
         if transport == "inproc":
             ep = lambda name: f"inproc://deepinfer-{os.getpid()}-{name}"  # noqa: E731
         elif transport == "ipc":
@@ -152,13 +197,16 @@ class Topology:
                                host_cache_mb, disk_cache_mb),) if kvcache else ()
         common: dict[str, Any] = dict(threads=threads, kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching,
                                       kvcache="kvcache-0" if kvcache else None)
+        decoding: dict[str, Any] = dict(common, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                                        adaptive_speculation=adaptive_speculation)
         workers: list[WorkerSpec] = []
         if disaggregated:
             workers += [WorkerSpec(f"prefill-{i}", "prefill", ep(f"prefill-{i}-kv"), **common)
                         for i in range(num_prefill)]
-            workers += [WorkerSpec(f"decode-{i}", "decode", ep(f"decode-{i}-kv"), **common) for i in range(num_decode)]
+            workers += [WorkerSpec(f"decode-{i}", "decode", ep(f"decode-{i}-kv"), **decoding)
+                        for i in range(num_decode)]
         else:
-            workers.append(WorkerSpec("worker-0", "worker", ep("worker-0-kv"), **common))
+            workers.append(WorkerSpec("worker-0", "worker", ep("worker-0-kv"), **decoding))
         tokenizers = tuple(TokenizerSpec(f"tokenizer-{i}", ep(f"tokenizer-{i}-detok")) for i in range(num_tokenizers))
         return cls(model, ep("router-frontend"), ep("router-backend"), tokenizers, tuple(workers), kvcaches=daemons)
 
@@ -197,9 +245,20 @@ class Topology:
                 lines.append(f'kvcache = "{w.kvcache}"')
             if not w.prefix_caching:
                 lines.append("prefix_caching = false")
+            lines += _speculation_toml(w)
         for k in self.kvcaches:
             lines += ["", "[[kvcache]]", f'name = "{k.name}"', f'endpoint = "{k.endpoint}"',
                       f"host_mb = {k.host_mb}", f"disk_mb = {k.disk_mb}"]
             if k.dir is not None:
                 lines.append(f"dir = {json.dumps(k.dir)}")
         return "\n".join(lines) + "\n"
+
+
+def _speculation_toml(w: WorkerSpec) -> list[str]:
+    """A worker's speculation keys that differ from the defaults."""
+    lines = [] if w.speculative is None else [f"speculative = {json.dumps(w.speculative)}"]
+    if w.num_speculative_tokens != WorkerSpec.num_speculative_tokens:
+        lines.append(f"num_speculative_tokens = {w.num_speculative_tokens}")
+    if not w.adaptive_speculation:
+        lines.append("adaptive_speculation = false")
+    return lines

@@ -14,7 +14,12 @@ Conventions: request ids are the router's strings, unique per router incarnation
 are Unix seconds from the sender's clock (for logs and metrics only: hosts' clocks may differ); durations
 are `*_s` seconds measured on one host. Token ids are ints; block hashes are the raw digest bytes.
 Sequences are lists on the wire and in Python (records are frozen; their lists are never mutated after
-sending). Changing any record's meaning or required fields bumps PROTOCOL_VERSION.
+sending). Changing any record's meaning or fields bumps PROTOCOL_VERSION: a decoder refuses fields it does
+not know, so even an added optional field would break an older peer mid-stream instead of at the handshake.
+A field added with a default still decodes when a message lacks it.
+
+Version history: 3 added speculative decoding's counts (UsageWire, DetokenizeItem, TextDeltaItem,
+Heartbeat).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -116,12 +121,16 @@ class LogprobWire:
 @record
 class UsageWire:
     """Token accounting of one finished request; cached_by_tier splits cached_tokens by where the
-    prefix KV came from ("device", "host", "disk")."""
+    prefix KV came from ("device", "host", "disk"). With speculative decoding on the decode worker,
+    spec_proposed_tokens draft tokens were checked and spec_accepted_tokens of them accepted (each
+    accepted one is a completion token that cost no step of its own)."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @record
@@ -145,6 +154,10 @@ class DetokenizeItem:
     finished: bool = False
     finish_reason: FinishReason | None = None
     logprobs: list[LogprobWire] | None = None  # one per token id, when the request asked for them
+    # The request's speculation totals so far (draft tokens proposed, accepted), not this step's: a lost or
+    # duplicated item cannot skew them, and a stream cut short by a stop string still reports its count.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @record
@@ -159,6 +172,8 @@ class TextDeltaItem:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None  # the stop string that ended it (not included in text)
     logprobs: list[LogprobWire] | None = None
+    spec_proposed_tokens: int = 0  # the request's totals so far, as its DetokenizeItem carried them
+    spec_accepted_tokens: int = 0
 
 
 # --- session and control 0x01–0x0F --------------------------------------------------------------------------
@@ -209,6 +224,10 @@ class Heartbeat:
     tokens_per_s: float = 0.0  # measured compute throughput over recent steps that computed a block or more
     draining: bool = False  # finishing its work, accepts nothing new
     sent_time: float = 0.0
+    # Speculative decoding: draft tokens the worker's engine proposed and accepted, monotonic within an
+    # incarnation (their ratio is the worker's acceptance rate; zero where it does not speculate).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @message(0x04)

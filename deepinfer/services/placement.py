@@ -52,7 +52,7 @@ class Instance:
     last_heartbeat: float | None = None
     last_progress: float = 0.0  # when progress last advanced (or the instance reported no work)
     alive: bool = True  # False once `expire` declared it dead; a heartbeat may revive or restart it
-    load: Heartbeat | None = None  # the latest heartbeat: free blocks, running batch, queued tokens
+    load: Heartbeat | None = None  # the latest heartbeat: free blocks, running batch, queued tokens, speculation
     retired: deque[str] = field(default_factory=lambda: deque(maxlen=RETIRED_INCARNATIONS))
     held: set[str] = field(default_factory=set)  # router request ids this instance holds state for
     # The router's own accounting, updated the moment it sends work (heartbeats lag behind):
@@ -84,6 +84,14 @@ class Instance:
     @property
     def free_blocks(self) -> int:
         return (self.load.free_blocks if self.load else 0) - self.pending_blocks
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """The worker's accepted / proposed draft tokens over its incarnation, from its latest heartbeat;
+        None before it proposed any (it does not speculate, or has decoded nothing yet)."""
+        if self.load is None or not self.load.spec_proposed_tokens:
+            return None
+        return self.load.spec_accepted_tokens / self.load.spec_proposed_tokens
 
 
 @dataclass(frozen=True)

@@ -348,6 +348,10 @@ class RouterCore:
 
     def _on_item(self, st: RouterRequest, item: TextDeltaItem, now: float) -> list[Outbound]:
         out: list[Outbound] = []
+        # Items carry the request's totals so far; the largest is the latest (a worker that does not
+        # speculate, or an engine that reports them only at the end, sends zeros meanwhile).
+        st.spec_proposed_tokens = max(st.spec_proposed_tokens, item.spec_proposed_tokens)
+        st.spec_accepted_tokens = max(st.spec_accepted_tokens, item.spec_accepted_tokens)
         if item.token_ids or item.text:
             if st.first_token_at is None and item.token_ids:
                 st.first_token_at = now
@@ -423,6 +427,7 @@ class RouterCore:
             del self._by_client[st.client]
         if isinstance(terminal, RequestFinished):
             self.metrics.finished[terminal.finish_reason] += 1
+            self.metrics.count_speculation(terminal.usage)
         else:
             self.metrics.errors[terminal.code] += 1
         if not st.client_gone:
@@ -436,6 +441,8 @@ class RouterCore:
             completion_tokens=len(st.output_ids),
             cached_tokens=done.num_cached_tokens if done else 0,
             cached_by_tier=dict(done.cached_by_tier) if done else {},
+            spec_proposed_tokens=st.spec_proposed_tokens,
+            spec_accepted_tokens=st.spec_accepted_tokens,
         )
         first, last, n = st.first_token_at, st.last_token_at, len(st.output_ids)
         timings = Timings(

@@ -18,6 +18,7 @@ from deepinfer.protocol.messages import (
     LogprobWire,
     PrefillDone,
     SamplingParamsWire,
+    UsageWire,
 )
 from deepinfer.services.placement import Assignment
 from deepinfer.services.wire import to_engine_params
@@ -76,6 +77,9 @@ class RouterRequest:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobWire] = field(default_factory=list)
     prefill_done: PrefillDone | None = None
+    # Speculative decoding's counts for this request, the latest totals its decode worker reported.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     client_gone: bool = False
@@ -142,6 +146,9 @@ class RouterMetrics:
     actual_cached_tokens: int = 0
     predicted_cached_by_tier: Counter[str] = field(default_factory=Counter)
     actual_cached_by_tier: Counter[str] = field(default_factory=Counter)
+    # Speculative decoding over requests ended by RequestFinished: draft tokens proposed and accepted.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     ttft_s: deque[float] = field(init=False)  # the latest time-to-first-token samples
 
     def __post_init__(self) -> None:
@@ -154,6 +161,16 @@ class RouterMetrics:
         self.actual_cached_tokens += done.num_cached_tokens
         self.predicted_cached_by_tier.update({t: n * block_size for t, n in predicted_blocks.items() if n > 0})
         self.actual_cached_by_tier.update({t: n for t, n in done.cached_by_tier.items() if n > 0})
+
+    def count_speculation(self, usage: UsageWire) -> None:
+        """One finished request's draft tokens: proposed, and accepted by the model."""
+        self.spec_proposed_tokens += usage.spec_proposed_tokens
+        self.spec_accepted_tokens += usage.spec_accepted_tokens
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed over the finished requests; None before any draft token was proposed."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else None
 
 
 def input_problem(req: GenerateRequest) -> str | None:

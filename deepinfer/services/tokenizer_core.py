@@ -9,6 +9,8 @@ Decisions:
   the chat template (which writes its own special tokens) with the generation prompt; `prompt_token_ids`
   are taken as they are, after a vocabulary check. A prompt must leave room for one generated token
   within `max_model_len`. Every failure is ErrorReply "invalid_request" naming the problem.
+* Speculation counts (draft tokens proposed and accepted, the request's totals so far) pass through
+  from each DetokenizeItem to its TextDeltaItem unchanged.
 * Offsets: an item's tokens already seen (a duplicate, or the seen part of an overlap) are skipped. A gap
   (tokens were lost) cannot be repaired: the request ends with a finished item, finish_reason "error",
   and the router fails it.
@@ -166,10 +168,11 @@ class TokenizerCore:
         if item.finished and not stopped:
             tail = stream.detok.flush()  # a held-back partial character or stop-string prefix
             text, stopped, stop_string = text + tail.text, tail.stopped, tail.stop_string
+        spec = dict(spec_proposed_tokens=item.spec_proposed_tokens, spec_accepted_tokens=item.spec_accepted_tokens)
         if stopped:
             del self._streams[rid]
-            return TextDeltaItem(rid, start, text, new, True, "stop", stop_string, logprobs)
+            return TextDeltaItem(rid, start, text, new, True, "stop", stop_string, logprobs, **spec)
         if item.finished:
             del self._streams[rid]
-            return TextDeltaItem(rid, start, text, new, True, item.finish_reason or "stop", None, logprobs)
-        return TextDeltaItem(rid, start, text, new, logprobs=logprobs)
+            return TextDeltaItem(rid, start, text, new, True, item.finish_reason or "stop", None, logprobs, **spec)
+        return TextDeltaItem(rid, start, text, new, logprobs=logprobs, **spec)

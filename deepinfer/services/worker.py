@@ -134,7 +134,9 @@ class WorkerService(Service):
         return dict(free_blocks=e.num_free_blocks, total_blocks=e.pool.num_blocks, running=len(e.scheduler.running),
                     waiting=len(waiting),
                     queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
-                    tokens_per_s=self._thread.tokens_per_s if self._thread else 0.0)
+                    tokens_per_s=self._thread.tokens_per_s if self._thread else 0.0,
+                    spec_proposed_tokens=e.stats.spec_proposed_tokens,
+                    spec_accepted_tokens=e.stats.spec_accepted_tokens)
 
     def idle(self) -> bool:
         e = self.engine
@@ -206,7 +208,9 @@ class WorkerService(Service):
             item = m.DetokenizeItem(
                 out.request_id, track.sent, list(out.new_token_ids), out.finished,
                 out.finish_reason.value if out.finish_reason else None,
-                None)  # per-token logprobs do not cross the mesh yet (the engine reports them at the end)
+                None,  # per-token logprobs do not cross the mesh yet (the engine reports them at the end)
+                spec_proposed_tokens=out.usage.spec_proposed_tokens,
+                spec_accepted_tokens=out.usage.spec_accepted_tokens)
             track.sent += len(out.new_token_ids)
             batches.setdefault(track.detokenizer, []).append(item)
             if out.finished:

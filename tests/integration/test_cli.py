@@ -36,11 +36,15 @@ def test_generate_json_from_prompts_file_in_input_order(smollm2_path, tmp_path):
         assert line["finish_reason"] in ("stop", "length")
         assert line["usage"]["completion_tokens"] == len(line["token_ids"]) > 0
         assert line["usage"]["cached_tokens"] == 0
+        assert line["usage"]["spec_proposed_tokens"] == line["usage"]["spec_accepted_tokens"] == 0  # not asked for
     assert "Paris" in lines[0]["text"]
-    # Same prompt alone: same greedy answer (batching does not change results).
+    # Same prompt alone, speculating: same greedy answer (neither batching nor speculation changes results).
     alone = launch("generate", "--model", "smollm2", "--prompt", prompts[0], "--chat", "--json",
-                   "--max-tokens", "16", "--threads", "2")
-    assert json.loads(alone.stdout.strip())["token_ids"] == lines[0]["token_ids"]
+                   "--max-tokens", "16", "--threads", "2", "--speculative", "ngram", "--num-speculative-tokens", "3")
+    assert alone.returncode == 0, alone.stderr
+    result = json.loads(alone.stdout.strip())
+    assert result["token_ids"] == lines[0]["token_ids"]
+    assert result["usage"]["spec_proposed_tokens"] >= result["usage"]["spec_accepted_tokens"] >= 0
 
 
 @pytest.mark.parametrize(
@@ -51,6 +55,8 @@ def test_generate_json_from_prompts_file_in_input_order(smollm2_path, tmp_path):
         (["--prompt", "hi", "--temperature", "-1"], "temperature"),
         (["--prompt", "x " * 9000], "context"),
         ([], "--prompt"),
+        (["--prompt", "hi", "--speculative", "foo"], "unknown speculative method 'foo'"),
+        (["--prompt", "hi", "--speculative", "draft:"], "a draft model needs a path"),
     ],
 )
 def test_bad_input_is_a_clear_error(smollm2_path, args, message):

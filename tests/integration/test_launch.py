@@ -74,6 +74,106 @@ def test_bad_topologies_are_refused_with_a_reason(tmp_path, text, match):
         Topology.load(path)
 
 
+SPEC_TOPOLOGY = """
+model = "smollm2"
+[router]
+frontend = "tcp://10.0.0.1:5550"
+backend = "tcp://10.0.0.1:5551"
+[[tokenizer]]
+name = "tok-a"
+detok = "tcp://10.0.0.1:5560"
+[[worker]]
+name = "p0"
+role = "prefill"
+kv = "tcp://10.0.0.2:5570"
+[[worker]]
+name = "d0"
+role = "decode"
+kv = "tcp://10.0.0.3:5570"
+"""
+
+
+def test_topology_speculation_keys_reach_the_engine_config(tmp_path):
+    from deepinfer.launch.mesh import engine_config
+
+    path = tmp_path / "t.toml"
+    path.write_text(SPEC_TOPOLOGY + 'speculative = "draft:/models/small"\nnum_speculative_tokens = 6\n'
+                    "adaptive_speculation = false\n")
+    topo = Topology.load(path)
+    d0, p0 = topo.worker("d0"), topo.worker("p0")
+    assert (d0.speculative, d0.num_speculative_tokens, d0.adaptive_speculation) == ("draft:/models/small", 6, False)
+    assert (p0.speculative, p0.num_speculative_tokens, p0.adaptive_speculation) == (None, 4, True)
+    config = engine_config(d0)
+    assert (config.speculative, config.num_speculative_tokens, config.adaptive_speculation) == (
+        "draft:/models/small", 6, False)
+    assert engine_config(p0).speculative is None
+    again = tmp_path / "again.toml"
+    again.write_text(topo.to_toml())
+    assert Topology.load(again) == topo
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_local_topology_speculates_where_decoding_happens(tmp_path, colocated):
+    topo = Topology.local("smollm2", "ipc", tmp_path, disaggregated=not colocated, speculative="self:8",
+                          num_speculative_tokens=3, adaptive_speculation=False)
+    spec = {w.role: (w.speculative, w.num_speculative_tokens, w.adaptive_speculation) for w in topo.workers}
+    if colocated:
+        assert spec == {"worker": ("self:8", 3, False)}
+    else:  # a prefill worker stops after the first token: nothing to speculate on
+        assert spec == {"prefill": (None, 4, True), "decode": ("self:8", 3, False)}
+    path = tmp_path / "t.toml"
+    path.write_text(topo.to_toml())
+    assert Topology.load(path) == topo
+
+
+@pytest.mark.parametrize("keys, match", [
+    ('speculative = "foo"', "worker d0: speculative = 'foo': unknown speculative method"),
+    ('speculative = "self:0"', "worker d0: speculative = 'self:0': self-draft needs a positive layer count"),
+    ('speculative = "ngram:3"', "takes no argument"),
+    ('speculative = "draft:"', "needs a path"),
+    ("speculative = 4", "worker d0: speculative = 4: must be a string"),
+    ("num_speculative_tokens = 0", r"worker d0: num_speculative_tokens = 0: must be an integer in \[1, 32\]"),
+    ("num_speculative_tokens = 33", "num_speculative_tokens = 33"),
+    ('num_speculative_tokens = "4"', "num_speculative_tokens = '4'"),
+    ("num_speculative_tokens = true", "num_speculative_tokens = True"),
+    ('adaptive_speculation = "yes"', "worker d0: adaptive_speculation = 'yes': must be true or false"),
+])
+def test_bad_speculation_keys_are_refused_naming_the_key(tmp_path, keys, match):
+    path = tmp_path / "t.toml"
+    path.write_text(SPEC_TOPOLOGY + keys + "\n")
+    with pytest.raises(TopologyError, match=match):
+        Topology.load(path)
+
+
+def launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepinfer.launch.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("command", ["up", "generate", "chat"])
+def test_speculation_options_are_offered(command):
+    out = launch(command, "--help")
+    assert out.returncode == 0, out.stderr
+    for option in ("--speculative METHOD", "--num-speculative-tokens", "--no-adaptive-speculation"):
+        assert option in out.stdout
+    assert "ngram" in out.stdout and "draft:PATH" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["up", "--speculative", "foo"], "Invalid value for '--speculative': unknown speculative method 'foo'"),
+    (["up", "--speculative", "self:x"], "self-draft needs a positive layer count"),
+    (["up", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+    (["up", "--topology", "{topology}", "--speculative", "ngram"], "set `speculative` per worker in the file"),
+])
+def test_bad_speculation_options_fail_before_anything_starts(tmp_path, args, message):
+    path = tmp_path / "t.toml"
+    path.write_text(SPEC_TOPOLOGY)
+    out = launch(*(a.format(topology=path) for a in args), "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()  # refused while parsing: no mesh, no run directory
+
+
 def test_systemd_units(tmp_path):
     topo = Topology.local("smollm2", "ipc", tmp_path)
     path = tmp_path / "topology.toml"

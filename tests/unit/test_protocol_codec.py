@@ -23,13 +23,20 @@ from deepinfer.protocol.handshake import check_hello
 from deepinfer.protocol.limits import Limits
 from deepinfer.protocol.messages import (
     PROTOCOL_VERSION,
+    DetokenizeBatch,
+    DetokenizeItem,
     ErrorReply,
     GenerateRequest,
     Heartbeat,
     Hello,
     KvTransfer,
+    RequestFinished,
     SamplingParamsWire,
     Shutdown,
+    TextDeltaItem,
+    TextDeltas,
+    Timings,
+    UsageWire,
 )
 from deepinfer.protocol.records import message, record, registered_messages
 from deepinfer.protocol.tensors import TENSOR_DTYPES, Tensor, TensorRef, frame_to_tensor, tensor_to_frame
@@ -108,6 +115,64 @@ def test_defaults_fill_missing_optional_fields() -> None:
     msg = decode_frames(frames_for(GenerateRequest, {"request_id": "r1", "prompt": "hi"}))
     assert msg == GenerateRequest("r1", prompt="hi")
     assert msg.params == SamplingParamsWire()
+
+
+SPEC = {"spec_proposed_tokens": 12, "spec_accepted_tokens": 7}
+
+
+def _speculating_messages() -> list[object]:
+    """Every message that carries speculative decoding's counts, with them set."""
+    usage = UsageWire(30, 9, cached_tokens=16, cached_by_tier={"host": 16}, **SPEC)
+    return [
+        RequestFinished("r1", "text", [1, 2], "length", usage, Timings(1.0)),
+        DetokenizeBatch("decode-0", 3, [DetokenizeItem("r1", 2, [5, 6, 7], **SPEC)]),
+        TextDeltas("tokenizer-0", [TextDeltaItem("r1", 2, "abc", [5, 6, 7], **SPEC)]),
+        dataclasses.replace(_heartbeat(), **SPEC),
+    ]
+
+
+def test_speculation_counts_round_trip() -> None:
+    sent = _speculating_messages()
+    fin, batch, deltas, hb = back = [decode_frames(encode_frames(x)) for x in sent]
+    assert back == sent
+    assert (fin.usage.spec_proposed_tokens, fin.usage.spec_accepted_tokens) == (12, 7)
+    assert (batch.items[0].spec_proposed_tokens, deltas.items[0].spec_accepted_tokens) == (12, 7)
+    assert (hb.spec_proposed_tokens, hb.spec_accepted_tokens) == (12, 7)
+
+
+def _without_spec(value: object) -> object:
+    """`value` (a msgpack map, or lists of them) as a peer that predates speculation encoded it."""
+    if isinstance(value, dict):
+        return {k: _without_spec(v) for k, v in value.items() if k not in SPEC}
+    if isinstance(value, list):
+        return [_without_spec(v) for v in value]
+    return value
+
+
+def _zero_spec(msg: object) -> object:
+    zero = {k: 0 for k in SPEC}
+    if isinstance(msg, RequestFinished):
+        return dataclasses.replace(msg, usage=dataclasses.replace(msg.usage, **zero))
+    if isinstance(msg, (DetokenizeBatch, TextDeltas)):
+        return dataclasses.replace(msg, items=[dataclasses.replace(i, **zero) for i in msg.items])
+    return dataclasses.replace(msg, **zero)
+
+
+def test_speculation_counts_default_to_zero_when_absent() -> None:
+    for msg in _speculating_messages():
+        old = _without_spec(wire(msg))
+        assert "spec_proposed_tokens" not in str(old)
+        back = decode_frames(frames_for(type(msg), old))
+        assert back == _zero_spec(msg)
+
+
+def test_speculation_counts_came_with_a_protocol_version_bump() -> None:
+    # A version-2 peer refuses fields it does not know: it must be turned away at the handshake, not fail
+    # on its first heartbeat or token batch.
+    assert PROTOCOL_VERSION >= 3
+    welcome = check_hello(Hello(2, "decode", "decode-0"), PROTOCOL_VERSION)
+    assert not welcome.accepted and welcome.reason == f"protocol version 2 != {PROTOCOL_VERSION}"
+    assert code_of(frames_for(Heartbeat, {**wire(_heartbeat()), "spec_rate": 0.5})) == "bad_field"
 
 
 def test_float_fields_accept_ints_but_int_fields_refuse_bools_and_floats() -> None:

@@ -524,6 +524,41 @@ def test_stop_string_aborts_the_decode_worker() -> None:
     assert_clean(mesh.core)
 
 
+def test_speculation_counts_reach_the_usage_and_the_metrics() -> None:
+    mesh = basic_mesh()
+    a, b = mesh.placed(), mesh.placed()
+    mesh.done(a), mesh.done(b)
+    # Items carry the request's totals so far; a worker whose engine reports them only at the end sends
+    # zeros meanwhile, and a late duplicate never lowers them.
+    mesh.deltas(TextDeltaItem(a.request_id, 0, "x", [1, 2, 3], spec_proposed_tokens=4, spec_accepted_tokens=2))
+    mesh.deltas(TextDeltaItem(a.request_id, 3, "y", [4], spec_proposed_tokens=0, spec_accepted_tokens=0))
+    out = mesh.deltas(TextDeltaItem(a.request_id, 4, "z", [5, 6], finished=True, finish_reason="length",
+                                    spec_proposed_tokens=8, spec_accepted_tokens=3))
+    [fin] = msgs(out, RequestFinished)
+    assert (fin.usage.spec_proposed_tokens, fin.usage.spec_accepted_tokens) == (8, 3)
+    assert fin.usage.completion_tokens == 6
+    # A stop string ends the stream early: the counts of its last item still arrive.
+    out = mesh.deltas(TextDeltaItem(b.request_id, 0, "ab", [7, 8], True, "stop", "##",
+                                    spec_proposed_tokens=4, spec_accepted_tokens=1))
+    [fin_b] = msgs(out, RequestFinished)
+    assert (fin_b.usage.spec_proposed_tokens, fin_b.usage.spec_accepted_tokens) == (4, 1)
+    m = mesh.core.metrics
+    assert (m.spec_proposed_tokens, m.spec_accepted_tokens) == (12, 4)
+    assert m.spec_acceptance_rate == pytest.approx(4 / 12)
+    assert_clean(mesh.core)
+
+
+def test_a_workers_latest_speculation_counters_are_kept_per_worker() -> None:
+    mesh = basic_mesh()
+    dec = mesh.core.table.get("dec0")
+    assert dec.spec_acceptance_rate is None and mesh.core.metrics.spec_acceptance_rate is None
+    mesh.beat("dec0", "decode", spec_proposed_tokens=40, spec_accepted_tokens=10)
+    mesh.beat("dec0", "decode", spec_proposed_tokens=100, spec_accepted_tokens=60)
+    assert (dec.load.spec_proposed_tokens, dec.load.spec_accepted_tokens) == (100, 60)
+    assert dec.spec_acceptance_rate == pytest.approx(0.6)
+    assert mesh.core.table.get("pre0").spec_acceptance_rate is None  # prefill workers do not speculate
+
+
 def test_decode_finishing_before_prefill_done_waits_for_the_usage() -> None:
     mesh = basic_mesh()
     job = mesh.placed()

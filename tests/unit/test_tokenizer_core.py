@@ -179,6 +179,16 @@ def test_stop_string_completed_by_the_final_batch(core: TokenizerCore, tok: Toke
     assert items[-1].stop_string == "STOP" and items[-1].finish_reason == "stop"
 
 
+def test_speculation_counts_pass_through_with_multi_token_steps(core: TokenizerCore, tok: Tokenizer) -> None:
+    # A speculating worker commits several tokens a step and reports the request's totals so far.
+    ids = tok.encode(" one two three four five six", add_special_tokens=False)
+    start(core, stop=["five"])
+    a = feed(core, "r1", ids[:3], 0, spec_proposed_tokens=4, spec_accepted_tokens=2)
+    b = feed(core, "r1", ids[3:], 3, spec_proposed_tokens=8, spec_accepted_tokens=5)  # completes the stop string
+    assert [(i.spec_proposed_tokens, i.spec_accepted_tokens) for i in a + b] == [(4, 2), (8, 5)]
+    assert b[0].stop_string == "five" and b[0].finished
+
+
 def test_duplicates_and_overlaps_are_skipped(core: TokenizerCore, tok: Tokenizer) -> None:
     ids = tok.encode(" one two three four", add_special_tokens=False)
     start(core)
