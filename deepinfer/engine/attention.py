@@ -8,10 +8,19 @@ block table straight from the KV tensor; nothing is concatenated per step.
   (a pure-torch gather is the fallback when the kernel cannot be built).
 * Each multi-token chunk gathers its own context blocks once and runs one causal SDPA; a chunk with
   no earlier context attends to its fresh K/V directly.
+
+The contract between a step's callers and this module is `layout(segments)`: each `Segment` is a run
+of consecutive tokens of one sequence with its block table. A one-token segment, or one marked
+`rows` (speculative verification, a draft's catch-up that must stay on the kernel), becomes decode
+rows — one per token, each with context up to its own position, sharing the sequence's block table:
+every row's K/V is written before attention, so a row sees the rows before it and none after. Any
+other segment is a prefill chunk. `layout` builds the token tensors, the metadata and the logits
+rows; the model runner and the draft models both step through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +50,63 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decode] int32
     prefills: list[PrefillChunk] = field(default_factory=list)
     use_native: bool = True
+
+
+@dataclass
+class Segment:
+    """Consecutive tokens of one sequence to compute in a step."""
+
+    token_ids: Sequence[int]
+    start: int  # position of token_ids[0]
+    block_ids: Sequence[int]  # the sequence's block table, covering start + len(token_ids) positions
+    rows: bool = False  # lay out as decode rows even when longer than one token
+    num_logits: int = 0  # logits wanted for this many trailing tokens
+
+
+@dataclass
+class StepLayout:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    # Rows to compute logits for: each segment's trailing num_logits tokens, in segment order.
+    logits_rows: torch.Tensor
+
+
+def layout(segments: Sequence[Segment], block_size: int, use_native: bool = True) -> StepLayout:
+    """Rows first (decode-kernel rows), then prefill chunks; see the module docstring."""
+    as_rows = [s for s in segments if len(s.token_ids) == 1 or s.rows]
+    chunks = [s for s in segments if len(s.token_ids) > 1 and not s.rows]
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[Sequence[int]] = []
+    prefills: list[PrefillChunk] = []
+    first_row: dict[int, int] = {}
+    for seg, is_chunk in [(s, False) for s in as_rows] + [(s, True) for s in chunks]:
+        n, start, blocks = len(seg.token_ids), seg.start, seg.block_ids
+        first_row[id(seg)] = len(ids)
+        if is_chunk:
+            context = start + n
+            prefills.append(PrefillChunk(len(ids), n, context,
+                                         torch.tensor(list(blocks[: -(-context // block_size)]), dtype=torch.int64)))
+        else:
+            tables.extend([blocks] * n)
+        ids.extend(seg.token_ids)
+        positions.extend(range(start, start + n))
+        slots.extend(blocks[p // block_size] for p in range(start, start + n))
+    pos = torch.tensor(positions, dtype=torch.int64)
+    meta = AttentionMetadata(slot_blocks=torch.tensor(slots, dtype=torch.int64), slot_offsets=pos % block_size,
+                             num_decode=len(tables), prefills=prefills, use_native=use_native)
+    if tables:
+        contexts = [p + 1 for p in positions[: len(tables)]]
+        lens = [-(-c // block_size) for c in contexts]
+        width = max(lens)
+        meta.decode_block_tables = torch.tensor([list(t[:n]) + [0] * (width - n) for t, n in zip(tables, lens)],
+                                                dtype=torch.int32)
+        meta.decode_context_lens = torch.tensor(contexts, dtype=torch.int32)
+    logits_rows = [first_row[id(s)] + len(s.token_ids) - s.num_logits + j
+                   for s in segments for j in range(s.num_logits)]
+    return StepLayout(torch.tensor(ids, dtype=torch.int64), pos, meta, torch.tensor(logits_rows, dtype=torch.int64))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

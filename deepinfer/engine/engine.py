@@ -44,6 +44,7 @@ import torch
 
 from deepinfer.cache.block_pool import BlockPool, NoFreeBlocksError
 from deepinfer.cache.hashing import BlockHash, CacheNamespace
+from deepinfer.engine.attention import Segment, layout
 from deepinfer.engine.config import EngineConfig, ModelConfig
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.fetch import resolve_model
@@ -70,7 +71,7 @@ from deepinfer.engine.request import (
     Usage,
 )
 from deepinfer.engine.sampler import Sampler, make_generator
-from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.spec.speculator import Speculator, build_proposer
 from deepinfer.engine.spec.verify import VerifyGroup, VerifyResult, verify
 from deepinfer.engine.tokenizer import Tokenizer
@@ -553,9 +554,10 @@ class LLMEngine:
         self._validate(req.prompt_token_ids, req.params)
         req.block_ids = self.pool.allocate(-(-len(prompt_ids) // self.config.block_size))
         try:
-            inputs = self.runner.prepare(SchedulerOutput([ScheduledChunk(req, len(prompt_ids))]))
-            rows = torch.arange(len(prompt_ids))
-            return self.runner.model.forward(inputs.input_ids, inputs.positions, self.runner.kv, inputs.meta, rows)
+            step = layout([Segment(prompt_ids, 0, req.block_ids, num_logits=len(prompt_ids))], self.config.block_size,
+                          self.runner.use_native)
+            return self.runner.model.forward(step.input_ids, step.positions, self.runner.kv, step.meta,
+                                             step.logits_rows)
         finally:
             self.pool.free(reversed(req.block_ids))
 

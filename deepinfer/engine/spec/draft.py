@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer.engine import kernels
-from deepinfer.engine.attention import AttentionMetadata, PrefillChunk
+from deepinfer.engine.attention import Segment, layout
 from deepinfer.engine.config import ConfigError, EngineConfig
 from deepinfer.engine.models.llama import LlamaModel
 from deepinfer.engine.sampler import DRAFT, Sampler, SamplingRow, exponential_noise, make_generator
@@ -135,34 +135,7 @@ class DraftProposer(Proposer):
 
     def _forward(self, segments: list[tuple[list[int], int, Sequence[int]]]) -> torch.Tensor:
         """Run the draft over (tokens, first position, block ids) segments; logits [len(segments),
-        vocab] at each segment's last token. One-token segments take the decode kernel, longer ones
-        (catching up) a prefill chunk each."""
-        bs = self.block_size
-        singles = [s for s in segments if len(s[0]) == 1]
-        multis = [s for s in segments if len(s[0]) > 1]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillChunk] = []
-        last_row: dict[int, int] = {}
-        for s in singles + multis:
-            tokens, start, blocks = s
-            if len(tokens) > 1:
-                ctx = start + len(tokens)
-                prefills.append(PrefillChunk(len(ids), len(tokens), ctx,
-                                             torch.tensor(list(blocks[: -(-ctx // bs)]), dtype=torch.int64)))
-            ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            slots.extend(blocks[p // bs] for p in range(start, start + len(tokens)))
-            last_row[id(s)] = len(ids) - 1
-        pos = torch.tensor(positions, dtype=torch.int64)
-        meta = AttentionMetadata(slot_blocks=torch.tensor(slots, dtype=torch.int64), slot_offsets=pos % bs,
-                                 num_decode=len(singles), prefills=prefills, use_native=self.use_native)
-        if singles:
-            contexts = [s[1] + 1 for s in singles]
-            width = max(-(-c // bs) for c in contexts)
-            table = [list(s[2][: -(-c // bs)]) + [0] * (width - -(-c // bs)) for s, c in zip(singles, contexts)]
-            meta.decode_block_tables = torch.tensor(table, dtype=torch.int32)
-            meta.decode_context_lens = torch.tensor(contexts, dtype=torch.int32)
-        rows = torch.tensor([last_row[id(s)] for s in segments], dtype=torch.int64)
-        return self.model.forward(torch.tensor(ids, dtype=torch.int64), pos, self.kv, meta, rows)
+        vocab] at each segment's last token. A catch-up of several tokens is a prefill chunk."""
+        step = layout([Segment(tokens, start, blocks, num_logits=1) for tokens, start, blocks in segments],
+                      self.block_size, self.use_native)
+        return self.model.forward(step.input_ids, step.positions, self.kv, step.meta, step.logits_rows)
