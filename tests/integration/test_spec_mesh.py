@@ -36,7 +36,9 @@ def reference(smollm2_path):
     engine = LLMEngine.load(smollm2_path, EngineConfig(kv_cache_bytes=64 * 1024 * 1024))
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-    return [o.token_ids for o in outs]
+    # Every block a committed sequence (prompt and answer) names: all the cache daemon may ever hold.
+    names = {h for p, o in zip(prompts, outs) for h in engine.block_hashes(p + o.token_ids)}
+    return [o.token_ids for o in outs], names
 
 
 def topology(path, disaggregated: bool) -> Topology:
@@ -57,6 +59,16 @@ async def router_view(mesh: InprocMesh, name: str) -> m.Heartbeat:
     return inst.load
 
 
+async def daemon_blocks(mesh: InprocMesh, timeout_s: float = 10.0) -> set[bytes]:
+    """Every block the cache daemon holds, once its write-behind has landed."""
+    store = mesh.service("kvcache-0").store
+    for _ in range(int(timeout_s / 0.05)):
+        if not store.pending_writes() and any(store.snapshot().values()):
+            break
+        await asyncio.sleep(0.05)
+    return {h for hashes in store.snapshot().values() for h in hashes}
+
+
 @pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
 def test_speculating_mesh_equals_the_engine_and_reports_its_drafts(smollm2_path, reference, disaggregated):
     decoder = "decode-0" if disaggregated else "worker-0"
@@ -72,15 +84,19 @@ def test_speculating_mesh_equals_the_engine_and_reports_its_drafts(smollm2_path,
                 streamed = [msg async for msg in c.stream(messages=[{"role": "user", "content": QUESTIONS[0]}],
                                                           max_tokens=MAX_TOKENS)]
             await settle(mesh, free)  # verification steps must not leak KV blocks
+            stored = await daemon_blocks(mesh)
             view = await router_view(mesh, decoder)
             stats = {s.instance: s.engine.stats for s in mesh.services if hasattr(s, "engine")}
             metrics = mesh.service("router").core.metrics
         finally:
             await mesh.stop()
-        return results, streamed, view, stats, metrics
+        return results, streamed, view, stats, metrics, stored
 
-    results, streamed, view, stats, metrics = asyncio.run(run())
+    results, streamed, view, stats, metrics, stored = asyncio.run(run())
+    reference, committed = reference
     assert [r.token_ids for r in results] == reference
+    # Written behind to the daemon: blocks of committed tokens only, never one holding a rejected draft.
+    assert stored and stored <= committed
     for r in results:
         assert r.usage.completion_tokens == len(r.token_ids)
         assert r.usage.spec_proposed_tokens >= r.usage.spec_accepted_tokens >= 0
