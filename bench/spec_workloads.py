@@ -36,7 +36,9 @@ COUNTS: dict[str, dict[int, int]] = {
     "code": {1: 4, 8: 8, 32: 32},
     "summary": {1: 4, 8: 12, 32: 32},
     "chat": {1: 4, 8: 12, 32: 32},
-    "agentic": {1: 8, 8: 16, 32: 32},
+    # An agent loop issues its templates again and again: 4 rounds of the 4 templates at concurrency 1, and at
+    # 32 a second wave that can learn from the first (all 32 of one wave are in flight together).
+    "agentic": {1: 16, 8: 32, 32: 64},
 }
 QUICK_COUNTS: dict[str, dict[int, int]] = {w: {1: 1, 4: 4} for w in WORKLOADS} | {"agentic": {1: 2, 4: 4}}
 # Greedy new tokens per request (EOS still ends a request earlier).
