@@ -175,7 +175,7 @@ def test_final_outputs_name_the_blocks_whose_kv_was_computed(tiny_llama):
     assert set(e.pool.cached_hashes()) == set(final.block_hashes)
     assert e.pool.drain_events() == (final.block_hashes, [])
     assert final.usage.to_dict() == {"prompt_tokens": 10, "completion_tokens": 4, "cached_tokens": 0,
-                                     "cached_by_tier": {}}
+                                     "cached_by_tier": {}, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
     assert_whole(e)
 
 
