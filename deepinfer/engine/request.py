@@ -145,10 +145,8 @@ class Request:
     # The tenant's cache salt: also scopes what a cross-request guesser may propose to it.
     tenant: str | None = None
     # Speculative decoding. Set by the engine before each schedule: how many draft tokens this request
-    # would verify in the step (0: none), and for a cheap guesser the drafts themselves. The
-    # scheduler may grant fewer (see Scheduler.schedule); neither is ever part of the committed tokens.
+    # would verify in the step (0: none); the scheduler may grant fewer (see Scheduler.schedule).
     num_spec_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
     # Draft tokens verified for this request so far, and how many of those were committed.
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0

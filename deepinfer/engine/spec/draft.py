@@ -49,8 +49,8 @@ class DraftProposer(Proposer):
         self.shares_target_kv = shares_target_kv
         self.use_native = use_native and kernels.native_available()
         self.sampler = Sampler()
-        # request id -> (kv epoch, tokens fed through the draft so far, the drafts it proposed last)
-        self._seen: dict[str, tuple[int, int, list[int], int]] = {}
+        # request id -> (kv epoch, its token count when the draft last proposed, the drafts it proposed)
+        self._seen: dict[str, tuple[int, int, list[int]]] = {}
 
     @classmethod
     def self_draft(cls, target: object, kv: torch.Tensor | None, num_layers: int,
@@ -104,7 +104,7 @@ class DraftProposer(Proposer):
                     probs[i].append(q[j])
         for i in active:
             ctx = batch[i]
-            self._seen[ctx.request_id] = (ctx.kv_epoch, len(ctx.token_ids) + ks[i] - 1, drafts[i], len(ctx.token_ids))
+            self._seen[ctx.request_id] = (ctx.kv_epoch, len(ctx.token_ids), drafts[i])
         return [Proposal(drafts[i], None if batch[i].params.greedy or not drafts[i] else torch.stack(probs[i]))
                 for i in range(len(batch))]
 
@@ -119,12 +119,14 @@ class DraftProposer(Proposer):
         valid = 0
         seen = self._seen.get(ctx.request_id)
         if seen is not None and seen[0] == ctx.kv_epoch:
-            _, fed, proposed, then = seen
-            # Position then - 1 + j was fed draft j; its KV stands only if drafts 1..j were committed.
+            _, then, proposed = seen
+            # Positions up to then - 1 were fed committed tokens; position then - 1 + j was fed draft j
+            # (j < len(proposed): the last draft was never fed), whose KV stands only if drafts 1..j were
+            # committed.
             agree = 0
-            while agree < len(proposed) and then + agree < n and ctx.token_ids[then + agree] == proposed[agree]:
+            while agree < len(proposed) - 1 and then + agree < n and ctx.token_ids[then + agree] == proposed[agree]:
                 agree += 1
-            valid = min(fed, then + agree, n - 1)
+            valid = min(then + agree, n - 1)
         return valid, list(ctx.token_ids[valid:])
 
     def _pick(self, q: torch.Tensor, row: SamplingRow) -> int:

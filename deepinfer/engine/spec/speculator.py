@@ -3,7 +3,7 @@
 Per step, on the engine thread:
 1. `plan(running, budget)` — before scheduling: for each running request in its decode phase, the
    most drafts it may take (the cap, what `max_tokens` and the context limit leave), the guess itself
-   for a cheap guesser, then the controller's k; sets `Request.num_spec_tokens` / `spec_token_ids`.
+   for a cheap guesser, then the controller's k; sets `Request.num_spec_tokens` (and keeps the guesses).
 2. the scheduler grants drafts where blocks and budget allow (`ScheduledChunk.num_spec`);
 3. `draft(sched)` — fills each granted chunk's `draft_token_ids` (running a draft model for a costly
    guesser), shrinking a chunk whose guesser proposed fewer;
@@ -60,15 +60,14 @@ class Speculator:
         ks = self.controller.choose(offers, base_rows, costly=not self.proposer.cheap)
         for i, (req, k) in enumerate(zip(candidates, ks)):
             req.num_spec_tokens = k
-            req.spec_token_ids = proposals[i].token_ids[:k] if proposals else []
-            self._guesses[req.request_id] = req.spec_token_ids
+            if proposals and k:
+                self._guesses[req.request_id] = proposals[i].token_ids[:k]
         self._planned = candidates
 
     def clear_plan(self) -> None:
         """After scheduling: plans are for one step only."""
         for req in self._planned:
             req.num_spec_tokens = 0
-            req.spec_token_ids = []
         self._planned = []
 
     def draft(self, sched: SchedulerOutput) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -65,7 +66,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: Sequence[VerifyGroup]
     if logits.shape[0] != sum(sizes):
         raise ValueError(f"{logits.shape[0]} logits rows for groups of {sum(sizes)} rows")
     results: list[VerifyResult | None] = [None] * len(groups)
-    starts = [sum(sizes[:i]) for i in range(len(groups))]
+    starts = [0, *accumulate(sizes)][:-1]
     point = [i for i, g in enumerate(groups) if g.draft_probs is None]
     dist = [i for i, g in enumerate(groups) if g.draft_probs is not None]
     for kind, members in (("point", point), ("dist", dist)):
