@@ -76,3 +76,17 @@ def hf_model_from_loaded(config, state_dict):  # type: ignore[no-untyped-def]
     if c.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+def smollm2_case(path, questions: list[str], new_tokens: int):  # type: ignore[no-untyped-def]
+    """SmolLM2 from `path` with transformers holding the same weights: (loaded, tokenizer, hf model, the
+    questions as chat prompts, transformers' greedy `new_tokens` for each)."""
+    from deepinfer.engine.tokenizer import Tokenizer
+    from deepinfer.engine.weights import load_model_weights
+
+    loaded = load_model_weights(path)
+    tok = Tokenizer.load(path)
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    hf = hf_model_from_loaded(loaded.config, loaded.state_dict)
+    return loaded, tok, hf, prompts, [hf_greedy(hf, p, new_tokens) for p in prompts]
+

@@ -9,9 +9,7 @@ import torch
 
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import load_model_weights
-from tests.engine.oracle import assert_same_greedy, hf_greedy, hf_model_from_loaded
+from tests.engine.oracle import assert_same_greedy, smollm2_case
 from tests.engine.test_oracle_tiny import run_staggered
 
 pytestmark = pytest.mark.smollm2
@@ -39,12 +37,7 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    loaded = load_model_weights(smollm2_path)
-    tok = Tokenizer.load(smollm2_path)
-    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
-    hf = hf_model_from_loaded(loaded.config, loaded.state_dict)
-    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    return loaded, tok, hf, prompts, refs
+    return smollm2_case(smollm2_path, QUESTIONS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
