@@ -2,46 +2,69 @@
 
 Layout under `root` (any directory or mount; a shared filesystem pools the cache across hosts):
 
-    <root>/<namespace id>/<hash hex[:2]>/<hash hex>.kvb     one block (format: block_file.py)
-    <root>/<namespace id>/<hash hex[:2]>/.<hash hex>.*.tmp  a write in progress (or left by a crash)
-    <root>/quarantine/<hash hex>.<reason>.<n>.kvb           a file that failed verification, kept for a look
+    <root>/<namespace id>/<hash hex[:2]>/<hash hex>.kvb           one block (format: block_file.py)
+    <root>/<namespace id>/<hash hex[:2]>/.<hash hex>.<writer>.tmp  a write in progress (or left by a crash)
+    <root>/quarantine/<namespace id>/<hash hex>.<reason>.<n>.kvb   a file that failed verification
 
 The disk tier is a cache: losing a block is fine, serving a wrong one is not. Hence:
 
 * **Data before the entry that makes it visible.** A block is written to a temp file in its final
   directory, flushed and fsynced, renamed over its final name (atomic), and the directory fsynced; only then
   is the index entry added. A crash at any point leaves either no file, a stray temp file, or a complete
-  file under its final name, never a torn one. `open()` deletes stray temp files.
+  file under its final name, never a torn one.
 * **Every read verifies** the checksum, the namespace and the hash the file name says (block_file.verify).
   A file that fails is moved to quarantine, counted by reason, dropped from the index (an "evicted"
   change), and its bytes are never returned. A file that vanished is a miss.
 * **Warm restart.** `open()` rebuilds the index from the files of this namespace (a header check per
-  file; the full check happens on read), last use from each file's mtime (reads refresh it), and deletes
-  the directories of other namespaces: blocks hashed under another model, tokenizer or layout can never
-  be hit again.
+  file; the full check happens on read), last use from each file's mtime (reads refresh it).
 * **Capacity** counts whole files. When a write would take usage above `high_watermark` of capacity,
   least recently used unpinned blocks are deleted first, down to `low_watermark`. A write that still does
   not fit (everything pinned), hits a full disk (ENOSPC / EDQUOT: some space is freed too) or any other
   OSError is dropped and counted; `put` never raises for these.
 
+**A shared root** (several daemons, on one host or many, and several models; helpers in pool_files.py):
+
+* Namespaces: a daemon reads and writes only `<root>/<its namespace>/` and its quarantine. Other
+  namespaces' directories are counted at open and never touched (another model may be serving from them;
+  removing a retired model's directory is the operator's call).
+* Writers: a temp file is named by its writer (boot, pid namespace, pid, nonce), so no two writers share
+  one, and `open()` deletes only temp files whose writer is provably dead (same boot and pid namespace,
+  pid gone) or that are a day old (pool_files.temp_is_abandoned). Two daemons writing the same block each
+  rename a complete file over the name; the last rename wins and a reader opens one whole file or the
+  other, never a mix.
+* Quarantine takes a file only while the reader still holds it open and only if the name still points at
+  that exact inode, so a good copy another daemon wrote meanwhile is never taken (quarantine.py).
+* Sharing blocks: a daemon sees what others wrote when it opens (the scan) and, after that, on demand: a
+  `get` of a block not in its index tries the file (read-through), and a `put` of a block whose file
+  already passes the header check adopts that file instead of writing it again. Adopted blocks join the
+  index like its own.
+* Capacity is per daemon: `used_bytes` counts the files in this daemon's index (written, adopted, or
+  found at open), and eviction only ever deletes a file that is still the exact file (inode) it indexed;
+  if another daemon replaced it meanwhile, the entry is dropped and their copy stays. So the files on a
+  root are bounded by the sum of its daemons' capacities, plus what dead daemons left (the next daemon
+  of that namespace to open indexes it, and evicts what exceeds its own capacity, oldest use first), plus
+  other namespaces. A file indexed by two daemons counts in both (conservatively), and is deleted by
+  whichever evicts it first; the other sees a miss. Size each daemon's capacity as its share of the mount;
+  a mount that fills up anyway (others' files) gives ENOSPC, which frees some of this daemon's blocks.
+
 Concurrency: one lock guards the index, usage and counters; file I/O runs outside it. A reader pins the
-block for the duration of its read, and only unpinned blocks are evicted, so a file is never deleted under
-a reader. A hash whose file is being written or deleted is "busy": a second write of it is skipped rather
-than racing the first. Index changes are reported to `on_change(kind, hashes)` ("stored" / "evicted")
-while the lock is held, so a listener sees them in exactly the order they happened.
+block for the duration of its read, and only unpinned blocks are evicted, so this tier never deletes a file
+under its own reader (a file another daemon deletes is a miss). A hash whose file is being written or
+deleted is "busy": a second write of it is skipped rather than racing the first. Index changes are reported
+to `on_change(kind, hashes)` ("stored" / "evicted") while the lock is held, so a listener sees them in
+exactly the order they happened.
 """
 
 from __future__ import annotations
 
 import errno
-import itertools
 import os
-import shutil
-import tempfile
 import threading
-from collections import Counter, OrderedDict, deque
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from io import FileIO
 from pathlib import Path
 
 from deepinfer.cache.block_file import (
@@ -57,13 +80,23 @@ from deepinfer.cache.block_file import (
     verify,
 )
 from deepinfer.cache.hashing import HASH_BYTES, BlockHash
+from deepinfer.cache.pool_files import (
+    ABANDONED_AFTER_S,
+    TEMP_SUFFIX,
+    FileId,
+    TempNames,
+    file_id,
+    temp_is_abandoned,
+    unlink_if_same,
+)
+from deepinfer.cache.quarantine import QUARANTINE_DIR, Quarantine
+
+__all__ = ["DiskTier", "DiskPut", "DiskRead", "RebuildReport", "BLOCK_SUFFIX", "TEMP_SUFFIX", "QUARANTINE_DIR"]
 
 BLOCK_SUFFIX = ".kvb"
-TEMP_SUFFIX = ".tmp"
-QUARANTINE_DIR = "quarantine"
 
 # DiskRead.reason values besides the block_file corruption reasons ("" is a hit).
-MISS = "miss"  # not in the index
+MISS = "miss"  # not in the index, and no file either
 VANISHED = "vanished"  # in the index, but the file was gone
 READ_ERROR = "read_error"  # an OSError while reading; the file is quarantined like a corrupt one
 
@@ -78,7 +111,8 @@ CLOSED = "closed"
 
 ChangeListener = Callable[[str, list[BlockHash]], None]  # ("stored" | "evicted", hashes)
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_quarantine_seq = itertools.count()
+# O_EXCL: a temp name is this writer's alone, so finding one already there is an error, never a shared file.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -87,15 +121,16 @@ class RebuildReport:
 
     loaded: int = 0  # blocks of this namespace now in the index
     loaded_bytes: int = 0
-    dropped_other_namespace: int = 0  # block files deleted with other namespaces' directories
-    temp_removed: int = 0  # temp files of interrupted writes
+    other_namespaces: int = 0  # directories of other namespaces on the root (left alone)
+    temp_removed: int = 0  # temp files of writes whose writer is gone
+    temp_kept: int = 0  # temp files that may be writes in progress (other daemons, other hosts)
     quarantined: int = 0  # files of this namespace whose header did not check out
     evicted: int = 0  # loaded, then evicted because they exceeded the capacity (now smaller than before)
 
 
 @dataclass(frozen=True)
 class DiskPut:
-    stored: bool
+    stored: bool  # held on disk now: written, or an equal file another daemon wrote was adopted
     reason: str = ""  # why not stored: EXISTS, BUSY, WRONG_SIZE, NO_ROOM, DISK_FULL, IO_ERROR, CLOSED
     evicted: list[BlockHash] = field(default_factory=list)  # deleted to make room (even if not stored)
 
@@ -107,10 +142,23 @@ class DiskRead:
     removed: bool = False  # this read dropped the block from the tier (corrupt, vanished, unreadable)
 
 
+@dataclass(frozen=True)
+class _FileInfo:
+    """One block file as this tier opened it."""
+
+    mtime_ns: int
+    nbytes: int
+    file_id: FileId
+
+
 @dataclass
 class _Entry:
     nbytes: int  # the whole file
+    file_id: FileId  # the exact file indexed: eviction deletes it only if the name still points at it
     pins: int = 0
+
+
+_Victim = tuple[BlockHash, FileId]
 
 
 def _write_all(fd: int, chunks: Iterable[bytes | memoryview]) -> None:
@@ -148,25 +196,22 @@ def _is_hex(name: str, nchars: int) -> bool:
     return len(name) == nchars and all(c in "0123456789abcdef" for c in name)
 
 
-def _read_file(path: Path, limit: int) -> memoryview:
-    """At most `limit` bytes from the start of the file (a bigger file is corrupt anyway; this bounds the
-    memory a garbage file can make us allocate)."""
-    with open(path, "rb", buffering=0) as f:
-        size = min(os.fstat(f.fileno()).st_size, limit)
-        buf = memoryview(bytearray(size))
-        got = 0
-        while got < size:
-            n = f.readinto(buf[got:])
-            if not n:
-                break  # the file shrank under us: verify reports it truncated
-            got += n
-        return buf[:got]
+def _read_open_file(f: FileIO, size: int) -> memoryview:
+    """The first `size` bytes of an open file (fewer if it shrank under us: verify reports it truncated)."""
+    buf = memoryview(bytearray(size))
+    got = 0
+    while got < size:
+        n = f.readinto(buf[got:])
+        if not n:
+            break
+        got += n
+    return buf[:got]
 
 
 class DiskTier:
     def __init__(self, root: Path | str, namespace_id: str, block_nbytes: int, capacity_bytes: int, *,
                  high_watermark: float = 0.95, low_watermark: float = 0.85, max_quarantine_files: int = 64,
-                 on_change: ChangeListener | None = None) -> None:
+                 temp_abandoned_after_s: float = ABANDONED_AFTER_S, on_change: ChangeListener | None = None) -> None:
         if not 0.0 < low_watermark <= high_watermark <= 1.0:
             raise ValueError(f"need 0 < low_watermark <= high_watermark <= 1, got {low_watermark}, {high_watermark}")
         if block_nbytes <= 0 or capacity_bytes < 0:
@@ -175,20 +220,20 @@ class DiskTier:
         self.namespace_id = namespace_id
         self.root = Path(root)
         self.dir = self.root / namespace_id
-        self.quarantine_dir = self.root / QUARANTINE_DIR
+        self.quarantine = Quarantine(self.root, namespace_id, max_quarantine_files)
         self.block_nbytes = block_nbytes
         self.file_nbytes = HEADER_BYTES + block_nbytes
         self.capacity_bytes = capacity_bytes
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
-        self.max_quarantine_files = max_quarantine_files
+        self.temp_abandoned_after_s = temp_abandoned_after_s
+        self._temp_names = TempNames()
         self._on_change = on_change
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, _Entry] = OrderedDict()  # oldest use first
         self._used = 0  # bytes of the files in the index
         self._reserved = 0  # bytes of writes in flight, counted against capacity before they land
         self._busy: set[BlockHash] = set()  # a write or delete of the block's file is in flight
-        self._quarantined: deque[Path] = deque()  # oldest first, bounded by max_quarantine_files
         self._shards_made: set[str] = set()
         self._counters: Counter[str] = Counter()
         self._opened = False
@@ -203,58 +248,42 @@ class DiskTier:
     # --- warm restart ----------------------------------------------------------------------------------
 
     def open(self) -> RebuildReport:
-        """Create the directories, delete stray temp files and other namespaces, and index this
-        namespace's files (blocking; call once, before any put)."""
+        """Create the directories, delete abandoned temp files, and index this namespace's files (blocking;
+        call once, before any put). Other namespaces' directories are left alone."""
         with self._lock:
             if self._opened:
                 raise RuntimeError("DiskTier.open() was already called")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.quarantine_dir.mkdir(exist_ok=True)
         _fsync_dir(self.root)
-        dropped = self._drop_other_namespaces()
-        self._load_quarantine_list()
-        found, temp_removed, quarantined = self._scan_own_namespace()
-        found.sort()  # by mtime: the index order is the eviction order
+        self.quarantine.open()
+        others = self._count_other_namespaces()
+        found, temp_removed, temp_kept, quarantined = self._scan_own_namespace()
+        found.sort(key=lambda item: item[1].mtime_ns)  # the index order is the eviction order
         with self._lock:
-            for _, block_hash, nbytes in found:
-                self._index[block_hash] = _Entry(nbytes)
-                self._used += nbytes
+            for block_hash, info in found:
+                self._index[block_hash] = _Entry(info.nbytes, info.file_id)
+                self._used += info.nbytes
             self._opened = True
             # Loaded blocks are reported as stored, so every later "evicted" has its "stored" before it.
             if found and self._on_change is not None:
-                self._on_change("stored", [h for _, h, _ in found])
-            victims: list[BlockHash] = []
-            if self._used > self.high_watermark * self.capacity_bytes:  # the capacity shrank since last run
+                self._on_change("stored", [h for h, _ in found])
+            victims: list[_Victim] = []
+            if self._used > self.high_watermark * self.capacity_bytes:  # more than this daemon's capacity
                 victims = self._evict_locked(int(self.low_watermark * self.capacity_bytes))
             loaded, loaded_bytes = len(self._index), self._used
         self._delete_files(victims)
-        return RebuildReport(loaded=loaded, loaded_bytes=loaded_bytes, dropped_other_namespace=dropped,
-                             temp_removed=temp_removed, quarantined=quarantined, evicted=len(victims))
+        return RebuildReport(loaded=loaded, loaded_bytes=loaded_bytes, other_namespaces=others,
+                             temp_removed=temp_removed, temp_kept=temp_kept, quarantined=quarantined,
+                             evicted=len(victims))
 
-    def _drop_other_namespaces(self) -> int:
-        """Delete the directories of other namespaces; returns how many block files they held. Entries that
-        are not namespace directories (not 64 hex characters) are not ours and are left alone."""
-        dropped = 0
-        for entry in os.scandir(self.root):
-            if entry.name == self.namespace_id or not _is_hex(entry.name, 2 * HASH_BYTES):
-                continue
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            for _, _, files in os.walk(entry.path):
-                dropped += sum(name.endswith(BLOCK_SUFFIX) for name in files)
-            shutil.rmtree(entry.path, ignore_errors=True)
-        return dropped
+    def _count_other_namespaces(self) -> int:
+        return sum(1 for e in os.scandir(self.root)
+                   if e.name != self.namespace_id and _is_hex(e.name, 2 * HASH_BYTES) and e.is_dir())
 
-    def _load_quarantine_list(self) -> None:
-        entries = [(e.stat().st_mtime_ns, Path(e.path)) for e in os.scandir(self.quarantine_dir)
-                   if e.name.endswith(BLOCK_SUFFIX)]
-        with self._lock:
-            self._quarantined.extend(p for _, p in sorted(entries))
-        self._trim_quarantine()
-
-    def _scan_own_namespace(self) -> tuple[list[tuple[int, BlockHash, int]], int, int]:
-        found: list[tuple[int, BlockHash, int]] = []  # (mtime_ns, hash, file bytes)
-        temp_removed = quarantined = 0
+    def _scan_own_namespace(self) -> tuple[list[tuple[BlockHash, _FileInfo]], int, int, int]:
+        found: list[tuple[BlockHash, _FileInfo]] = []
+        temp_removed = temp_kept = quarantined = 0
+        now_s = time.time()  # file ages are wall-clock by nature (mtimes); the margin dwarfs clock steps
         for shard in os.scandir(self.dir):
             if not (_is_hex(shard.name, 2) and shard.is_dir(follow_symlinks=False)):
                 continue
@@ -262,29 +291,50 @@ class DiskTier:
             for entry in os.scandir(shard.path):
                 name = entry.name
                 if name.endswith(TEMP_SUFFIX):
-                    temp_removed += _unlink_quietly(entry.path)
+                    if self._temp_abandoned(entry, now_s):
+                        temp_removed += _unlink_quietly(entry.path)  # a temp name is its writer's alone
+                    else:
+                        temp_kept += 1
                     continue
                 stem = name[:-len(BLOCK_SUFFIX)]
                 if not (name.endswith(BLOCK_SUFFIX) and _is_hex(stem, 2 * HASH_BYTES)):
                     continue  # not a file this tier writes
                 block_hash = bytes.fromhex(stem)
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                reason = WRONG_HASH if stem[:2] != shard.name else self._header_problem(Path(entry.path),
-                                                                                         block_hash, st.st_size)
-                if reason:
-                    quarantined += self._quarantine_file(Path(entry.path), block_hash, reason)
-                else:
-                    found.append((st.st_mtime_ns, block_hash, st.st_size))
-        return found, temp_removed, quarantined
+                info, was_quarantined = self._inspect_file(Path(entry.path), block_hash,
+                                                           misplaced=stem[:2] != shard.name)
+                quarantined += was_quarantined
+                if info is not None:
+                    found.append((block_hash, info))
+        return found, temp_removed, temp_kept, quarantined
 
-    def _header_problem(self, path: Path, block_hash: BlockHash, size: int) -> str:
+    def _temp_abandoned(self, entry: os.DirEntry[str], now_s: float) -> bool:
+        try:
+            mtime_s = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            return False  # gone already: its writer finished or another sweep took it
+        return temp_is_abandoned(entry.name, mtime_s, scope=self._temp_names.scope, now_s=now_s,
+                                 abandoned_after_s=self.temp_abandoned_after_s)
+
+    def _inspect_file(self, path: Path, block_hash: BlockHash,
+                      misplaced: bool = False) -> tuple[_FileInfo | None, bool]:
+        """Check a block file's header and size. Returns (its info, False) if it can be the block its name
+        says; (None, True) if it was bad and quarantined; (None, False) if it is gone, cannot be opened
+        (not provably bad: left alone), or was replaced while we looked."""
+        try:
+            f = open(path, "rb", buffering=0)
+        except OSError:
+            return None, False
+        with f:
+            st = os.fstat(f.fileno())
+            reason = WRONG_HASH if misplaced else self._header_problem(f, block_hash, st.st_size)
+            if reason:  # quarantined while still open: the exact inode we judged
+                return None, self._quarantine_file(path, block_hash, reason, file_id(st))
+            return _FileInfo(st.st_mtime_ns, st.st_size, file_id(st)), False
+
+    def _header_problem(self, f: FileIO, block_hash: BlockHash, size: int) -> str:
         """Why this file cannot be the block its name says, judging by its header and size ("" if none)."""
         try:
-            with open(path, "rb") as f:
-                header = parse_header(f.read(HEADER_BYTES))
+            header = parse_header(_read_open_file(f, HEADER_BYTES))
         except CorruptBlock as e:
             return e.reason
         except OSError:
@@ -301,32 +351,17 @@ class DiskTier:
 
     # --- quarantine ------------------------------------------------------------------------------------
 
-    def _quarantine_file(self, path: Path, block_hash: BlockHash, reason: str) -> bool:
-        """Move a bad file out of the namespace (so nothing serves or reloads it) and count it; True if
-        this call moved it. Keeps the newest `max_quarantine_files` files: quarantine must not fill a disk
-        that is going bad."""
-        dest = self.quarantine_dir / f"{block_hash.hex()}.{reason}.{os.getpid()}-{next(_quarantine_seq)}{BLOCK_SUFFIX}"
-        try:
-            os.replace(path, dest)
-        except FileNotFoundError:
-            return False  # another reader moved it first
-        except OSError:
-            if not _unlink_quietly(path):
-                return False
-            dest = None
+    def _quarantine_file(self, path: Path, block_hash: BlockHash, reason: str, held: FileId) -> bool:
+        """Move the bad file `held` (the caller has it open) out of the namespace and count it; True if this
+        call moved it. A good copy another daemon put under the name meanwhile is left alone (counted)."""
+        taken = self.quarantine.take(path, block_hash, reason, held)
         with self._lock:
-            self._counters["quarantined"] += 1
-            self._counters[f"quarantined_{reason}"] += 1
-            if dest is not None:
-                self._quarantined.append(dest)
-        self._trim_quarantine()
-        return True
-
-    def _trim_quarantine(self) -> None:
-        with self._lock:
-            extra = [self._quarantined.popleft() for _ in range(len(self._quarantined) - self.max_quarantine_files)]
-        for path in extra:
-            _unlink_quietly(path)
+            if taken:
+                self._counters["quarantined"] += 1
+                self._counters[f"quarantined_{reason}"] += 1
+            else:
+                self._counters["quarantine_skipped"] += 1  # gone, or replaced by another writer's copy
+        return taken
 
     # --- writes ----------------------------------------------------------------------------------------
 
@@ -350,10 +385,7 @@ class DiskTier:
             if block_hash in self._busy:
                 self._counters["skipped_busy"] += 1
                 return DiskPut(False, BUSY)
-            victims: list[BlockHash] = []
-            if self._used + self._reserved + nbytes > self.high_watermark * self.capacity_bytes:
-                # Evict now rather than after the write: the write then lands at about the low watermark.
-                victims = self._evict_locked(int(self.low_watermark * self.capacity_bytes) - nbytes)
+            victims = self._make_room_locked(nbytes)
             if self._used + self._reserved + nbytes > self.capacity_bytes:
                 self._counters["dropped_no_room"] += 1
                 reason = NO_ROOM
@@ -362,10 +394,15 @@ class DiskTier:
                 self._reserved += nbytes
                 self._busy.add(block_hash)
         self._delete_files(victims)
+        evicted = [h for h, _ in victims]
         if reason:
-            return DiskPut(False, reason, victims)
+            return DiskPut(False, reason, evicted)
+        # Another daemon on this root may have written the block already: take its file, not a second copy.
+        info, _ = self._inspect_file(self.path_of(block_hash), block_hash)  # quarantines a bad one
+        adopted = info is not None
         try:
-            self._write_file(block_hash, encode_header(self.namespace_id, block_hash, view), view)
+            written = info.file_id if info is not None else \
+                self._write_file(block_hash, encode_header(self.namespace_id, block_hash, view), view)
         except OSError as e:
             full = e.errno in _DISK_FULL_ERRNOS
             with self._lock:
@@ -376,35 +413,42 @@ class DiskTier:
                 # A full disk (perhaps filled by others) gets some room back for the next writes.
                 more = self._evict_locked(int(self.low_watermark * self._used)) if full else []
             self._delete_files(more)
-            return DiskPut(False, DISK_FULL if full else IO_ERROR, victims + more)
+            return DiskPut(False, DISK_FULL if full else IO_ERROR, evicted + [h for h, _ in more])
         with self._lock:
             self._reserved -= nbytes
             self._busy.discard(block_hash)
-            self._index[block_hash] = _Entry(nbytes)
+            self._index[block_hash] = _Entry(nbytes, written)
             self._used += nbytes
-            self._counters["writes"] += 1
-            self._counters["bytes_written"] += nbytes
+            if adopted:
+                self._counters["adopted"] += 1
+            else:
+                self._counters["writes"] += 1
+                self._counters["bytes_written"] += nbytes
             if self._on_change is not None:
                 self._on_change("stored", [block_hash])
-        return DiskPut(True, "", victims)
+        return DiskPut(True, "", evicted)
 
-    def _write_file(self, block_hash: BlockHash, header: bytes, payload: memoryview) -> None:
-        """Temp file → fsync → rename over the final name → fsync the directory. Raises OSError; leaves no
-        temp file behind when it does."""
+    def _write_file(self, block_hash: BlockHash, header: bytes, payload: memoryview) -> FileId:
+        """Temp file → fsync → rename over the final name → fsync the directory; returns the identity of the
+        file written. Raises OSError; leaves no temp file behind when it does."""
         path = self.path_of(block_hash)
         shard = path.parent
         if shard.name not in self._shards_made:
             self._make_shard(shard)
+        tmp = shard / self._temp_names.name_for(path.stem)
         try:
-            fd, tmp = tempfile.mkstemp(dir=shard, prefix=f".{path.stem}.", suffix=TEMP_SUFFIX)
+            fd = os.open(tmp, _CREATE_FLAGS, 0o600)
         except FileNotFoundError:  # someone removed the directory (a cache may be wiped by hand): once more
             self._make_shard(shard)
-            fd, tmp = tempfile.mkstemp(dir=shard, prefix=f".{path.stem}.", suffix=TEMP_SUFFIX)
+            fd = os.open(tmp, _CREATE_FLAGS, 0o600)
         try:
             try:
                 _write_all(fd, (header, payload))
+                written = file_id(os.fstat(fd))
             finally:
                 os.close(fd)
+            # Atomic: a reader of `path` opens the previous file (perhaps another daemon's copy) or this
+            # whole one, never a mix; a concurrent writer's rename simply lands before or after ours.
             os.replace(tmp, path)
         except BaseException:
             _unlink_quietly(tmp)
@@ -412,8 +456,9 @@ class DiskTier:
         try:
             _fsync_dir(shard)
         except BaseException:
-            _unlink_quietly(path)  # complete but maybe not durable: not indexed, so not kept either
+            unlink_if_same(path, written)  # complete but maybe not durable: not indexed, so not kept either
             raise
+        return written
 
     def _make_shard(self, shard: Path) -> None:
         shard.mkdir(parents=True, exist_ok=True)
@@ -422,62 +467,60 @@ class DiskTier:
 
     # --- eviction --------------------------------------------------------------------------------------
 
-    def _evict_locked(self, target_bytes: int) -> list[BlockHash]:
+    def _make_room_locked(self, nbytes: int) -> list[_Victim]:
+        """With the lock held, before adding a file of `nbytes`: if that would pass the high watermark,
+        evict down to the low one (so the file lands at about the low watermark)."""
+        if self._used + self._reserved + nbytes > self.high_watermark * self.capacity_bytes:
+            return self._evict_locked(int(self.low_watermark * self.capacity_bytes) - nbytes)
+        return []
+
+    def _evict_locked(self, target_bytes: int) -> list[_Victim]:
         """With the lock held: drop unpinned blocks, oldest use first, until usage (with writes in flight)
         is at most `target_bytes`. The victims are busy until `_delete_files` has removed their files."""
-        victims = []
+        victims: list[_Victim] = []
         projected = self._used + self._reserved
         for block_hash, entry in self._index.items():
             if projected <= target_bytes:
                 break
             if entry.pins == 0:
-                victims.append(block_hash)
+                victims.append((block_hash, entry.file_id))
                 projected -= entry.nbytes
-        for block_hash in victims:
+        for block_hash, _ in victims:
             self._used -= self._index.pop(block_hash).nbytes
         if victims:
-            self._busy.update(victims)
+            hashes = [h for h, _ in victims]
+            self._busy.update(hashes)
             self._counters["evictions"] += len(victims)
             if self._on_change is not None:
-                self._on_change("evicted", list(victims))
+                self._on_change("evicted", hashes)
         return victims
 
-    def _delete_files(self, victims: list[BlockHash]) -> None:
-        for block_hash in victims:
-            _unlink_quietly(self.path_of(block_hash))
+    def _delete_files(self, victims: list[_Victim]) -> None:
+        """Delete each victim's file if it is still the file we indexed (another daemon's newer copy under
+        the same name stays: it is in their index, not ours)."""
+        kept = sum(not unlink_if_same(self.path_of(h), fid) for h, fid in victims)
         if victims:
             with self._lock:
-                self._busy.difference_update(victims)
+                self._busy.difference_update(h for h, _ in victims)
+                self._counters["evicted_files_not_ours"] += kept
 
     # --- reads -----------------------------------------------------------------------------------------
 
     def get(self, block_hash: BlockHash) -> DiskRead:
-        """Read and verify a block (blocking). A bad file is quarantined and never returned."""
+        """Read and verify a block (blocking). A bad file is quarantined and never returned. A block not in
+        the index is looked for on disk too (another daemon sharing the root may have written it) and, if
+        good, joins the index."""
         with self._lock:
             entry = self._index.get(block_hash)
-            if entry is None or self._closed:
+            if self._closed or (entry is None and block_hash in self._busy):
                 self._counters["misses"] += 1
                 return DiskRead(None, MISS)
-            entry.pins += 1  # the file cannot be evicted while we read it
-            self._index.move_to_end(block_hash)
-        path = self.path_of(block_hash)
-        reason = ""
-        try:
-            raw = _read_file(path, self.file_nbytes + 1)
-            payload = verify(raw, self.namespace_id, block_hash, self.block_nbytes)
-        except FileNotFoundError:
-            reason = VANISHED
-        except CorruptBlock as e:
-            reason = e.reason
-        except OSError:
-            reason = READ_ERROR
-        if reason and reason != VANISHED:
-            self._quarantine_file(path, block_hash, reason)
-        elif not reason:
-            try:
-                os.utime(path)  # mtime is the last use a warm restart sees
-            except OSError:
-                pass
+            if entry is not None:
+                entry.pins += 1  # the file cannot be evicted while we read it
+                self._index.move_to_end(block_hash)
+        payload, reason, info = self._read_verified(block_hash)
+        if entry is None:
+            return self._read_through(block_hash, payload, reason, info)
         with self._lock:
             entry.pins -= 1
             if not reason:
@@ -492,6 +535,61 @@ class DiskTier:
                 if self._on_change is not None:
                     self._on_change("evicted", [block_hash])
             return DiskRead(None, reason, removed)
+
+    def _read_through(self, block_hash: BlockHash, payload: memoryview | None, reason: str,
+                      info: _FileInfo | None) -> DiskRead:
+        """The end of a `get` of a block that was not in the index: a good file joins it."""
+        victims: list[_Victim] = []
+        with self._lock:
+            if payload is None or info is None:
+                self._counters["misses" if reason == VANISHED else "read_failures"] += 1
+                return DiskRead(None, MISS if reason == VANISHED else reason)
+            self._counters["hits"] += 1
+            self._counters["bytes_read"] += self.file_nbytes
+            if not (self._closed or block_hash in self._index or block_hash in self._busy):
+                victims = self._make_room_locked(info.nbytes)
+                if self._used + self._reserved + info.nbytes <= self.capacity_bytes:
+                    self._index[block_hash] = _Entry(info.nbytes, info.file_id)
+                    self._used += info.nbytes
+                    self._counters["adopted"] += 1
+                    if self._on_change is not None:
+                        self._on_change("stored", [block_hash])
+        self._delete_files(victims)
+        return DiskRead(payload)
+
+    def _read_verified(self, block_hash: BlockHash) -> tuple[memoryview | None, str, _FileInfo | None]:
+        """Open, read and verify the block's file: (payload, "", info), or (None, reason, info or None).
+        A bad file is quarantined before it is closed, so exactly the inode judged bad is taken."""
+        path = self.path_of(block_hash)
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            return None, VANISHED, None
+        except OSError:
+            return None, READ_ERROR, None  # not provably bad (permissions on a shared mount?): left alone
+        with f:
+            try:
+                st = os.fstat(f.fileno())
+            except OSError:
+                return None, READ_ERROR, None
+            info = _FileInfo(st.st_mtime_ns, st.st_size, file_id(st))
+            try:
+                # At most one byte more than a block file: a bigger file is corrupt anyway, and this bounds
+                # the memory a garbage file can make us allocate.
+                raw = _read_open_file(f, min(st.st_size, self.file_nbytes + 1))
+                payload = verify(raw, self.namespace_id, block_hash, self.block_nbytes)
+            except CorruptBlock as e:
+                reason = e.reason
+            except OSError:
+                reason = READ_ERROR
+            else:
+                try:
+                    os.utime(f.fileno())  # mtime is the last use a warm restart (any daemon's) sees
+                except OSError:
+                    pass
+                return payload, "", info
+            self._quarantine_file(path, block_hash, reason, info.file_id)
+            return None, reason, info
 
     # --- index queries ---------------------------------------------------------------------------------
 
@@ -537,7 +635,7 @@ class DiskTier:
         with self._lock:
             out = dict(self._counters)
             out.update(blocks=len(self._index), bytes=self._used, capacity_bytes=self.capacity_bytes,
-                       quarantine_files=len(self._quarantined))
+                       quarantine_files=len(self.quarantine))
             return out
 
     # --- maintenance -----------------------------------------------------------------------------------

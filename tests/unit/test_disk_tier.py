@@ -15,6 +15,7 @@ import pytest
 
 from deepinfer.cache import block_file as bf
 from deepinfer.cache import disk_tier as dt
+from deepinfer.cache import pool_files
 from deepinfer.cache.disk_tier import DiskTier
 
 NS_ID = hashlib.sha256(b"test namespace").hexdigest()
@@ -179,7 +180,7 @@ def test_damaged_file_is_a_miss_quarantined_and_replaceable(
     assert stats["quarantined"] == len(expected)
     for reason in {r for _, r in expected}:
         assert stats[f"quarantined_{reason}"] == sum(r == reason for _, r in expected)
-    quarantined = [p.name for p in (tmp_path / dt.QUARANTINE_DIR).iterdir()]
+    quarantined = [p.name for p in tier.quarantine.dir.iterdir()]
     assert len(quarantined) == len(expected)
     for i, reason in expected:  # named by block and reason
         assert any(name.startswith(f"{h(i).hex()}.{reason}.") for name in quarantined)
@@ -208,7 +209,7 @@ def test_quarantine_keeps_only_the_newest_files(tmp_path: Path) -> None:
     for i in range(4):
         flip(tier.path_of(h(i)), bf.HEADER_BYTES)
         assert tier.get(h(i)).reason == bf.CHECKSUM_MISMATCH
-    names = {p.name[:64] for p in (tmp_path / dt.QUARANTINE_DIR).iterdir()}
+    names = {p.name[:64] for p in (tmp_path / dt.QUARANTINE_DIR / NS_ID).iterdir()}
     assert names == {h(2).hex(), h(3).hex()} and tier.stats()["quarantined"] == 4
 
 
@@ -221,7 +222,7 @@ def test_warm_restart_serves_what_was_written(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, NS_ID, N, 1000 * FILE, on_change=log)
     report = tier.open()
     assert report.loaded == 10 and report.loaded_bytes == 10 * FILE
-    assert report.dropped_other_namespace == report.temp_removed == report.quarantined == report.evicted == 0
+    assert report.other_namespaces == report.temp_removed == report.quarantined == report.evicted == 0
     assert all(served(tier, i) for i in range(10))
     assert log.live == {h(i) for i in range(10)}  # loaded blocks are reported stored
 
@@ -232,27 +233,33 @@ def test_open_twice_is_refused(tmp_path: Path) -> None:
         tier.open()
 
 
-def test_restart_drops_other_namespaces_and_temp_files(tmp_path: Path) -> None:
+def test_restart_leaves_other_namespaces_alone_and_removes_only_abandoned_temp_files(tmp_path: Path) -> None:
     put(make(tmp_path), 1, 2)
     put(make(tmp_path / "sub"), 9)  # a different root is not touched
     other = DiskTier(tmp_path, OTHER_NS_ID, N, 100 * FILE)
-    other.open()  # opening another namespace drops ours...
+    assert other.open().loaded == 0  # another model on the same root: ours is not its business...
     put(other, 3, 4, 5)
     shard = tmp_path / NS_ID / "ab"
     shard.mkdir(parents=True, exist_ok=True)
-    (shard / f".{'ab' * 32}.x1.tmp").write_bytes(b"half a block")
-    (shard / ".zz.tmp").write_bytes(b"")
+    day_old = os.stat(tmp_path).st_mtime - pool_files.ABANDONED_AFTER_S - 60
+    stale = [shard / f".{'ab' * 32}.x1.tmp", shard / ".zz.tmp"]  # not our naming: judged by age alone
+    fresh = shard / f".{'ab' * 32}.y2.tmp"  # maybe a write in progress on another host
+    for path in (*stale, fresh):
+        path.write_bytes(b"half a block")
+    for path in stale:
+        os.utime(path, (day_old, day_old))
     (tmp_path / "notes.txt").write_text("not ours")
     (tmp_path / "some-dir").mkdir()
 
     tier = DiskTier(tmp_path, NS_ID, N, 100 * FILE)
-    report = tier.open()  # ... and opening ours drops theirs
-    assert report.loaded == 0  # ours were dropped when the other namespace opened
-    assert report.dropped_other_namespace == 3 and report.temp_removed == 2
-    assert not (tmp_path / OTHER_NS_ID).exists()
+    report = tier.open()  # ... and theirs is not ours
+    assert report.loaded == 2 and report.other_namespaces == 1
+    assert report.temp_removed == 2 and report.temp_kept == 1
+    assert all(served(tier, i) for i in (1, 2)) and all(served(other, i) for i in (3, 4, 5))
+    assert len(list((tmp_path / OTHER_NS_ID).rglob("*.kvb"))) == 3
     assert (tmp_path / "notes.txt").exists() and (tmp_path / "some-dir").exists()
     assert (tmp_path / "sub" / NS_ID).exists()
-    assert temp_files(tmp_path / NS_ID) == []
+    assert temp_files(tmp_path / NS_ID) == [fresh]
 
 
 def test_restart_quarantines_files_whose_header_does_not_match(tmp_path: Path) -> None:
