@@ -1,4 +1,4 @@
-"""The ZeroMQ client: `Client` (blocking) and `AsyncClient` (asyncio).
+"""The ZeroMQ client: `Client` (blocking, safe to share between threads) and `AsyncClient` (asyncio).
 
     with Client("ipc:///run/deepinfer/router-frontend.sock") as c:
         r = c.generate("Hello", max_tokens=16)
@@ -8,8 +8,18 @@
         async for delta in c.stream(messages=[{"role": "user", "content": "Hi"}], max_tokens=32):
             print(delta.text, end="")
 
+Both talk to the router over one DEALER socket and route replies to their requests by request id. In
+`Client` one I/O thread owns that socket; the threads calling `generate`, `generate_many` and `stream`
+hand it their requests and each wait on a queue of their own, so any number of threads may share a client.
+
 Cancelling a stream (breaking out of it, or cancelling its task) or closing the client aborts the
-request in the mesh. Failures raise a `MeshError` subclass that names what went wrong.
+request in the mesh. Replies to requests the client gave up on (timed out, aborted) are dropped, so a
+client stays usable after any failure. Failures raise a `MeshError` subclass that names what went wrong.
+
+The router's liveness: ZMTP heartbeats on the socket and a socket monitor. When the connection to the router
+drops (its process died, or it stopped answering heartbeats for HEARTBEAT_TIMEOUT_MS) every request the router
+held ends with `RouterLostError`; a request sent while no router is connected waits `connect_timeout_s` for
+one. The socket reconnects by itself, says Hello again, and the same client serves new requests.
 """
 
 from __future__ import annotations
@@ -17,21 +27,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import queue
 import secrets
+import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import fields
-from typing import Any
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from deepinfer.protocol import messages as m
-from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer, recv_msg, send_msg
+from deepinfer.protocol.errors import ProtocolError
+from deepinfer.protocol.framing import encode_frames
+from deepinfer.protocol.sockets import arecv_msg, make_dealer, recv_msg
+
+HEARTBEAT_IVL_MS = 1000  # a PING to the router this often
+HEARTBEAT_TIMEOUT_MS = 3000  # no traffic from the router for this long: the connection is dropped
+HEARTBEAT_TTL_MS = 10000  # the router may drop this client after this long without traffic from it
+CONNECT_TIMEOUT_S = 10.0  # how long a request waits for a connection to the router
+_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_TICK_S = 0.2  # how often requests waiting for a connection are checked against connect_timeout_s
+_CLOSE_LINGER_MS = 100  # closing gives the aborts of in-flight requests this long to leave
+_HELLO = ""  # the route of the Hello: its Welcome carries no request id (nor does a refusal of a bad message)
 
 
 class MeshError(RuntimeError):
-    """A request ended with an error. `code` is the wire ErrorCode."""
+    """A request ended with an error. `code` is the wire ErrorCode (or "router_lost")."""
 
     code = "internal"
 
@@ -55,6 +82,12 @@ class WorkerLostError(MeshError):
 
 class RequestTimeoutError(MeshError):
     code = "timeout"
+
+
+class RouterLostError(MeshError):
+    """The connection to the router dropped while it held the request, or no router was reachable."""
+
+    code = "router_lost"
 
 
 _ERRORS = {cls.code: cls for cls in (OverloadedError, InvalidRequestError, WorkerLostError, RequestTimeoutError)}
@@ -89,19 +122,283 @@ class _Ids:
         return f"{self._prefix}-{next(self._n)}"
 
 
-class Client:
-    """Blocking client; one socket, one thread. Requests may overlap via `generate_many`."""
+def _hello() -> m.Hello:
+    return m.Hello(m.PROTOCOL_VERSION, "client", "client")
 
-    def __init__(self, endpoint: str, timeout_s: float = 300.0, api_key: str | None = None) -> None:
+
+def _open_dealer(ctx: zmq.Context, endpoint: str) -> tuple[Any, Any | None]:
+    """The client's DEALER and, except on inproc:// (no connection events there), its monitor socket."""
+    sock = make_dealer(ctx, [], f"client-{secrets.token_hex(6)}".encode())  # connected below
+    # Options are copied into a connection when it is made, and the monitor must see the first handshake:
+    # both are set before connect.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
+    monitor = None if endpoint.startswith("inproc://") else sock.get_monitor_socket(_CONNECTION_EVENTS)
+    sock.connect(endpoint)
+    return sock, monitor
+
+
+# --- the bookkeeping both clients share ------------------------------------------------------------------
+
+
+class _Sink(Protocol):
+    """Where a request's replies go: a queue.SimpleQueue (Client) or an asyncio.Queue (AsyncClient)."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
+
+@dataclass
+class _Route:
+    sink: _Sink
+    since: float  # monotonic time the request was sent
+    connected: bool  # a connection to the router was up at or after `since`: the router has (or had) it
+
+
+class _Session:
+    """Which request waits where, and what the connection's ups and downs mean for it. No I/O: methods return
+    the messages to send, and the owner (Client's I/O thread, AsyncClient's event loop) sends them.
+
+    Invariant: a route exists exactly while its caller may still get a reply, so a reply without a route (a
+    request that finished, timed out, was aborted or failed) is dropped, and nothing outlives its request."""
+
+    def __init__(self, endpoint: str, connect_timeout_s: float, connected: bool) -> None:
+        self.endpoint = endpoint
+        self.connect_timeout_s = connect_timeout_s
+        self.connected = connected  # inproc:// has no connection events: always connected
+        self.routes: dict[str, _Route] = {}
+        self.refusal: str | None = None  # the reason a router (after a reconnect) refused our Hello
+        self.closed = False
+        self._was_lost = False
+
+    def open(self, key: str, sink: _Sink, now: float) -> bool:
+        """Route `key`'s replies to `sink`; False (and an error in the sink) when it must not be sent."""
+        if self.closed:
+            sink.put_nowait(MeshError("the client is closed", key))
+        elif self.refusal is not None and key != _HELLO:
+            sink.put_nowait(MeshError(f"router refused the connection: {self.refusal}", key))
+        else:
+            self.routes[key] = _Route(sink, now, self.connected)
+            return True
+        return False
+
+    def forget(self, key: str) -> bool:
+        """The caller stopped waiting; True when the router may still hold the request (abort it)."""
+        return self.routes.pop(key, None) is not None and key != _HELLO
+
+    def fail(self, key: str, error: MeshError) -> None:
+        route = self.routes.pop(key, None)
+        if route is not None:
+            route.sink.put_nowait(error)
+
+    def deliver(self, msg: Any) -> None:
+        if isinstance(msg, m.Welcome):
+            self.refusal = None if msg.accepted else (msg.reason or "no reason given")
+        key = getattr(msg, "request_id", _HELLO)
+        route = self.routes.get(key)
+        if route is None:
+            return  # a late reply to a request given up on, or the Welcome of a reconnect's Hello
+        if isinstance(msg, (m.Welcome, m.RequestFinished, m.ErrorReply)):
+            del self.routes[key]  # the last message of its request
+        route.sink.put_nowait(msg)
+
+    def on_connected(self) -> list[Any]:
+        self.connected = True
+        for route in self.routes.values():
+            route.connected = True
+        # A new connection after a lost one may be a new router: introduce ourselves again (it does not
+        # require a Hello, but a refusal tells us early that it no longer speaks our protocol).
+        return [_hello()] if self._was_lost else []
+
+    def on_disconnected(self) -> list[Any]:
+        """The router held every request sent on the dropped connection: they fail now. Their aborts wait in
+        the socket for the next connection, in case that is the same router."""
+        self.connected = False
+        self._was_lost = True
+        lost = [key for key, route in self.routes.items() if route.connected]
+        for key in lost:
+            self.fail(key, RouterLostError(f"lost the connection to the router at {self.endpoint}", key))
+        return [m.AbortRequest(key, "client lost the router") for key in lost if key != _HELLO]
+
+    def waiting_for_connection(self) -> bool:
+        return any(not route.connected for route in self.routes.values())
+
+    def expire(self, now: float) -> list[Any]:
+        """Fail requests that waited connect_timeout_s for a router (their messages still sit in the socket:
+        abort them in case one comes)."""
+        late = [key for key, route in self.routes.items()
+                if not route.connected and now - route.since >= self.connect_timeout_s]
+        for key in late:
+            self.fail(key, RouterLostError(
+                f"no router reachable at {self.endpoint} within {self.connect_timeout_s:g}s", key))
+        return [m.AbortRequest(key, "client found no router") for key in late if key != _HELLO]
+
+    def close(self) -> list[Any]:
+        """Fail every waiting caller; returns the aborts of the requests the router may hold."""
+        self.closed = True
+        keys = list(self.routes)
+        for key in keys:
+            self.fail(key, MeshError("the client was closed", key))
+        return [m.AbortRequest(key, "client closed") for key in keys if key != _HELLO]
+
+
+# --- the blocking client ------------------------------------------------------------------------------------
+
+
+class _SocketThread:
+    """Owns the DEALER, its monitor and the session; the only thread that touches any of them. Callers hand it
+    work through `_call` (a queue, plus a byte on a socket pair that wakes its poll)."""
+
+    def __init__(self, endpoint: str, connect_timeout_s: float) -> None:
         self._ctx = zmq.Context()
-        self._sock = make_dealer(self._ctx, endpoint, f"client-{secrets.token_hex(6)}".encode())
+        self._sock, self._monitor = _open_dealer(self._ctx, endpoint)
+        self._session = _Session(endpoint, connect_timeout_s, connected=self._monitor is None)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._lock = threading.RLock()  # guards _accepting and the write end of the wake pair
+        self._accepting = True
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="deepinfer-client-io", daemon=True)
+        self._thread.start()
+
+    # -- called from any thread --
+
+    def submit(self, key: str, frames: list, sink: _Sink) -> None:
+        if not self._call(self._submit, key, frames, sink):
+            sink.put_nowait(MeshError("the client is closed", key))
+
+    def forget(self, key: str, reason: str) -> None:
+        self._call(self._forget, key, reason)  # a closed client aborted everything already
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10.0)
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> bool:
+        with self._lock:
+            if not self._accepting:
+                return False
+            self._inbox.put(partial(fn, *args))
+            self._wake()
+            return True
+
+    def _wake(self) -> None:
+        if self._accepting:
+            with contextlib.suppress(BlockingIOError):  # a full pipe wakes the thread just as well
+                self._wake_w.send(b"\0")
+
+    # -- the I/O thread --
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for s in (self._sock, self._monitor, self._wake_r):
+            if s is not None:
+                poller.register(s, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                poller.poll(int(_TICK_S * 1000) if self._session.waiting_for_connection() else None)
+                with contextlib.suppress(BlockingIOError):
+                    while self._wake_r.recv(4096):
+                        pass
+                self._run_inbox()  # after draining the wake bytes: work queued later wakes the next poll
+                self._read_replies()
+                self._read_monitor()
+                self._send(self._session.expire(time.monotonic()))
+        finally:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        aborts = self._session.close()
+        self._send(aborts)
+        with self._lock:
+            self._accepting = False
+        self._run_inbox()  # submits that raced with close find the session closed and fail at once
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+        # Lingering only while a router is connected: closing never waits for one that is gone.
+        self._sock.close(linger=_CLOSE_LINGER_MS if aborts and self._session.connected else 0)
+        self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                fn = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    def _submit(self, key: str, frames: list, sink: _Sink) -> None:
+        if self._session.open(key, sink, time.monotonic()) and not self._send_frames(frames):
+            self._session.fail(key, RouterLostError(
+                f"the router at {self._session.endpoint} is not reading (send queue full)", key))
+
+    def _forget(self, key: str, reason: str) -> None:
+        if self._session.forget(key):
+            self._send([m.AbortRequest(key, reason)])
+
+    def _read_monitor(self) -> None:
+        while self._monitor is not None:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._read_replies()  # replies that arrived before the drop still count
+                self._send(self._session.on_disconnected())
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._send(self._session.on_connected())
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                msg = recv_msg(self._sock, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ProtocolError:
+                continue  # undecodable: no request id to route it by
+            self._session.deliver(msg)
+
+    def _send(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            self._send_frames(encode_frames(msg))  # aborts and Hellos: lost ones are harmless
+
+    def _send_frames(self, frames: list) -> bool:
+        """Never blocks: sends queue in the socket (also while disconnected) up to its HWM."""
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+
+class Client:
+    """Blocking client; safe to share between threads, each call waiting for its own requests' replies.
+    Requests may also overlap within one thread via `generate_many`."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 300.0, api_key: str | None = None, *,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self._ids = _Ids()
-        send_msg(self._sock, m.Hello(m.PROTOCOL_VERSION, "client", "client"))
-        welcome = self._recv(time.monotonic() + timeout_s)
-        if not isinstance(welcome, m.Welcome) or not welcome.accepted:
-            raise MeshError(f"router refused the connection: {getattr(welcome, 'reason', welcome)}")
+        self._io = _SocketThread(endpoint, connect_timeout_s)
+        # A client dropped without close() still stops its thread and frees its sockets.
+        self._close = weakref.finalize(self, self._io.close)
+        try:
+            welcome = self._exchange_hello()
+        except BaseException:
+            self.close()
+            raise
+        if not welcome.accepted:
+            self.close()
+            raise MeshError(f"router refused the connection: {welcome.reason}")
 
     def __enter__(self) -> Client:
         return self
@@ -110,14 +407,37 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
+        """Abort what is in flight (callers waiting get a MeshError) and free the socket; idempotent."""
+        self._close()
 
-    def _recv(self, deadline: float) -> Any:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not self._sock.poll(int(remaining * 1000)):
-            raise RequestTimeoutError(f"no answer from the router within {self.timeout_s}s")
-        return recv_msg(self._sock)
+    def _exchange_hello(self) -> m.Welcome:
+        sink: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._io.submit(_HELLO, encode_frames(_hello()), sink)
+        try:
+            reply = self._next(sink, time.monotonic() + self.timeout_s)
+        finally:
+            self._io.forget(_HELLO, "")
+        if isinstance(reply, MeshError):
+            raise reply
+        if isinstance(reply, m.ErrorReply):
+            raise error_from_reply(reply)
+        return reply
+
+    def _next(self, sink: queue.SimpleQueue[Any], deadline: float) -> Any:
+        """The next item in the caller's sink: a reply, or a MeshError the client itself decided on (router lost,
+        client closed) whose request_id names the request."""
+        try:
+            return sink.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise RequestTimeoutError(f"no answer from the router within {self.timeout_s}s") from None
+
+    def _submit(self, spec: dict[str, Any], stream: bool, sink: queue.SimpleQueue[Any]) -> str:
+        spec = dict(spec)
+        req = build_request(self._ids.next(), spec.pop("prompt", None), spec.pop("messages", None),
+                            spec.pop("prompt_token_ids", None), stream, spec.pop("priority", 0), self.api_key,
+                            spec.pop("timeout_s", None), spec)
+        self._io.submit(req.request_id, encode_frames(req), sink)  # encoded here: a bad request raises here
+        return req.request_id
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  prompt_token_ids: list[int] | None = None, priority: int = 0, **params: Any) -> m.RequestFinished:
@@ -128,75 +448,69 @@ class Client:
         return result
 
     def generate_many(self, requests: list[dict[str, Any]]) -> list[m.RequestFinished | MeshError]:
-        """Submit every request at once (served by continuous batching); results in input order."""
+        """Submit every request at once (served by continuous batching); results in input order, a failed
+        request's MeshError in its place. Raises RequestTimeoutError when not all finished within timeout_s."""
+        sink: queue.SimpleQueue[Any] = queue.SimpleQueue()
         order: list[str] = []
-        for spec in requests:
-            spec = dict(spec)
-            rid = self._ids.next()
-            req = build_request(rid, spec.pop("prompt", None), spec.pop("messages", None),
-                                spec.pop("prompt_token_ids", None), False, spec.pop("priority", 0), self.api_key,
-                                spec.pop("timeout_s", None), spec)
-            send_msg(self._sock, req)
-            order.append(rid)
         results: dict[str, m.RequestFinished | MeshError] = {}
-        deadline = time.monotonic() + self.timeout_s
         try:
+            for spec in requests:
+                order.append(self._submit(spec, False, sink))
+            deadline = time.monotonic() + self.timeout_s
             while len(results) < len(order):
-                msg = self._recv(deadline)
-                if isinstance(msg, m.RequestFinished):
-                    results[msg.request_id] = msg
-                elif isinstance(msg, m.ErrorReply):
-                    results[msg.request_id] = error_from_reply(msg)
-        except BaseException:
+                item = self._next(sink, deadline)
+                if isinstance(item, (m.RequestFinished, MeshError)):
+                    results[item.request_id] = item
+                elif isinstance(item, m.ErrorReply):
+                    results[item.request_id] = error_from_reply(item)
+        finally:
             for rid in order:
                 if rid not in results:
-                    send_msg(self._sock, m.AbortRequest(rid, "client gave up"))
-            raise
+                    self._io.forget(rid, "client gave up")
         return [results[rid] for rid in order]
 
     def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                prompt_token_ids: list[int] | None = None, priority: int = 0,
                **params: Any) -> Iterator[m.StreamDelta | m.RequestFinished]:
         """Yield StreamDelta records, then the RequestFinished. Closing the iterator early aborts."""
-        rid = self._ids.next()
-        send_msg(self._sock, build_request(rid, prompt, messages, prompt_token_ids, True, priority, self.api_key,
-                                           params.pop("timeout_s", None), params))
-        done = False
+        sink: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        rid = self._submit(dict(prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                                priority=priority, **params), True, sink)
         try:
             deadline = time.monotonic() + self.timeout_s
             while True:
-                msg = self._recv(deadline)
-                if getattr(msg, "request_id", None) != rid:
-                    continue
+                msg = self._next(sink, deadline)
+                if isinstance(msg, MeshError):
+                    raise msg
                 if isinstance(msg, m.ErrorReply):
-                    done = True
                     raise error_from_reply(msg)
-                # Ended before the caller sees the last message: a caller that stops iterating there must
-                # not abort a request that already finished.
-                done = isinstance(msg, m.RequestFinished)
                 yield msg
-                if done:
+                if isinstance(msg, m.RequestFinished):
                     return
         finally:
-            if not done and not self._sock.closed:
-                send_msg(self._sock, m.AbortRequest(rid, "client cancelled the stream"))
+            # Aborts only if the request is still open: one that finished (even if the caller stopped at its
+            # last message) or failed has no route left.
+            self._io.forget(rid, "client cancelled the stream")
+
+
+# --- the asyncio client -------------------------------------------------------------------------------------
 
 
 class AsyncClient:
-    """asyncio client: any number of concurrent requests over one socket."""
+    """asyncio client: any number of concurrent requests over one socket, all on one event loop."""
 
     def __init__(self, endpoint: str, timeout_s: float = 300.0, api_key: str | None = None,
-                 ctx: zmq.asyncio.Context | None = None) -> None:
+                 ctx: zmq.asyncio.Context | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         # inproc:// endpoints only connect within one context: pass the mesh's to talk to an in-process mesh.
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
-        self._sock = make_dealer(self._ctx, endpoint, f"client-{secrets.token_hex(6)}".encode())
+        self._sock, self._monitor = _open_dealer(self._ctx, endpoint)
+        self._session = _Session(endpoint, connect_timeout_s, connected=self._monitor is None)
         self.timeout_s = timeout_s
         self.api_key = api_key
         self._ids = _Ids()
-        self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._reader: asyncio.Task[None] | None = None
-        self._welcome: asyncio.Future[m.Welcome] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -206,32 +520,71 @@ class AsyncClient:
         await self.close()
 
     async def connect(self) -> None:
-        self._welcome = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.create_task(self._read())
-        await asend_msg(self._sock, m.Hello(m.PROTOCOL_VERSION, "client", "client"))
-        welcome = await asyncio.wait_for(self._welcome, self.timeout_s)
-        if not welcome.accepted:
-            raise MeshError(f"router refused the connection: {welcome.reason}")
+        self._tasks = [asyncio.create_task(self._read())]
+        if self._monitor is not None:
+            self._tasks += [asyncio.create_task(self._watch_connection()), asyncio.create_task(self._expire())]
+        try:
+            async with contextlib.aclosing(self._exchange(_HELLO, _hello())) as exchange:
+                welcome = await anext(exchange)
+            if not welcome.accepted:
+                raise MeshError(f"router refused the connection: {welcome.reason}")
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
-        for rid in list(self._queues):
-            await asend_msg(self._sock, m.AbortRequest(rid, "client closed"))
-        if self._reader is not None:
-            self._reader.cancel()
-        self._sock.close(linger=0)
+        """Abort what is in flight (waiting requests get a MeshError) and free the socket; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        aborts = self._session.close()
+        await self._send(aborts)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+        # Lingering only while a router is connected: closing never waits for one that is gone.
+        self._sock.close(linger=_CLOSE_LINGER_MS if aborts and self._session.connected else 0)
         if self._own_ctx:
             self._ctx.term()
 
     async def _read(self) -> None:
         while True:
-            msg = await arecv_msg(self._sock)
-            if isinstance(msg, m.Welcome):
-                if self._welcome is not None and not self._welcome.done():
-                    self._welcome.set_result(msg)
-                continue
-            q = self._queues.get(getattr(msg, "request_id", ""))
-            if q is not None:
-                q.put_nowait(msg)
+            try:
+                msg = await arecv_msg(self._sock)
+            except ProtocolError:
+                continue  # undecodable: no request id to route it by
+            self._session.deliver(msg)
+
+    async def _watch_connection(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                await self._send(self._session.on_disconnected())
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                await self._send(self._session.on_connected())
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(_TICK_S)
+            await self._send(self._session.expire(time.monotonic()))
+
+    async def _send(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            await self._send_frames(encode_frames(msg))  # aborts and Hellos: lost ones are harmless
+
+    async def _send_frames(self, frames: list) -> bool:
+        """Never waits: DONTWAIT sends complete at once (queued in the socket, also while disconnected) or
+        raise Again when the socket's HWM is reached."""
+        if self._sock.closed:
+            return False
+        try:
+            await self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_token_ids: list[int] | None = None, priority: int = 0,
@@ -239,7 +592,7 @@ class AsyncClient:
         """Yield StreamDelta records, then the RequestFinished. Leaving early or cancelling aborts."""
         req = build_request(self._ids.next(), prompt, messages, prompt_token_ids, True, priority, self.api_key,
                             params.pop("timeout_s", None), params)
-        async with contextlib.aclosing(self._exchange(req)) as exchange:
+        async with contextlib.aclosing(self._exchange(req.request_id, req)) as exchange:
             async for msg in exchange:
                 yield msg
 
@@ -248,31 +601,33 @@ class AsyncClient:
                        **params: Any) -> m.RequestFinished:
         req = build_request(self._ids.next(), prompt, messages, prompt_token_ids, False, priority, self.api_key,
                             params.pop("timeout_s", None), params)
-        async with contextlib.aclosing(self._exchange(req)) as exchange:
+        async with contextlib.aclosing(self._exchange(req.request_id, req)) as exchange:
             async for msg in exchange:
                 if isinstance(msg, m.RequestFinished):
                     return msg
         raise MeshError("the router ended the request without a result", req.request_id)
 
-    async def _exchange(self, req: m.GenerateRequest) -> AsyncIterator[m.StreamDelta | m.RequestFinished]:
-        rid = req.request_id
+    async def _exchange(self, key: str, msg: Any) -> AsyncIterator[Any]:
+        """Send `msg` and yield its replies until the last; each must come within timeout_s."""
+        frames = encode_frames(msg)  # before routing: a request that cannot be encoded raises here
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._queues[rid] = q
-        done = False
+        if self._session.open(key, q, time.monotonic()) and not await self._send_frames(frames):
+            self._session.fail(key, RouterLostError(
+                f"the router at {self._session.endpoint} is not reading (send queue full)", key))
         try:
-            await asend_msg(self._sock, req)
             while True:
-                msg = await asyncio.wait_for(q.get(), self.timeout_s)
-                if isinstance(msg, m.ErrorReply):
-                    done = True
-                    raise error_from_reply(msg)
-                done = isinstance(msg, m.RequestFinished)  # before the yield: the caller may stop there
-                yield msg
-                if done:
+                try:
+                    reply = await asyncio.wait_for(q.get(), self.timeout_s)
+                except TimeoutError as exc:
+                    raise RequestTimeoutError(f"request {key}: no answer within {self.timeout_s}s", key) from exc
+                if isinstance(reply, MeshError):
+                    raise reply
+                if isinstance(reply, m.ErrorReply):
+                    raise error_from_reply(reply)
+                yield reply
+                if isinstance(reply, (m.RequestFinished, m.Welcome)):
                     return
-        except TimeoutError as exc:
-            raise RequestTimeoutError(f"request {rid}: no answer within {self.timeout_s}s", rid) from exc
         finally:
-            self._queues.pop(rid, None)
-            if not done and not self._sock.closed:
-                await asend_msg(self._sock, m.AbortRequest(rid, "client cancelled the request"))
+            # Aborts only if the request is still open (finished and failed ones have no route left).
+            if self._session.forget(key) and not self._closed:
+                await self._send([m.AbortRequest(key, "client cancelled the request")])
