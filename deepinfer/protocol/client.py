@@ -33,8 +33,9 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from functools import partial
 from typing import Any, Protocol
 
@@ -135,7 +136,14 @@ def _open_dealer(ctx: zmq.Context, endpoint: str) -> tuple[Any, Any | None]:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
     monitor = None if endpoint.startswith("inproc://") else sock.get_monitor_socket(_CONNECTION_EVENTS)
-    sock.connect(endpoint)
+    try:
+        sock.connect(endpoint)
+    except BaseException:  # a bad endpoint: leave no socket behind to block the context's term()
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        sock.close(linger=0)
+        raise
     return sock, monitor
 
 
@@ -148,16 +156,9 @@ class _Sink(Protocol):
     def put_nowait(self, item: Any) -> None: ...
 
 
-@dataclass
-class _Route:
-    sink: _Sink
-    since: float  # monotonic time the request was sent
-    connected: bool  # a connection to the router was up at or after `since`: the router has (or had) it
-
-
 class _Session:
-    """Which request waits where, and what the connection's ups and downs mean for it. No I/O: methods return
-    the messages to send, and the owner (Client's I/O thread, AsyncClient's event loop) sends them.
+    """Which request waits where, and what the connection's ups and downs mean for it. No I/O: the owner
+    (Client's I/O thread, AsyncClient's event loop) sends what lands in `outbox`, oldest first.
 
     Invariant: a route exists exactly while its caller may still get a reply, so a reply without a route (a
     request that finished, timed out, was aborted or failed) is dropped, and nothing outlives its request."""
@@ -166,80 +167,95 @@ class _Session:
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
         self.connected = connected  # inproc:// has no connection events: always connected
-        self.routes: dict[str, _Route] = {}
+        self.routes: dict[str, _Sink] = {}
+        # Requests sent while no router was connected (their messages wait in the socket), with the
+        # monotonic time they were sent: they fail if none connects within connect_timeout_s.
+        self.unconnected: dict[str, float] = {}
+        # Messages not yet handed to the socket, in order, with the route they belong to (None for aborts and
+        # Hellos). They wait here only while the socket refuses more (its HWM reached).
+        self.outbox: deque[tuple[str | None, list]] = deque()
         self.refusal: str | None = None  # the reason a router (after a reconnect) refused our Hello
         self.closed = False
         self._was_lost = False
 
-    def open(self, key: str, sink: _Sink, now: float) -> bool:
-        """Route `key`'s replies to `sink`; False (and an error in the sink) when it must not be sent."""
+    def send(self, msg: Any) -> None:
+        self.outbox.append((None, encode_frames(msg)))
+
+    def open(self, key: str, frames: list, sink: _Sink, now: float) -> None:
+        """Send a request (or the Hello) whose replies go to `sink`; when it must not be sent, an error does."""
         if self.closed:
             sink.put_nowait(MeshError("the client is closed", key))
         elif self.refusal is not None and key != _HELLO:
             sink.put_nowait(MeshError(f"router refused the connection: {self.refusal}", key))
         else:
-            self.routes[key] = _Route(sink, now, self.connected)
-            return True
-        return False
+            self.routes[key] = sink
+            if not self.connected:
+                self.unconnected[key] = now
+            self.outbox.append((key, frames))
 
-    def forget(self, key: str) -> bool:
-        """The caller stopped waiting; True when the router may still hold the request (abort it)."""
-        return self.routes.pop(key, None) is not None and key != _HELLO
+    def next_to_send(self) -> list | None:
+        """The frames of the oldest message still worth sending: requests nobody waits for are dropped."""
+        while self.outbox:
+            key, frames = self.outbox[0]
+            if key is None or key in self.routes:
+                return frames
+            self.outbox.popleft()
+        return None
 
-    def fail(self, key: str, error: MeshError) -> None:
-        route = self.routes.pop(key, None)
-        if route is not None:
-            route.sink.put_nowait(error)
+    def forget(self, key: str, reason: str) -> None:
+        """The caller stopped waiting: abort the request if the router may still hold it."""
+        if self.routes.pop(key, None) is not None and key != _HELLO:
+            self.send(m.AbortRequest(key, reason))
+        self.unconnected.pop(key, None)
+
+    def fail(self, key: str, error: MeshError, abort_reason: str) -> None:
+        """End a request with the client's own verdict (the router may hold it: abort it)."""
+        sink = self.routes.get(key)
+        if sink is not None:
+            self.forget(key, abort_reason)
+            sink.put_nowait(error)
 
     def deliver(self, msg: Any) -> None:
         if isinstance(msg, m.Welcome):
             self.refusal = None if msg.accepted else (msg.reason or "no reason given")
         key = getattr(msg, "request_id", _HELLO)
-        route = self.routes.get(key)
-        if route is None:
+        sink = self.routes.get(key)
+        if sink is None:
             return  # a late reply to a request given up on, or the Welcome of a reconnect's Hello
-        if isinstance(msg, (m.Welcome, m.RequestFinished, m.ErrorReply)):
-            del self.routes[key]  # the last message of its request
-        route.sink.put_nowait(msg)
+        if isinstance(msg, (m.Welcome, m.RequestFinished, m.ErrorReply)):  # the last message of its request
+            del self.routes[key]
+            self.unconnected.pop(key, None)
+        sink.put_nowait(msg)
 
-    def on_connected(self) -> list[Any]:
+    def on_connected(self) -> None:
         self.connected = True
-        for route in self.routes.values():
-            route.connected = True
-        # A new connection after a lost one may be a new router: introduce ourselves again (it does not
-        # require a Hello, but a refusal tells us early that it no longer speaks our protocol).
-        return [_hello()] if self._was_lost else []
+        self.unconnected.clear()  # their messages are on their way now
+        if self._was_lost:
+            # A new connection after a lost one may be a new router: introduce ourselves again (it does not
+            # require a Hello, but a refusal tells us early that it no longer speaks our protocol).
+            self.send(_hello())
 
-    def on_disconnected(self) -> list[Any]:
+    def on_disconnected(self) -> None:
         """The router held every request sent on the dropped connection: they fail now. Their aborts wait in
         the socket for the next connection, in case that is the same router."""
         self.connected = False
         self._was_lost = True
-        lost = [key for key, route in self.routes.items() if route.connected]
-        for key in lost:
-            self.fail(key, RouterLostError(f"lost the connection to the router at {self.endpoint}", key))
-        return [m.AbortRequest(key, "client lost the router") for key in lost if key != _HELLO]
+        for key in [key for key in self.routes if key not in self.unconnected]:
+            self.fail(key, RouterLostError(f"lost the connection to the router at {self.endpoint}", key),
+                      "client lost the router")
 
-    def waiting_for_connection(self) -> bool:
-        return any(not route.connected for route in self.routes.values())
-
-    def expire(self, now: float) -> list[Any]:
-        """Fail requests that waited connect_timeout_s for a router (their messages still sit in the socket:
-        abort them in case one comes)."""
-        late = [key for key, route in self.routes.items()
-                if not route.connected and now - route.since >= self.connect_timeout_s]
-        for key in late:
+    def expire(self, now: float) -> None:
+        """Fail requests that waited connect_timeout_s for a router."""
+        for key in [key for key, since in self.unconnected.items() if now - since >= self.connect_timeout_s]:
             self.fail(key, RouterLostError(
-                f"no router reachable at {self.endpoint} within {self.connect_timeout_s:g}s", key))
-        return [m.AbortRequest(key, "client found no router") for key in late if key != _HELLO]
+                f"no router reachable at {self.endpoint} within {self.connect_timeout_s:g}s", key),
+                "client found no router")
 
-    def close(self) -> list[Any]:
-        """Fail every waiting caller; returns the aborts of the requests the router may hold."""
+    def close(self) -> None:
+        """Fail every waiting caller and abort what the router may hold."""
+        for key in list(self.routes):
+            self.fail(key, MeshError("the client was closed", key), "client closed")
         self.closed = True
-        keys = list(self.routes)
-        for key in keys:
-            self.fail(key, MeshError("the client was closed", key))
-        return [m.AbortRequest(key, "client closed") for key in keys if key != _HELLO]
 
 
 # --- the blocking client ------------------------------------------------------------------------------------
@@ -251,14 +267,18 @@ class _SocketThread:
 
     def __init__(self, endpoint: str, connect_timeout_s: float) -> None:
         self._ctx = zmq.Context()
-        self._sock, self._monitor = _open_dealer(self._ctx, endpoint)
+        try:
+            self._sock, self._monitor = _open_dealer(self._ctx, endpoint)
+        except BaseException:
+            self._ctx.term()
+            raise
         self._session = _Session(endpoint, connect_timeout_s, connected=self._monitor is None)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._lock = threading.RLock()  # guards _accepting and the write end of the wake pair
-        self._accepting = True
+        self._accepting = True  # False once the thread is past taking work: _call refuses
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="deepinfer-client-io", daemon=True)
         self._thread.start()
@@ -266,11 +286,11 @@ class _SocketThread:
     # -- called from any thread --
 
     def submit(self, key: str, frames: list, sink: _Sink) -> None:
-        if not self._call(self._submit, key, frames, sink):
+        if not self._call(self._session.open, key, frames, sink, time.monotonic()):
             sink.put_nowait(MeshError("the client is closed", key))
 
     def forget(self, key: str, reason: str) -> None:
-        self._call(self._forget, key, reason)  # a closed client aborted everything already
+        self._call(self._session.forget, key, reason)  # refused once closed: closing aborted everything
 
     def close(self) -> None:
         with self._lock:
@@ -296,33 +316,37 @@ class _SocketThread:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        for s in (self._sock, self._monitor, self._wake_r):
+        for s in (self._monitor, self._wake_r):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
         try:
             while not self._stopping:
-                poller.poll(int(_TICK_S * 1000) if self._session.waiting_for_connection() else None)
+                # POLLOUT only while the socket refused something: it is writable almost always.
+                poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._session.outbox else 0))
+                poller.poll(int(_TICK_S * 1000) if self._session.unconnected else None)
                 with contextlib.suppress(BlockingIOError):
                     while self._wake_r.recv(4096):
                         pass
                 self._run_inbox()  # after draining the wake bytes: work queued later wakes the next poll
                 self._read_replies()
                 self._read_monitor()
-                self._send(self._session.expire(time.monotonic()))
+                self._session.expire(time.monotonic())
+                self._flush()
         finally:
             self._shut_down()
 
     def _shut_down(self) -> None:
-        aborts = self._session.close()
-        self._send(aborts)
         with self._lock:
             self._accepting = False
-        self._run_inbox()  # submits that raced with close find the session closed and fail at once
+        self._run_inbox()  # work queued before close still runs (a submit then fails: the session closes)
+        self._session.close()
+        self._flush()
         if self._monitor is not None:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
-        # Lingering only while a router is connected: closing never waits for one that is gone.
-        self._sock.close(linger=_CLOSE_LINGER_MS if aborts and self._session.connected else 0)
+        # The aborts just flushed get a moment to leave, but only while a router is connected: closing never
+        # waits for one that is gone.
+        self._sock.close(linger=_CLOSE_LINGER_MS if self._session.connected else 0)
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
@@ -335,15 +359,6 @@ class _SocketThread:
                 return
             fn()
 
-    def _submit(self, key: str, frames: list, sink: _Sink) -> None:
-        if self._session.open(key, sink, time.monotonic()) and not self._send_frames(frames):
-            self._session.fail(key, RouterLostError(
-                f"the router at {self._session.endpoint} is not reading (send queue full)", key))
-
-    def _forget(self, key: str, reason: str) -> None:
-        if self._session.forget(key):
-            self._send([m.AbortRequest(key, reason)])
-
     def _read_monitor(self) -> None:
         while self._monitor is not None:
             try:
@@ -352,9 +367,9 @@ class _SocketThread:
                 return
             if event == zmq.EVENT_DISCONNECTED:
                 self._read_replies()  # replies that arrived before the drop still count
-                self._send(self._session.on_disconnected())
+                self._session.on_disconnected()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._send(self._session.on_connected())
+                self._session.on_connected()
 
     def _read_replies(self) -> None:
         while True:
@@ -366,17 +381,15 @@ class _SocketThread:
                 continue  # undecodable: no request id to route it by
             self._session.deliver(msg)
 
-    def _send(self, msgs: list[Any]) -> None:
-        for msg in msgs:
-            self._send_frames(encode_frames(msg))  # aborts and Hellos: lost ones are harmless
-
-    def _send_frames(self, frames: list) -> bool:
-        """Never blocks: sends queue in the socket (also while disconnected) up to its HWM."""
-        try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            return False
+    def _flush(self) -> None:
+        """Hand the outbox to the socket without blocking; what it refuses waits for POLLOUT. While no router is
+        connected the socket still takes messages (up to its HWM) and sends them once one is."""
+        while (frames := self._session.next_to_send()) is not None:
+            try:
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._session.outbox.popleft()
 
 
 class Client:
@@ -504,8 +517,14 @@ class AsyncClient:
         # inproc:// endpoints only connect within one context: pass the mesh's to talk to an in-process mesh.
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
-        self._sock, self._monitor = _open_dealer(self._ctx, endpoint)
+        try:
+            self._sock, self._monitor = _open_dealer(self._ctx, endpoint)
+        except BaseException:
+            if self._own_ctx:
+                self._ctx.term()
+            raise
         self._session = _Session(endpoint, connect_timeout_s, connected=self._monitor is None)
+        self._outbox_ready = asyncio.Event()  # set when the session's outbox got something to send
         self.timeout_s = timeout_s
         self.api_key = api_key
         self._ids = _Ids()
@@ -520,7 +539,7 @@ class AsyncClient:
         await self.close()
 
     async def connect(self) -> None:
-        self._tasks = [asyncio.create_task(self._read())]
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._flush())]
         if self._monitor is not None:
             self._tasks += [asyncio.create_task(self._watch_connection()), asyncio.create_task(self._expire())]
         try:
@@ -537,18 +556,38 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        aborts = self._session.close()
-        await self._send(aborts)
+        self._session.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        while (frames := self._session.next_to_send()) is not None:  # the aborts, as far as the socket takes them
+            try:
+                await self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+            except zmq.Again:
+                break
+            self._session.outbox.popleft()
         if self._monitor is not None:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
-        # Lingering only while a router is connected: closing never waits for one that is gone.
-        self._sock.close(linger=_CLOSE_LINGER_MS if aborts and self._session.connected else 0)
+        # The aborts get a moment to leave, but only while a router is connected: closing never waits for one
+        # that is gone.
+        self._sock.close(linger=_CLOSE_LINGER_MS if self._session.connected else 0)
         if self._own_ctx:
             self._ctx.term()
+
+    def _kick(self) -> None:
+        """Call after anything that may have put messages in the session's outbox."""
+        if self._session.outbox:
+            self._outbox_ready.set()
+
+    async def _flush(self) -> None:
+        """The one sender: sends wait while the socket refuses more (its HWM reached), as backpressure."""
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            while (frames := self._session.next_to_send()) is not None:
+                await self._sock.send_multipart(frames, copy=False)
+                self._session.outbox.popleft()
 
     async def _read(self) -> None:
         while True:
@@ -562,29 +601,16 @@ class AsyncClient:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_DISCONNECTED:
-                await self._send(self._session.on_disconnected())
+                self._session.on_disconnected()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                await self._send(self._session.on_connected())
+                self._session.on_connected()
+            self._kick()
 
     async def _expire(self) -> None:
         while True:
             await asyncio.sleep(_TICK_S)
-            await self._send(self._session.expire(time.monotonic()))
-
-    async def _send(self, msgs: list[Any]) -> None:
-        for msg in msgs:
-            await self._send_frames(encode_frames(msg))  # aborts and Hellos: lost ones are harmless
-
-    async def _send_frames(self, frames: list) -> bool:
-        """Never waits: DONTWAIT sends complete at once (queued in the socket, also while disconnected) or
-        raise Again when the socket's HWM is reached."""
-        if self._sock.closed:
-            return False
-        try:
-            await self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
-            return True
-        except zmq.Again:
-            return False
+            self._session.expire(time.monotonic())
+            self._kick()
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_token_ids: list[int] | None = None, priority: int = 0,
@@ -609,11 +635,9 @@ class AsyncClient:
 
     async def _exchange(self, key: str, msg: Any) -> AsyncIterator[Any]:
         """Send `msg` and yield its replies until the last; each must come within timeout_s."""
-        frames = encode_frames(msg)  # before routing: a request that cannot be encoded raises here
         q: asyncio.Queue[Any] = asyncio.Queue()
-        if self._session.open(key, q, time.monotonic()) and not await self._send_frames(frames):
-            self._session.fail(key, RouterLostError(
-                f"the router at {self._session.endpoint} is not reading (send queue full)", key))
+        self._session.open(key, encode_frames(msg), q, time.monotonic())  # a request that cannot be encoded raises
+        self._kick()
         try:
             while True:
                 try:
@@ -628,6 +652,7 @@ class AsyncClient:
                 if isinstance(reply, (m.RequestFinished, m.Welcome)):
                     return
         finally:
-            # Aborts only if the request is still open (finished and failed ones have no route left).
-            if self._session.forget(key) and not self._closed:
-                await self._send([m.AbortRequest(key, "client cancelled the request")])
+            # Aborts only if the request is still open (finished and failed ones have no route left). No await
+            # here: this runs on cancellation too.
+            self._session.forget(key, "client cancelled the request")
+            self._kick()

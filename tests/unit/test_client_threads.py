@@ -177,6 +177,22 @@ def test_sixteen_threads_share_one_client(router, endpoint):
         run_threads(16, work)
 
 
+def test_bursts_beyond_the_socket_queue_wait_instead_of_failing(router, endpoint):
+    """More requests at once than the socket queues (HWM 1000): the rest wait in the client's outbox."""
+    n = 2500
+    with Client(endpoint, timeout_s=120) as c:
+        results = c.generate_many([dict(prompt_token_ids=[k]) for k in range(n)])
+        assert [r.token_ids for r in results] == [[k] for k in range(n)]
+
+    async def main() -> None:
+        async with AsyncClient(endpoint, timeout_s=120) as c:
+            results = await asyncio.gather(*(c.generate(prompt_token_ids=[k]) for k in range(n)))
+            assert [r.token_ids for r in results] == [[k] for k in range(n)]
+            assert not c._session.routes and not c._session.outbox
+
+    asyncio.run(main())
+
+
 def test_client_serves_its_next_request_after_a_timeout(router, endpoint):
     with Client(endpoint, timeout_s=60) as c:
         c.timeout_s = 0.3
@@ -278,7 +294,7 @@ def test_a_silent_router_is_noticed_by_heartbeats(endpoint):
             threading.Thread(target=lambda: outcomes.put(c.generate_many([dict(prompt="ignore")] * 3)),
                              daemon=True).start()
             proc.send_signal(signal.SIGSTOP)
-            [result] = [outcomes.get(timeout=WAIT_S)]
+            result = outcomes.get(timeout=WAIT_S)
             assert len(result) == 3 and all(isinstance(r, RouterLostError) for r in result), result
             proc.kill()
             proc.wait(WAIT_S)
