@@ -10,8 +10,8 @@ The disk tier is a cache: losing a block is fine, serving a wrong one is not. He
 
 * **Data before the entry that makes it visible.** A block is written to a temp file in its final
   directory, flushed and fsynced, renamed over its final name (atomic), and the directory fsynced; only then
-  is the index entry added. A crash at any point leaves either no file, a stray temp file, or a complete
-  file under its final name, never a torn one.
+  is the index entry added (block_io.write_atomically). A crash at any point leaves either no file, a
+  stray temp file, or a complete file under its final name, never a torn one.
 * **Every read verifies** the checksum, the namespace and the hash the file name says (block_file.verify).
   A file that fails is moved to quarantine, counted by reason, dropped from the index (an "evicted"
   change), and its bytes are never returned. A file that vanished is a miss.
@@ -62,7 +62,7 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from io import FileIO
 from pathlib import Path
@@ -79,6 +79,7 @@ from deepinfer.cache.block_file import (
     parse_header,
     verify,
 )
+from deepinfer.cache.block_io import fsync_dir, read_open_file, unlink_quietly, write_atomically
 from deepinfer.cache.hashing import HASH_BYTES, BlockHash
 from deepinfer.cache.pool_files import (
     ABANDONED_AFTER_S,
@@ -98,7 +99,7 @@ BLOCK_SUFFIX = ".kvb"
 # DiskRead.reason values besides the block_file corruption reasons ("" is a hit).
 MISS = "miss"  # not in the index, and no file either
 VANISHED = "vanished"  # in the index, but the file was gone
-READ_ERROR = "read_error"  # an OSError while reading; the file is quarantined like a corrupt one
+READ_ERROR = "read_error"  # an OSError on the file; quarantined like a corrupt one if it could be opened
 
 # DiskPut.reason values ("" is stored).
 EXISTS = "exists"
@@ -111,8 +112,6 @@ CLOSED = "closed"
 
 ChangeListener = Callable[[str, list[BlockHash]], None]  # ("stored" | "evicted", hashes)
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-# O_EXCL: a temp name is this writer's alone, so finding one already there is an error, never a shared file.
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -161,51 +160,8 @@ class _Entry:
 _Victim = tuple[BlockHash, FileId]
 
 
-def _write_all(fd: int, chunks: Iterable[bytes | memoryview]) -> None:
-    """Write every chunk to `fd` and fsync it. The one place that writes block data (tests inject disk
-    errors here)."""
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        while view:
-            view = view[os.write(fd, view):]
-    os.fsync(fd)
-
-
-def _fsync_dir(path: Path | str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        # Some filesystems (network, FUSE) cannot fsync a directory; their renames are as durable as
-        # they get, so that is not a failed write.
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path | str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
-
-
 def _is_hex(name: str, nchars: int) -> bool:
     return len(name) == nchars and all(c in "0123456789abcdef" for c in name)
-
-
-def _read_open_file(f: FileIO, size: int) -> memoryview:
-    """The first `size` bytes of an open file (fewer if it shrank under us: verify reports it truncated)."""
-    buf = memoryview(bytearray(size))
-    got = 0
-    while got < size:
-        n = f.readinto(buf[got:])
-        if not n:
-            break
-        got += n
-    return buf[:got]
 
 
 class DiskTier:
@@ -254,7 +210,7 @@ class DiskTier:
             if self._opened:
                 raise RuntimeError("DiskTier.open() was already called")
         self.dir.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.quarantine.open()
         others = self._count_other_namespaces()
         found, temp_removed, temp_kept, quarantined = self._scan_own_namespace()
@@ -292,7 +248,7 @@ class DiskTier:
                 name = entry.name
                 if name.endswith(TEMP_SUFFIX):
                     if self._temp_abandoned(entry, now_s):
-                        temp_removed += _unlink_quietly(entry.path)  # a temp name is its writer's alone
+                        temp_removed += unlink_quietly(entry.path)  # a temp name is its writer's alone
                     else:
                         temp_kept += 1
                     continue
@@ -325,7 +281,10 @@ class DiskTier:
         except OSError:
             return None, False
         with f:
-            st = os.fstat(f.fileno())
+            try:
+                st = os.fstat(f.fileno())
+            except OSError:
+                return None, False
             reason = WRONG_HASH if misplaced else self._header_problem(f, block_hash, st.st_size)
             if reason:  # quarantined while still open: the exact inode we judged
                 return None, self._quarantine_file(path, block_hash, reason, file_id(st))
@@ -334,7 +293,7 @@ class DiskTier:
     def _header_problem(self, f: FileIO, block_hash: BlockHash, size: int) -> str:
         """Why this file cannot be the block its name says, judging by its header and size ("" if none)."""
         try:
-            header = parse_header(_read_open_file(f, HEADER_BYTES))
+            header = parse_header(read_open_file(f, HEADER_BYTES))
         except CorruptBlock as e:
             return e.reason
         except OSError:
@@ -429,40 +388,20 @@ class DiskTier:
         return DiskPut(True, "", evicted)
 
     def _write_file(self, block_hash: BlockHash, header: bytes, payload: memoryview) -> FileId:
-        """Temp file → fsync → rename over the final name → fsync the directory; returns the identity of the
-        file written. Raises OSError; leaves no temp file behind when it does."""
+        """Write the block's file atomically (block_io.write_atomically: a reader sees the previous file,
+        perhaps another daemon's copy, or this whole one). Raises OSError; leaves no temp file behind."""
         path = self.path_of(block_hash)
-        shard = path.parent
-        if shard.name not in self._shards_made:
-            self._make_shard(shard)
-        tmp = shard / self._temp_names.name_for(path.stem)
+        if path.parent.name not in self._shards_made:
+            self._make_shard(path.parent)
         try:
-            fd = os.open(tmp, _CREATE_FLAGS, 0o600)
+            return write_atomically(path, self._temp_names.name_for(path.stem), (header, payload))
         except FileNotFoundError:  # someone removed the directory (a cache may be wiped by hand): once more
-            self._make_shard(shard)
-            fd = os.open(tmp, _CREATE_FLAGS, 0o600)
-        try:
-            try:
-                _write_all(fd, (header, payload))
-                written = file_id(os.fstat(fd))
-            finally:
-                os.close(fd)
-            # Atomic: a reader of `path` opens the previous file (perhaps another daemon's copy) or this
-            # whole one, never a mix; a concurrent writer's rename simply lands before or after ours.
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        try:
-            _fsync_dir(shard)
-        except BaseException:
-            unlink_if_same(path, written)  # complete but maybe not durable: not indexed, so not kept either
-            raise
-        return written
+            self._make_shard(path.parent)
+            return write_atomically(path, self._temp_names.name_for(path.stem), (header, payload))
 
     def _make_shard(self, shard: Path) -> None:
         shard.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(shard.parent)  # the new directory's entry must be durable before the files in it are
+        fsync_dir(shard.parent)  # the new directory's entry must be durable before the files in it are
         self._shards_made.add(shard.name)
 
     # --- eviction --------------------------------------------------------------------------------------
@@ -502,7 +441,7 @@ class DiskTier:
         if victims:
             with self._lock:
                 self._busy.difference_update(h for h, _ in victims)
-                self._counters["evicted_files_not_ours"] += kept
+                self._counters["evicted_files_not_deleted"] += kept  # gone already, or another's copy now
 
     # --- reads -----------------------------------------------------------------------------------------
 
@@ -576,7 +515,7 @@ class DiskTier:
             try:
                 # At most one byte more than a block file: a bigger file is corrupt anyway, and this bounds
                 # the memory a garbage file can make us allocate.
-                raw = _read_open_file(f, min(st.st_size, self.file_nbytes + 1))
+                raw = read_open_file(f, min(st.st_size, self.file_nbytes + 1))
                 payload = verify(raw, self.namespace_id, block_hash, self.block_nbytes)
             except CorruptBlock as e:
                 reason = e.reason

@@ -34,10 +34,15 @@ class Quarantine:
         self._seq = itertools.count()
 
     def open(self) -> None:
-        """Create the directory and take stock of what earlier runs left (trimmed to `max_files`)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Create the directory and take stock of what earlier runs left (trimmed to `max_files`). Without a
+        usable directory (a full disk) bad files are deleted instead of kept: `take` falls back to that."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            listing = list(os.scandir(self.dir))
+        except OSError:
+            return
         entries = []
-        for entry in os.scandir(self.dir):
+        for entry in listing:
             if entry.name.endswith(SUFFIX):
                 try:
                     entries.append((entry.stat(follow_symlinks=False).st_mtime_ns, Path(entry.path)))

@@ -12,6 +12,9 @@ Policy:
   names it (a write of it is still skipped as held). The queue is bounded in bytes; a write that would
   overflow it is not queued (counted), so a slow disk costs disk hits, never memory or errors.
 * Nothing here raises for capacity: what does not fit is dropped and counted. A cache may always forget.
+  A disk that fails or fills up costs disk hits only (the disk tier counts the failed writes; the blocks
+  stay in host memory). A disk tier that cannot even be opened (say a full disk with no directory yet)
+  leaves the store host-only: `disk` becomes None and `disk_error` says why.
 * `read` serves the longest prefix it can: it stops at the first block that is absent, fails verification
   (the disk tier quarantines it), or when the deadline passes.
 
@@ -92,14 +95,23 @@ class TieredStore:
         self._counters: Counter[str] = Counter()
         self._opened = False
         self._closed = False
+        self.disk_error = ""  # why the disk tier could not be opened ("" if it was, or there is none)
 
     @property
     def tiers(self) -> list[str]:
         return [HOST, DISK] if self.disk is not None else [HOST]
 
     def open(self) -> RebuildReport:
-        """Warm restart of the disk tier (blocking; call once, before `flush`). No-op without disk."""
-        report = self.disk.open() if self.disk is not None else RebuildReport()
+        """Warm restart of the disk tier (blocking; call once, before `flush`). No-op without disk. A disk
+        tier that cannot be opened is dropped (host-only from then on), never an error."""
+        report = RebuildReport()
+        if self.disk is not None:
+            try:
+                report = self.disk.open()
+            except OSError as e:
+                self.disk_error = f"{self.disk.root}: {e}"
+                self.disk.close()
+                self.disk = None  # nothing was written yet and no event named it: as if configured off
         with self._lock:
             self._opened = True
         return report

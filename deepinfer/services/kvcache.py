@@ -15,6 +15,15 @@ Every file operation runs on a thread pool, never on the event loop; the store i
 handled concurrently (a slow disk read does not hold up lookups). On start the disk tier's index is
 rebuilt from the files (warm restart) and a snapshot of both tiers is published, so a router that knew
 the previous incarnation resynchronizes at once.
+
+Bounded whatever arrives: fetches and stores run as tasks, at most `max_fetches_in_flight` and
+`max_stores_in_flight` at once (TaskLimit). Past that a request is answered at once in its own reply type,
+with reason "overloaded" (an empty CacheBlocks: a miss; a CacheStoreAck that stored nothing: a cache may
+forget), so the worker carries on without waiting out a timeout. Lookups are answered inline. Replies never
+wait on a peer: one whose queue is full (it does not read) or that is gone loses the reply (counted).
+
+A disk that fails or fills up costs disk hits only: the store counts the failed writes, the blocks stay in
+DRAM, lookups and DRAM hits go on, and the daemon logs the failures (at most every LOG_PERIOD_S).
 """
 
 from __future__ import annotations
@@ -23,11 +32,13 @@ import asyncio
 import math
 import time
 import warnings
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
 import zmq.asyncio
 
 from deepinfer.cache.hashing import HASH_BYTES
@@ -36,13 +47,63 @@ from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import cache_namespace, model_config_at
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.protocol import messages as m
-from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
+from deepinfer.protocol.framing import encode_frames
+from deepinfer.protocol.sockets import arecv_routed, make_router
 from deepinfer.services.base import Handler, Service
 from deepinfer.services.kv_events import KvEventPublisher
 
 TIERS = ("host", "disk")
 EVENTS_PERIOD_S = 0.05
 FLUSH_BATCH = 16  # blocks per disk-flush call: bounds how long one I/O-thread task runs
+# A fetch has a deadline of about a second: more waiting than this would miss it anyway.
+MAX_FETCHES_IN_FLIGHT = 64
+# Each in-flight store holds its received KV until copied into the store: this bounds that memory.
+MAX_STORES_IN_FLIGHT = 16
+OVERLOADED = "overloaded"  # the reason in a reply to a request refused for lack of room (ErrorCode's word)
+LOG_PERIOD_S = 10.0  # a warning that a flood or a failing disk would repeat is logged at most this often
+
+
+class Throttle:
+    """`ready()` is True at most once per `period_s` (monotonic time)."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._last = -math.inf
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.period_s:
+            return False
+        self._last = now
+        return True
+
+
+class TaskLimit:
+    """Runs handlers as tasks, at most `limit` at once. Past that `try_spawn` refuses at once (the caller
+    answers "overloaded") rather than queueing, so what a flood of messages can make the daemon hold is
+    bounded: `limit` tasks, their messages, and their share of the I/O pool's queue."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"a task limit is at least 1, got {limit}")
+        self.limit = limit
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.peak = 0  # the most tasks ever in flight at once: never above `limit`
+        self.refused = 0
+
+    def try_spawn(self, handler: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> bool:
+        if len(self.tasks) >= self.limit:
+            self.refused += 1
+            return False
+        task = asyncio.ensure_future(handler(*args))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        self.peak = max(self.peak, len(self.tasks))
+        return True
+
+    def cancel_all(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
 
 
 class KvCacheService(Service):
@@ -50,7 +111,8 @@ class KvCacheService(Service):
 
     def __init__(self, instance: str, backend: str, ctx: zmq.asyncio.Context, model: str, endpoint: str,
                  directory: str | Path, host_mb: int, disk_mb: int, block_size: int = 16, io_threads: int = 4,
-                 **kw: Any) -> None:
+                 max_fetches_in_flight: int = MAX_FETCHES_IN_FLIGHT,
+                 max_stores_in_flight: int = MAX_STORES_IN_FLIGHT, **kw: Any) -> None:
         path = resolve_model(model)
         config = model_config_at(path)
         self.namespace = cache_namespace(path, config, Tokenizer.load(path).fingerprint, block_size)
@@ -63,20 +125,29 @@ class KvCacheService(Service):
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"{instance}-io")
         self.publisher = KvEventPublisher(instance, self.incarnation)
         self.sock: Any = None
-        self._inflight: set[asyncio.Task[None]] = set()
+        self.fetches = TaskLimit(max_fetches_in_flight)
+        self.stores = TaskLimit(max_stores_in_flight)
         self.refused_stores = 0
+        self.replies_dropped = 0  # the peer was gone or not reading (its queue full)
+        self._disk_errors_logged = 0
+        self._disk_errors_throttle = Throttle(LOG_PERIOD_S)
+        self._drops_throttle = Throttle(LOG_PERIOD_S)
+        self._overload_throttle = Throttle(LOG_PERIOD_S)
 
     # -- lifecycle --------------------------------------------------------------------------
 
     async def on_start(self) -> None:
         report = await self._io(self.store.open)
-        self.log.info("disk tier opened", report=str(report), namespace=self.namespace.id[:12])
+        if self.store.disk_error:
+            self.log.error("disk tier unusable: serving from DRAM only", error=self.store.disk_error)
+        else:
+            self.log.info("disk tier opened", report=str(report), namespace=self.namespace.id[:12])
         self.sock = self.socket(make_router(self.ctx, self.endpoint))
         await self._publish_snapshot()
 
     async def on_stop(self) -> None:
-        for t in list(self._inflight):
-            t.cancel()
+        self.fetches.cancel_all()
+        self.stores.cancel_all()
         self.io.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
@@ -89,12 +160,12 @@ class KvCacheService(Service):
             m.Shutdown: self._on_shutdown,
             m.KvResync: self._on_resync,
             m.CacheLookup: self._on_lookup,
-            m.CacheFetch: self._spawn(self._fetch),
-            m.CacheStore: self._spawn(self._store),
+            m.CacheFetch: self._on_fetch,
+            m.CacheStore: self._on_store,
         }
 
     def idle(self) -> bool:
-        return not self._inflight and not self.store.pending_writes()
+        return not self.fetches.tasks and not self.stores.tasks and not self.store.pending_writes()
 
     async def _ignore(self, *msg: Any) -> None:
         pass
@@ -105,22 +176,39 @@ class KvCacheService(Service):
     def _io(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         return asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
 
-    def _spawn(self, handler: Any) -> Handler:
-        """Run a slow handler as its own task, so the socket keeps being read meanwhile."""
-
-        async def start(*args: Any) -> None:
-            task = asyncio.ensure_future(handler(*args))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
-
-        return start
+    async def _reply(self, peer: bytes, msg: Any) -> None:
+        """Send without ever waiting on the peer: a worker that is gone, or does not read its replies (its
+        queue is full), loses this one rather than stalling the daemon for every other worker."""
+        try:
+            await self.sock.send_multipart([peer, *encode_frames(msg)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            self.replies_dropped += 1
+            if self._drops_throttle.ready():
+                self.log.warning("replies dropped: a worker is gone or not reading", type=type(msg).__name__,
+                                 error=str(exc), dropped=self.replies_dropped)
 
     # -- requests from workers --------------------------------------------------------------
 
     async def _on_lookup(self, peer: bytes, req: m.CacheLookup) -> None:
         self.progress += 1
         tiers = self.store.lookup(_valid_hashes(req.block_hashes))
-        await asend_msg(self.sock, m.CacheLookupReply(req.request_id, tiers), peer)
+        await self._reply(peer, m.CacheLookupReply(req.request_id, tiers))
+
+    async def _on_fetch(self, peer: bytes, req: m.CacheFetch) -> None:
+        """Read on a task of its own (the socket keeps being read meanwhile), if there is room for one."""
+        if not self.fetches.try_spawn(self._fetch, peer, req):
+            self._log_overload()
+            await self._reply(peer, m.CacheBlocks(req.request_id, [], [], [], OVERLOADED))
+
+    async def _on_store(self, peer: bytes, req: m.CacheStore) -> None:
+        if not self.stores.try_spawn(self._store, peer, req):
+            self._log_overload()
+            await self._reply(peer, m.CacheStoreAck(req.request_id, 0, len(req.block_hashes), OVERLOADED))
+
+    def _log_overload(self) -> None:
+        if self._overload_throttle.ready():
+            self.log.warning("overloaded: refusing fetches and stores past the task limits",
+                             fetches_refused=self.fetches.refused, stores_refused=self.stores.refused)
 
     async def _fetch(self, peer: bytes, req: m.CacheFetch) -> None:
         self.progress += 1
@@ -131,7 +219,7 @@ class KvCacheService(Service):
         except Exception as exc:  # a store bug is a miss for the worker, never a dead daemon
             self.log.exception("fetch failed", request_id=req.request_id)
             reply = m.CacheBlocks(req.request_id, [], [], [], f"internal: {exc}")
-        await asend_msg(self.sock, reply, peer)
+        await self._reply(peer, reply)
 
     def _read(self, request_id: str, hashes: list[bytes], deadline: float) -> m.CacheBlocks:
         """On an I/O thread: read the prefix; each block becomes a tensor over its payload (no copy: a host
@@ -152,10 +240,10 @@ class KvCacheService(Service):
         if problem is not None:
             self.refused_stores += 1
             self.log.warning("store refused", request_id=req.request_id, reason=problem)
-            await asend_msg(self.sock, m.CacheStoreAck(req.request_id, 0, 0, problem), peer)
+            await self._reply(peer, m.CacheStoreAck(req.request_id, 0, 0, problem))
             return
         stored, skipped = await self._io(self._write, req.block_hashes, req.kv)
-        await asend_msg(self.sock, m.CacheStoreAck(req.request_id, stored, skipped), peer)
+        await self._reply(peer, m.CacheStoreAck(req.request_id, stored, skipped))
 
     def _store_problem(self, req: m.CacheStore) -> str | None:
         if req.namespace != self.namespace.id:
@@ -184,8 +272,20 @@ class KvCacheService(Service):
                 except Exception:  # the disk tier reports its own failures as counters; this is a bug
                     self.log.exception("disk flush failed")
                     await asyncio.sleep(1.0)
+                self._log_disk_errors()
             else:
                 await asyncio.sleep(0.02)
+
+    def _log_disk_errors(self) -> None:
+        """Warn when disk writes have failed since the last warning (at most every LOG_PERIOD_S): the
+        blocks stay in DRAM, so this is fewer disk hits, not an error any request sees."""
+        stats = self.store.stats()
+        errors = stats.get("disk_write_errors", 0)
+        if errors > self._disk_errors_logged and self._disk_errors_throttle.ready():
+            self.log.warning("disk writes failing: blocks kept in DRAM only", failed=errors - self._disk_errors_logged,
+                             no_space=stats.get("disk_write_errors_no_space", 0),
+                             io_errors=stats.get("disk_write_errors_io", 0), disk_blocks=stats.get("disk_blocks", 0))
+            self._disk_errors_logged = errors
 
     async def _events_loop(self) -> None:
         while True:

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 import zmq
 import zmq.asyncio
 
+from deepinfer.cache import block_file as bf
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.handshake import check_hello
 from deepinfer.protocol.sockets import arecv_msg, arecv_routed, asend_msg, make_dealer, make_router
 from deepinfer.services.kvcache import KvCacheService
+from tests.small_fs import small_tmpfs
 
 pytestmark = pytest.mark.smollm2  # the daemon derives its namespace from the real model's files
 
@@ -63,9 +67,10 @@ def block_hashes(n: int, tag: bytes = b"") -> list[bytes]:
 class Mesh:
     """A daemon between a fake router and a fake worker."""
 
-    def __init__(self, model: Path, directory: Path, host_mb: int = 64, disk_mb: int = 256) -> None:
+    def __init__(self, model: Path, directory: Path, host_mb: int = 64, disk_mb: int = 256, **daemon_kw: Any) -> None:
         self.ctx = zmq.asyncio.Context()
         self.model, self.directory, self.host_mb, self.disk_mb = model, directory, host_mb, disk_mb
+        self.daemon_kw = daemon_kw
         self.router = FakeRouter(self.ctx, "inproc://router")
         self.worker = make_dealer(self.ctx, "inproc://kvcache", b"worker-0")
         self.daemon: KvCacheService | None = None
@@ -76,7 +81,7 @@ class Mesh:
         self.worker.close(linger=0)
         self.worker = make_dealer(self.ctx, "inproc://kvcache", b"worker-0")
         self.daemon = KvCacheService("kvcache-0", "inproc://router", self.ctx, str(self.model), "inproc://kvcache",
-                                     self.directory, self.host_mb, self.disk_mb, heartbeat_s=0.2)
+                                     self.directory, self.host_mb, self.disk_mb, heartbeat_s=0.2, **self.daemon_kw)
         ready = asyncio.Event()
         self.task = asyncio.ensure_future(self.daemon.run(ready))
         await asyncio.wait_for(ready.wait(), 30)
@@ -221,3 +226,104 @@ def test_a_fetch_longer_than_one_reply_is_cut_at_the_frame_limit(smollm2_path, t
     first, rest, kv = asyncio.run(run())
     assert first.block_hashes == block_hashes(5)[:2] and first.reason == "reply limit"
     assert torch.equal(torch.stack(first.blocks + rest.blocks[:1]), kv[:3])
+
+
+# --- bounds ----------------------------------------------------------------------------------------------
+
+FLOOD = 10_000
+
+
+def test_a_flood_of_requests_keeps_the_tasks_bounded_and_lookups_answered(smollm2_path, tmp_path):
+    """10^4 fetches and stores while the disk stalls (every I/O thread blocked): at most the limits run as
+    tasks, the rest are answered "overloaded" at once, and once the disk is back lookups are answered."""
+    limits = dict(max_fetches_in_flight=8, max_stores_in_flight=2)
+
+    async def run():
+        mesh = Mesh(smollm2_path, tmp_path / "kv", **limits)
+        try:
+            d = await mesh.start_daemon()
+            stored = block_hashes(1, b"stored")
+            await mesh.ask(m.CacheStore("s0", d.namespace.id, stored, kv_for(d, 1)))
+            disk_back = threading.Event()
+            for _ in range(d.io._max_workers):  # a stalled disk: every I/O thread is stuck
+                d.io.submit(disk_back.wait)
+            baseline_tasks = len(asyncio.all_tasks())
+            replies: list[Any] = []
+            most_tasks = 0
+
+            async def read_replies() -> None:
+                nonlocal most_tasks
+                while len(replies) + d.replies_dropped < FLOOD:
+                    replies.append(await arecv_msg(mesh.worker))
+                    most_tasks = max(most_tasks, len(asyncio.all_tasks()))
+
+            reader = asyncio.ensure_future(read_replies())
+            one_block = kv_for(d, 1)
+            for i in range(FLOOD):
+                if i % 100 == 0:  # 1 in 100 a store (each carries a whole block's KV)
+                    msg = m.CacheStore(f"s{i}", d.namespace.id, block_hashes(1, b"%d" % i), one_block)
+                else:
+                    msg = m.CacheFetch(f"f{i}", stored + block_hashes(3, b"%d" % i))
+                await asend_msg(mesh.worker, msg)
+                if i == FLOOD // 2:
+                    assert len(d.fetches.tasks) == d.fetches.limit  # full, and holding
+            disk_back.set()
+            await asyncio.wait_for(reader, 120)
+            look = await mesh.ask(m.CacheLookup("after", stored))
+            fetch = await mesh.ask(m.CacheFetch("after", stored))
+            return d, replies, (look, fetch), baseline_tasks, most_tasks
+        finally:
+            await mesh.close()
+
+    d, replies, (look, fetch), baseline_tasks, most_tasks = asyncio.run(run())
+    assert d.fetches.peak == limits["max_fetches_in_flight"] and d.stores.peak <= limits["max_stores_in_flight"]
+    assert most_tasks <= baseline_tasks + sum(limits.values()) + 2  # + the reader and the flood's own task
+    assert len(replies) + d.replies_dropped == FLOOD  # every request got an answer (or its reader was too slow)
+    fetched = [r for r in replies if isinstance(r, m.CacheBlocks)]
+    acks = [r for r in replies if isinstance(r, m.CacheStoreAck)]
+    assert len(fetched) + len(acks) == len(replies)
+    overloaded = [r for r in fetched if r.reason == "overloaded"]
+    assert 0 < len(overloaded) <= d.fetches.refused and all(r.block_hashes == [] for r in overloaded)
+    served = [r for r in fetched if r.reason != "overloaded"]  # the disk stalled past their deadlines
+    assert served and all(r.block_hashes in ([], block_hashes(1, b"stored")) for r in served)
+    assert all((a.stored, a.skipped) == (0, 1) for a in acks if a.reason == "overloaded")
+    assert look.tiers == ["host"] and fetch.block_hashes == block_hashes(1, b"stored")
+
+
+# --- a really full disk ----------------------------------------------------------------------------------
+
+
+def test_a_full_disk_keeps_the_daemon_serving(smollm2_path, tmp_path):
+    """The disk tier on a 2 MiB tmpfs (two SmolLM2 blocks fit): stores beyond it fail on disk with ENOSPC,
+    counted and logged; lookups and DRAM hits go on; no half-written file is left."""
+
+    async def run(directory: Path):
+        mesh = Mesh(smollm2_path, directory)
+        try:
+            with structlog.testing.capture_logs() as logs:
+                d = await mesh.start_daemon()
+                hashes = block_hashes(6, b"full")
+                kv = kv_for(d, 6, seed=3)
+                for i in range(6):
+                    ack = await mesh.ask(m.CacheStore(f"w{i}", d.namespace.id, hashes[i:i + 1], kv[i:i + 1]))
+                    assert ack.stored == 1
+                    await mesh.flushed()
+                look = await mesh.ask(m.CacheLookup("l", hashes))
+                got = await mesh.ask(m.CacheFetch("f", hashes))
+                alive = not mesh.task.done()
+            return d, hashes, kv, look, got, alive, logs
+        finally:
+            await mesh.close()
+
+    with small_tmpfs(tmp_path / "mnt", 2 << 20) as directory:
+        d, hashes, kv, look, got, alive, logs = asyncio.run(run(directory))
+        leftovers = [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
+        files = {p.stem: p for p in directory.rglob("*.kvb")}
+        for name, path in files.items():  # whatever did land is whole and valid
+            bf.verify(path.read_bytes(), d.namespace.id, bytes.fromhex(name), d.block_nbytes)
+    stats = d.store.stats()
+    assert alive and stats["disk_write_errors_no_space"] >= 1
+    assert any(e["event"] == "disk writes failing: blocks kept in DRAM only" for e in logs)
+    assert look.tiers == ["host"] * 6
+    assert got.block_hashes == hashes and got.tiers == ["host"] * 6 and torch.equal(torch.stack(got.blocks), kv)
+    assert leftovers == [] and 0 < len(files) <= 2

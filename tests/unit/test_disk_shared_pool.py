@@ -164,7 +164,7 @@ def test_eviction_deletes_only_the_file_this_daemon_indexed(tmp_path: Path) -> N
     assert a.path_of(h(1)).exists(), "the other daemon's copy is not a's to delete"
     b = make(tmp_path)
     assert served(b, 1, writer=1)
-    assert a.stats()["evicted_files_not_ours"] == 1
+    assert a.stats()["evicted_files_not_deleted"] == 1
     put(a, 6)  # a's own files are deleted as usual
     assert not a.path_of(h(2)).exists() and block_files(tmp_path) == {h(i) for i in (1, 3, 4, 5, 6)}
 

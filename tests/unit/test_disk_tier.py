@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer.cache import block_file as bf
+from deepinfer.cache import block_io, pool_files
 from deepinfer.cache import disk_tier as dt
-from deepinfer.cache import pool_files
 from deepinfer.cache.disk_tier import DiskTier
 
 NS_ID = hashlib.sha256(b"test namespace").hexdigest()
@@ -335,13 +335,13 @@ def test_disk_full_drops_the_write_frees_space_and_keeps_serving(tmp_path: Path,
     log = Log()
     tier = make(tmp_path, capacity_blocks=100, on_change=log)
     put(tier, *range(20))
-    real_write_all = dt._write_all
+    real_write_all = block_io.write_all
 
     def full_disk(fd: int, chunks: object) -> None:
         os.write(fd, b"partial")  # a write that fails half way
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(dt, "_write_all", full_disk)
+    monkeypatch.setattr(block_io, "write_all", full_disk)
     result = tier.put(h(20), payload_for(h(20)))  # must not raise
     assert not result.stored and result.reason == dt.DISK_FULL
     assert len(result.evicted) == 3 and set(result.evicted) == {h(0), h(1), h(2)}  # 15% of 20, oldest first
@@ -354,11 +354,11 @@ def test_disk_full_drops_the_write_frees_space_and_keeps_serving(tmp_path: Path,
     def io_error(fd: int, chunks: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(dt, "_write_all", io_error)
+    monkeypatch.setattr(block_io, "write_all", io_error)
     assert tier.put(h(21), payload_for(h(21))).reason == dt.IO_ERROR
     assert tier.stats()["write_errors_io"] == 1 and temp_files(tmp_path) == []
 
-    monkeypatch.setattr(dt, "_write_all", real_write_all)
+    monkeypatch.setattr(block_io, "write_all", real_write_all)
     put(tier, 20, 21)
     assert served(tier, 20) and served(tier, 21)
     assert log.live == set(tier.hashes())

@@ -3,6 +3,7 @@ tier events, deadlines on an injected clock, and crash safety under kill -9."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer.cache import block_file as bf
+from deepinfer.cache import block_io
 from deepinfer.cache.store import DISK, HOST, ReadResult, TieredStore, TierEvent
 
 NS_ID = hashlib.sha256(b"store test namespace").hexdigest()
@@ -189,6 +191,28 @@ def test_host_eviction_keeps_queued_blocks_on_their_way_to_disk(tmp_path: Path) 
     assert write(store, [0]) == (0, 1)  # but still held (queued), so not taken twice
     assert store.flush() == 4
     assert store.lookup([h(i) for i in range(4)]) == [DISK, DISK, HOST, HOST]
+
+
+def test_a_full_disk_costs_disk_writes_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC injected at the one call that writes block data (a real full disk: test_disk_full.py)."""
+    store = make(tmp_path)
+    write(store, range(2))
+    assert store.flush() == 2
+
+    def no_space(fd: int, chunks: object) -> None:
+        os.write(fd, b"part of a block")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(block_io, "write_all", no_space)
+    assert write(store, range(2, 6)) == (4, 0)
+    assert store.flush() == 0  # never raises
+    stats = store.stats()
+    assert stats["disk_write_errors_no_space"] == 4 and stats["pending_writes"] == 0
+    assert store.lookup([h(i) for i in range(6)]) == [HOST] * 6  # host still holds everything
+    result = store.read([h(i) for i in range(6)])
+    assert result.reason == "" and len(result.hashes) == 6
+    check(result)
+    assert [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == []
 
 
 def test_a_block_that_fits_nowhere_is_dropped(tmp_path: Path) -> None:
