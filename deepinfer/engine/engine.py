@@ -155,8 +155,14 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int], params: SamplingParams,
-                    priority: int = 0, *, prefill_only: bool = False, cache_salt: str | None = None) -> str:
+                    priority: int = 0, *, prefill_only: bool = False, cache_salt: str | None = None,
+                    resume_output_ids: Sequence[int] = ()) -> str:
         """Queue a request (text needs a tokenizer). Raises InvalidRequestError, leaving the engine untouched.
+
+        `resume_output_ids`: tokens this request already generated elsewhere (a worker that died): they are
+        computed with the prompt, as a preempted request's are, and the request continues at output
+        position len(resume_output_ids) — penalties, `max_tokens`, stop strings and a seed's draws all
+        count them, so the continuation is what the undisturbed request would have produced.
 
         `cache_salt` (the tenant's, set by the service, never by a client) salts the request's block
         hashes: it shares cached blocks only with requests of the same salt.
@@ -175,9 +181,11 @@ class LLMEngine:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
-        self._validate(prompt_ids, params)
+        resumed = list(resume_output_ids)
+        self._validate(prompt_ids, params, resumed)
         req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
                       prefill_only=prefill_only, hasher=self.prefix_cache.new_hasher(cache_salt), tenant=cache_salt)
+        req.output_token_ids.extend(resumed)
         self._track(req)
         self.scheduler.add(req)
         return request_id
@@ -188,28 +196,33 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
 
     def _track(self, req: Request) -> None:
-        """Per-request engine state beside the scheduler's: the seeded generator, the detokenizer."""
+        """Per-request engine state beside the scheduler's: the seeded generator, the detokenizer (fed the
+        output the request already has, so its text and stop strings continue across a resume)."""
         self._generators[req.request_id] = make_generator(req.params.seed)
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt_token_ids, stop=req.params.stop,
                                            skip_special_tokens=True)
-            self._texts[req.request_id] = (detok, [])
+            pieces = [detok.push(req.output_token_ids).text] if req.output_token_ids else []
+            self._texts[req.request_id] = (detok, pieces)
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, resumed: Sequence[int] = ()) -> None:
         vocab = self.model_config.vocab_size
         params.validate(vocab)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer")
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in [*prompt_ids, *resumed] if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
+        if len(prompt_ids) + len(resumed) >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens; the context limit is {self.max_model_len} "
-                "(prompt plus at least one generated token)"
+                f"the prompt has {len(prompt_ids)} tokens (and {len(resumed)} resumed output tokens); the "
+                f"context limit is {self.max_model_len} (prompt plus at least one generated token)"
             )
+        if resumed and len(resumed) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(resumed)} resumed output tokens leave nothing of max_tokens "
+                                      f"{params.max_tokens} to generate")
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are freed now and its terminal output comes with the next step().
@@ -246,13 +259,14 @@ class LLMEngine:
         return list(self.scheduler.held)
 
     def export_kv(self, request_id: str) -> torch.Tensor:
-        """A contiguous copy of a held request's prompt KV, [ceil(prompt / block_size), layers, 2,
-        block_size, kv_heads, head_dim], block i holding prompt tokens [i * block_size, (i + 1) *
-        block_size); slots past the prompt are zero. The blocks stay held: export again or release."""
+        """A contiguous copy of a held request's KV — every token but the one it just sampled: the prompt,
+        and any resumed output — [ceil(n / block_size), layers, 2, block_size, kv_heads, head_dim], block i
+        holding tokens [i * block_size, (i + 1) * block_size); slots past them are zero. The blocks stay
+        held: export again or release."""
         req = self.scheduler.held.get(request_id)
         if req is None:
             raise HandoffError(f"request {request_id!r} is not held for handoff")
-        return export_blocks(self.runner.kv, req.block_ids, len(req.prompt_token_ids))
+        return export_blocks(self.runner.kv, req.block_ids, req.num_tokens - 1)
 
     def release(self, request_id: str) -> bool:
         """Free a held request's blocks (its KV has been sent, or never will be). False if `request_id`
@@ -287,7 +301,7 @@ class LLMEngine:
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], first_token: int,
                               params: SamplingParams, kv: torch.Tensor, reservation_id: str | None = None,
                               priority: int = 0, first_logprob: Logprob | None = None,
-                              cache_salt: str | None = None) -> str:
+                              cache_salt: str | None = None, resume_output_ids: Sequence[int] = ()) -> str:
         """Continue a request whose prompt a prefill engine computed: `kv` is its `export_kv`, and
         `first_token` what it sampled, with `first_logprob` when `params.logprobs` is set (ignored
         otherwise). The prompt's full blocks are named in this engine's prefix cache under the
@@ -307,22 +321,27 @@ class LLMEngine:
         token, EOS, stop string, max_tokens=1, context limit) its terminal output comes with the next
         `step()` and its blocks are freed now.
 
+        `resume_output_ids`: output the request had before this handoff (it was resumed on the prefill
+        engine after a worker died; see `add_request`): `kv` covers the prompt and them, and `first_token`
+        is the token that follows them.
+
         Outputs never repeat the first token in `new_token_ids` (the caller has it from the handoff);
         the final output's `token_ids`, `logprobs`, `usage` and `text` cover the whole output, first
         token included. Raises InvalidRequestError (HandoffError for handoff-specific checks) or
         NoFreeBlocksError, leaving the engine and the reservation untouched.
         """
-        prompt_ids = list(prompt_token_ids)
+        prompt_ids, resumed = list(prompt_token_ids), list(resume_output_ids)
         self._check_id_free(request_id)
-        self._validate(prompt_ids, params)
+        self._validate(prompt_ids, params, resumed)
         vocab = self.model_config.vocab_size
         if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
             raise InvalidRequestError(f"first token {first_token!r} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and (first_logprob is None or first_logprob.token_id != first_token):
             raise HandoffError("params ask for logprobs: first_logprob must be given, for the first token")
-        check_kv(kv, self.runner.kv, len(prompt_ids))
+        num_kv = len(prompt_ids) + len(resumed)
+        check_kv(kv, self.runner.kv, num_kv)
         bs = self.config.block_size
-        need = blocks_for(len(prompt_ids), bs)
+        need = blocks_for(num_kv, bs)
         if reservation_id is not None:
             reservation = self.reservations.get(reservation_id)
             if reservation is None:
@@ -354,11 +373,12 @@ class LLMEngine:
         req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
                       hasher=self.prefix_cache.new_hasher(cache_salt), tenant=cache_salt)
         req.block_ids = blocks[:keep]
-        req.num_computed_tokens = len(prompt_ids)
+        req.num_computed_tokens = num_kv
+        req.output_token_ids.extend(resumed)
+        self._track(req)
         req.output_token_ids.append(first_token)
         if params.logprobs is not None and first_logprob is not None:
             req.output_logprobs.append(first_logprob)
-        self._track(req)
         self.scheduler.add_running(req)
         self.stats.handoffs_in += 1
         reason = self._check_stop(req, first_token)

@@ -60,6 +60,7 @@ __all__ = [
     "PrefillJob",
     "RequestFinished",
     "SamplingParamsWire",
+    "ServiceExited",
     "Shutdown",
     "StreamDelta",
     "TextDeltaItem",
@@ -69,7 +70,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -258,6 +259,17 @@ class ErrorReply:
     retry_after_s: float | None = None  # for "overloaded"
 
 
+@message(0x07)
+class ServiceExited:
+    """Supervisor → router, the moment a child process it runs exits: its requests move on at once
+    instead of waiting out the heartbeat timeout. `pid` (the Hello's "pid" capability) names the process
+    that exited, so a note that arrives after its successor's Hello changes nothing."""
+
+    instance: str
+    pid: int
+    returncode: int
+
+
 # --- client ↔ router 0x10–0x1F ---------------------------------------------------------------------------------
 
 
@@ -317,6 +329,9 @@ class EncodeRequest:
     prompt_token_ids: list[int] | None = None
     cache_salt: str | None = None  # per tenant, set by the router, never taken from the client
     stop: list[str] = field(default_factory=list)
+    # A request moving off a lost worker: the output its client has seen. The detokenizer state is rebuilt
+    # as if those tokens had streamed through here, and the block hashes cover prompt and output.
+    resume_output_ids: list[int] | None = None
 
 
 @message(0x21)
@@ -365,6 +380,9 @@ class PrefillJob:
     arrival_time: float = 0.0
     expected_cached_blocks: int = 0  # the router's prefix-index estimate, for the worker's metrics
     cache_salt: str | None = None  # the tenant's salt (from the router), for the worker's own hash chain
+    # A resumed request (its first worker was lost): the last num_output_tokens of token_ids are output
+    # already streamed; the worker continues at that output position (see LLMEngine.add_request).
+    num_output_tokens: int = 0
 
 
 @message(0x31)
@@ -414,7 +432,7 @@ class KvTransfer:
     request_id: str
     lease_id: str
     first_token: int
-    token_ids: list[int]  # the prompt
+    token_ids: list[int]  # the prompt (and a resumed request's output so far), all with KV in `kv`
     block_hashes: list[bytes]  # of the prompt's full blocks, so the decode worker can cache them later
     params: SamplingParamsWire
     block_size: int
@@ -426,6 +444,7 @@ class KvTransfer:
     arrival_time: float = 0.0
     num_cached_tokens: int = 0
     cache_salt: str | None = None  # the tenant's, so the decode side names the blocks as the prefill side did
+    num_output_tokens: int = 0  # of token_ids, the trailing output of a resumed request (PrefillJob's field)
 
 
 @message(0x35)

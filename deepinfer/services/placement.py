@@ -60,6 +60,7 @@ class Instance:
     pending_blocks: int = 0  # KV blocks of requests headed here whose KV is not yet installed
     assigned: int = 0  # requests this router decodes here (placed or running)
     kvcache: str | None = None  # the cache daemon this worker reads from (its Hello's "kvcache" capability)
+    pid: int | None = None  # its process id (the Hello's "pid" capability), as a supervisor names it
 
     def placeable(self, now: float, timeout_s: float) -> bool:
         return (
@@ -177,6 +178,13 @@ class InstanceTable:
         inst.alive, inst.last_progress = True, now
         if hb is not None:
             self._apply(inst, hb, now)
+
+    def retire(self, inst: Instance) -> None:
+        """Its process is known to be gone: dead now, and its incarnation's late heartbeats are stale. A
+        new incarnation (a Hello or heartbeat) is then a restart, as usual."""
+        if inst.incarnation is not None and inst.incarnation not in inst.retired:
+            inst.retired.append(inst.incarnation)
+        inst.alive = False
 
     def _apply(self, inst: Instance, hb: Heartbeat, now: float) -> None:
         if inst.load is None or hb.progress != inst.progress or hb.running + hb.waiting == 0:

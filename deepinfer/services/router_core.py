@@ -30,6 +30,14 @@ Decisions:
   retried once, placed anew avoiding that decode worker.
 * Client abort ends the request with RequestFinished(finish_reason="abort") carrying the output so far.
   A gone client's requests end the same way but nothing is sent: there is no one to send to.
+* Losing a service (its heartbeats stop, it restarts, or the supervisor reports its exit) moves every
+  request it held that is not complete yet: a new service-side id (the old one's late messages are then
+  stale), the tokenizer (the same one when it is alive, else another) rebuilds the detokenizer state from
+  the output the client has seen (`EncodeRequest.resume_output_ids`), and the request is placed anew
+  with prompt + that output, which the worker prefills (cheap where the prefix cache has it) before
+  continuing at the next output position. Greedy output, and a seeded request's draws (keyed by output
+  position), are those of an undisturbed run; the client's stream continues without a gap or a repeat.
+  After `max_moves` moves, or with no live tokenizer, it ends with `worker_lost`.
 * Decode can finish before PrefillDone reaches us (they travel different paths). The request then waits
   in FINISHING for PrefillDone (for its cached-token usage); losing the prefill worker, timing out or an
   abort in that state delivers the finished result without those numbers, as the output is complete.
@@ -43,7 +51,7 @@ request, or out of phase, are stale: counted and dropped.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from deepinfer.protocol.messages import (
     AbortRequest,
@@ -61,6 +69,7 @@ from deepinfer.protocol.messages import (
     PrefillDone,
     PrefillJob,
     RequestFinished,
+    ServiceExited,
     StreamDelta,
     TextDeltaItem,
     TextDeltas,
@@ -103,7 +112,13 @@ class RouterCore:
         return len(self._reqs)
 
     def request(self, request_id: str) -> RouterRequest | None:
+        """By our id, as the services know it now."""
         return self._reqs.get(request_id)
+
+    def request_of(self, client: ClientId, client_request_id: str) -> RouterRequest | None:
+        """By the client's id for it (ours changes when the request moves)."""
+        rid = self._by_client.get(client, {}).get(client_request_id)
+        return None if rid is None else self._reqs[rid]
 
     # ----- client events -----
 
@@ -175,12 +190,27 @@ class RouterCore:
             return []
         incarnation = hello.capabilities.get("incarnation")
         beat = self.table.hello(hello.service, hello.instance, incarnation, now)
-        if beat is not Beat.STALE:
-            self.table.instances[hello.instance].kvcache = hello.capabilities.get("kvcache")
-        if beat is not Beat.RESTARTED:
+        if beat is Beat.STALE:
             return []
-        assert incarnation is not None
-        return self._restart(hello.instance, hello.service, incarnation, now, None)
+        out: list[Outbound] = []
+        if beat is Beat.RESTARTED:
+            assert incarnation is not None
+            out = self._restart(hello.instance, hello.service, incarnation, now, None)
+        inst = self.table.instances[hello.instance]
+        inst.kvcache = hello.capabilities.get("kvcache")
+        pid = hello.capabilities.get("pid", "")
+        inst.pid = int(pid) if pid.isdigit() else None
+        return out
+
+    def on_service_exited(self, note: ServiceExited, now: float) -> list[Outbound]:
+        """The supervisor saw the process exit: its requests move now, not at the heartbeat timeout. Only
+        the process the note names (by pid) is retired: a note about a predecessor changes nothing."""
+        inst = self.table.get(note.instance)
+        if inst is None or inst.pid is None or inst.pid != note.pid or not inst.alive:
+            return self._stale()
+        self.table.retire(inst)
+        self.cache.index.forget(inst.name)
+        return self._lose(inst, f"{inst.role} {inst.name} exited with code {note.returncode}", now, tell_instance=False)
 
     def on_heartbeat(self, hb: Heartbeat, now: float) -> list[Outbound]:
         beat = self.table.heartbeat(hb, now)
@@ -195,8 +225,8 @@ class RouterCore:
         # Its cached blocks went with the old process (unless its new stream of KV events came first).
         self.cache.index.forget(name, unless_incarnation=incarnation)
         # The new process never had the old one's requests: nothing to tell it.
-        out = self._lose(inst, f"{inst.role} {name} restarted", now, tell_instance=False)
-        self.table.reset(name, role, incarnation, now, hb)
+        out = self._lose(inst, f"{inst.role} {name} restarted", now, tell_instance=False,
+                         reset=lambda: self.table.reset(name, role, incarnation, now, hb))
         return out + self._place_parked(now)
 
     def on_encode_result(self, sender: str, res: EncodeResult, now: float) -> list[Outbound]:
@@ -204,9 +234,10 @@ class RouterCore:
         if st is None or st.phase is not Phase.TOKENIZING or sender != st.where.tokenizer:
             return self._stale()
         st.prompt_ids, st.block_hashes = res.token_ids, res.block_hashes
-        self.queued_tokens += len(res.token_ids) - st.queued_charge
-        st.queued_charge = len(res.token_ids)
-        if self.queued_requests > 1 and self.queued_tokens > self.config.max_queued_prompt_tokens:
+        self.queued_tokens += len(st.job_tokens) - st.queued_charge
+        st.queued_charge = len(st.job_tokens)
+        # (A request that moved was admitted already: it is never refused for the queue it rejoined.)
+        if not st.moves and self.queued_requests > 1 and self.queued_tokens > self.config.max_queued_prompt_tokens:
             msg = f"queue full: {self.queued_tokens} prompt tokens waiting"
             return self._error(st, "overloaded", msg, now, retry_after_s=self.config.retry_after_s)
         st.phase, st.parked_since = Phase.PARKED, now
@@ -217,7 +248,7 @@ class RouterCore:
         st = self._reqs.get(done.request_id)
         if st is None or st.phase not in (Phase.PREFILLING, Phase.FINISHING) or done.prefill_worker != st.where.prefill:
             return self._stale()
-        st.prefill_done = done
+        st.prefill_done = st.prefill_done or done  # a moved request's usage is its first prefill's
         self.table.prefill_over(st.where)
         self.cache.observe(done)  # learn the worker's rates; then score the prefix index against what it found
         self.metrics.count_cached(st.predicted_blocks, self.config.block_size, done)
@@ -304,18 +335,19 @@ class RouterCore:
         return [] if chosen is None else self._send_job(st, *chosen, now)
 
     def _choose(self, st: RouterRequest, now: float, exclude: Iterable[str] = ()) -> Chosen | None:
-        return self.cache.choose(self.table, st.block_hashes, len(st.prompt_ids), st.params.max_tokens, now, exclude)
+        return self.cache.choose(self.table, st.block_hashes, len(st.job_tokens), st.params.max_tokens, now, exclude)
 
     def _send_job(self, st: RouterRequest, placement: Placement, prediction: Prediction, now: float) -> list[Outbound]:
         self._parked.pop(st.rid, None)
         # Cache-aware placement charges what the worker will compute; least-loaded stays the plain baseline.
         compute = prediction.uncached_tokens if self.cache.cache_aware else None
-        self.table.assign(st.where, placement, len(st.prompt_ids), compute)
+        self.table.assign(st.where, placement, len(st.job_tokens), compute)
         st.predicted_blocks = prediction.blocks
-        st.phase, st.attempts, st.job_sent_at = Phase.PREFILLING, st.attempts + 1, now
+        st.phase, st.attempts = Phase.PREFILLING, st.attempts + 1
+        st.job_sent_at = st.job_sent_at or now
         job = PrefillJob(
             st.rid,
-            st.prompt_ids,
+            st.job_tokens,
             st.block_hashes,
             st.params,
             decode_worker=placement.decode.name,
@@ -324,6 +356,7 @@ class RouterCore:
             arrival_time=st.arrival,
             expected_cached_blocks=prediction.cached_blocks,
             cache_salt=st.cache_salt,
+            num_output_tokens=len(st.output_ids),
         )
         return [Outbound(placement.prefill.name, job)]
 
@@ -402,15 +435,59 @@ class RouterCore:
         err = ErrorReply(st.req.request_id, code, message, retry_after_s)
         return self._end(st, err, f"{code}: {message}", now, skip or set())
 
-    def _lose(self, inst: Instance, why: str, now: float, tell_instance: bool) -> list[Outbound]:
+    def _lose(self, inst: Instance, why: str, now: float, tell_instance: bool,
+              reset: Callable[[], None] | None = None) -> list[Outbound]:
+        """End or move every request `inst` held. `reset` (a restart: adopt the new incarnation) runs after
+        they are off it and before the moved ones are placed, so a restarted tokenizer can take them."""
         out: list[Outbound] = []
+        moving: list[RouterRequest] = []
+        skip = set() if tell_instance else {inst.name}
         for rid in sorted(inst.held):
             st = self._reqs[rid]
             if st.phase is Phase.FINISHING:
                 out += self._finish(st, now)
-            else:
-                out += self._error(st, "worker_lost", why, now, skip=set() if tell_instance else {inst.name})
+            elif st.moves >= self.config.max_moves:
+                out += self._error(st, "worker_lost", f"{why} (moved {st.moves} times already)", now, skip=skip)
+            else:  # off every holder first: the moves may land on the same instances
+                out += [Outbound(n, AbortRequest(st.rid, f"moved: {why}")) for n in sorted(st.where.holders - skip)]
+                self.table.hold(st.where, ())
+                self._parked.pop(st.rid, None)
+                moving.append(st)
+        if reset is not None:
+            reset()
+        for st in moving:
+            out += self._move(st, why, now)
         return out
+
+    def _move(self, st: RouterRequest, why: str, now: float) -> list[Outbound]:
+        """Continue `st`, held by no one now, under a new id (see the module docstring): its tokenizer if it
+        is alive (a restarted one is), else another live one."""
+        tokenizer = self.table.get(st.where.tokenizer)
+        if tokenizer is None or not tokenizer.alive:
+            tokenizer = self.table.pick_tokenizer(now)
+        if tokenizer is None:
+            return self._error(st, "worker_lost", f"{why} (no live tokenizer to continue it)", now)
+        del self._reqs[st.rid]
+        st.moves += 1
+        self.metrics.moves += 1
+        st.rid = f"{st.rid.split('~')[0]}~{st.moves}"
+        self._reqs[st.rid] = st
+        self._by_client[st.client][st.req.request_id] = st.rid
+        heapq.heappush(self._deadlines, (st.deadline, st.rid))
+        st.where = Assignment(st.rid, tokenizer.name)
+        self.table.hold(st.where, {tokenizer.name})
+        st.phase = Phase.TOKENIZING
+        if not st.queued:  # it waits for a worker again
+            st.queued, st.queued_charge = True, len(st.job_tokens)
+            self.queued_requests += 1
+            self.queued_tokens += st.queued_charge
+        req, stop = st.req, list(st.req.params.stop)
+        if st.prompt_ids:
+            encode = EncodeRequest(st.rid, prompt_token_ids=st.prompt_ids, cache_salt=st.cache_salt, stop=stop,
+                                   resume_output_ids=list(st.output_ids))
+        else:  # its encoding was lost with the tokenizer: start that over
+            encode = EncodeRequest(st.rid, req.prompt, req.messages, req.prompt_token_ids, st.cache_salt, stop)
+        return [Outbound(tokenizer.name, encode)]
 
     def _end(
         self, st: RouterRequest, terminal: RequestFinished | ErrorReply, reason: str, now: float, skip: set[str]

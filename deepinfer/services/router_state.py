@@ -54,7 +54,7 @@ class Phase(enum.Enum):
 class RouterRequest:
     """One admitted request; exists from admission until its terminal message."""
 
-    rid: str  # ours
+    rid: str  # ours, as the services know it now (a new one each time the request moves)
     seq: int  # admission order
     client: ClientId
     req: GenerateRequest
@@ -83,6 +83,7 @@ class RouterRequest:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     client_gone: bool = False
+    moves: int = 0  # times it continued elsewhere after losing a worker or its tokenizer
 
     @property
     def params(self) -> SamplingParamsWire:
@@ -91,6 +92,11 @@ class RouterRequest:
     @property
     def order(self) -> tuple[int, int]:
         return (self.req.priority, self.seq)
+
+    @property
+    def job_tokens(self) -> list[int]:
+        """What a prefill worker computes: the prompt, and the output so far of a request that moved."""
+        return self.prompt_ids + self.output_ids
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class RouterConfig:
     progress_timeout_s: float | None = 60.0  # a worker with work whose progress stalls this long is dead
     request_timeout_s: float = 600.0  # when the client gives no timeout_s
     placement_timeout_s: float = 10.0  # how long an encoded request waits for a live worker
+    max_moves: int = 3  # times a request may continue elsewhere after losing a worker before worker_lost
     block_size: int = 16  # KV block size of the workers (tokens), for free-block placement
     tenants: Mapping[str, str] = field(default_factory=dict)  # api_key → cache salt
     default_cache_salt: str | None = None
@@ -138,6 +145,7 @@ class RouterMetrics:
     errors: Counter[str] = field(default_factory=Counter)  # admitted, ended by ErrorReply, by code
     stale: int = 0  # messages dropped as stale
     retries: int = 0  # placements retried after a decode worker refused
+    moves: int = 0  # requests that continued elsewhere after losing a worker or tokenizer
     kv_events: int = 0  # KvEvents applied to the prefix index
     resyncs: int = 0  # KvResync sent
     # The prefix index's accuracy, over requests whose PrefillDone came: predicted cached blocks × block

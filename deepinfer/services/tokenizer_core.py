@@ -21,6 +21,10 @@ Decisions:
 * Block hashes: with a cache namespace, the result carries the chain of the prompt's full blocks, salted
   with the request's cache_salt (the router's, per tenant), for the router's prefix-aware placement.
   Workers recompute the chain themselves before trusting any cached KV.
+* Resume (`resume_output_ids`: the request's first worker was lost, and it continues elsewhere under a
+  new id): the stream starts as if those tokens had passed through here — the detokenizer is fed them
+  (their text is what the client already has, so it is not sent again) and the next item must start at
+  their count. The block hashes then cover prompt and output: that is what the next worker computes.
 * An EncodeRequest for a request id in flight starts it over (the router never reuses ids; a resent
   request gets the same answer). Past `max_inflight` requests, new ones are refused with "overloaded".
 """
@@ -87,15 +91,26 @@ class TokenizerCore:
             return ErrorReply(req.request_id, "overloaded", msg)
         try:
             ids = self._encode(req)
+            resumed = self._check_ids(list(req.resume_output_ids or []), "output")
         except _Invalid as e:
             self.counters.refused += 1
             return ErrorReply(req.request_id, "invalid_request", str(e))
         stop = [s for s in req.stop if s]
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids, stop=stop, skip_special_tokens=True)
-        self._streams[req.request_id] = _Stream(detok)
+        if resumed:
+            detok.push(resumed)
+        self._streams[req.request_id] = _Stream(detok, next_offset=len(resumed))
         self.counters.encoded += 1
-        hashes = [] if self.namespace is None else hash_blocks(self.namespace, ids, HashKeys(req.cache_salt))
+        hashed = ids + resumed
+        hashes = [] if self.namespace is None else hash_blocks(self.namespace, hashed, HashKeys(req.cache_salt))
         return EncodeResult(req.request_id, ids, hashes)
+
+    def _check_ids(self, ids: list[int], what: str) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise _Invalid(f"{what} token id {bad} is outside the vocabulary (size {vocab})")
+        return ids
 
     def _encode(self, req: EncodeRequest) -> list[int]:
         given = [x for x in (req.prompt, req.messages, req.prompt_token_ids) if x is not None]
@@ -108,11 +123,7 @@ class TokenizerCore:
         elif req.messages is not None:
             ids = self._encode_chat(req.messages)
         else:
-            ids = list(req.prompt_token_ids or [])
-            vocab = self.tokenizer.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise _Invalid(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+            ids = self._check_ids(list(req.prompt_token_ids or []), "prompt")
         if not ids:
             raise _Invalid("the prompt has no tokens")
         if len(ids) >= self.max_model_len:

@@ -43,13 +43,22 @@ LEASE_S = 10.0
 EVENTS_PERIOD_S = 0.1
 
 
+def split_resumed(token_ids: list[int], num_output_tokens: int) -> tuple[list[int], list[int]]:
+    """A job's tokens as (prompt, output already streamed); ValueError when the count is impossible."""
+    if not 0 <= num_output_tokens < len(token_ids):
+        raise ValueError(f"num_output_tokens {num_output_tokens} does not fit {len(token_ids)} tokens")
+    cut = len(token_ids) - num_output_tokens
+    return list(token_ids[:cut]), list(token_ids[cut:])
+
+
 @dataclass
 class Track:
     """What this worker remembers about a request it holds."""
 
     detokenizer: str
-    sent: int = 0  # generated tokens already pushed to the tokenizer
+    sent: int = 0  # generated tokens already pushed to the tokenizer (a resumed request's from its start)
     job: m.PrefillJob | None = None
+    prefill_reported: bool = False  # PrefillDone sent (co-located: with the first token computed here)
     started: float = 0.0
     fetch_s: float = 0.0  # spent loading cached blocks from the cache daemon
 
@@ -159,7 +168,13 @@ class WorkerService(Service):
     async def _on_job(self, job: m.PrefillJob) -> None:
         assert self._thread is not None
         prefill_only = self.role == "prefill"
-        track = self.tracks[job.request_id] = Track(job.detokenizer, job=job, started=time.monotonic())
+        try:
+            prompt, resumed = split_resumed(job.token_ids, job.num_output_tokens)
+        except ValueError as exc:
+            await self.send_router(m.ErrorReply(job.request_id, "invalid_request", str(exc)))
+            return
+        track = self.tracks[job.request_id] = Track(job.detokenizer, sent=len(resumed), job=job,
+                                                    started=time.monotonic())
         importer = None
         if self.cache is not None:
             track.fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
@@ -172,8 +187,8 @@ class WorkerService(Service):
                     importer()
                 except Exception:  # cached KV that cannot be used is a miss, never a failed request
                     self.log.exception("importing cached blocks failed", request_id=job.request_id)
-            self.engine.add_request(job.request_id, job.token_ids, to_engine_params(job.params), job.priority,
-                                    prefill_only=prefill_only, cache_salt=job.cache_salt)
+            self.engine.add_request(job.request_id, prompt, to_engine_params(job.params), job.priority,
+                                    prefill_only=prefill_only, cache_salt=job.cache_salt, resume_output_ids=resumed)
 
         try:
             await self._thread.call(add)
@@ -199,7 +214,8 @@ class WorkerService(Service):
             if out.handoff:
                 asyncio.ensure_future(self._handoff(out, track))
                 continue
-            if track.job is not None and track.sent == 0 and out.new_token_ids:
+            if track.job is not None and not track.prefill_reported and out.new_token_ids:
+                track.prefill_reported = True
                 asyncio.ensure_future(self.send_router(self._prefill_done(out, track)))
             if out.finish_reason is not None and out.finish_reason.value == "error":
                 self.tracks.pop(out.request_id, None)
@@ -262,9 +278,9 @@ class WorkerService(Service):
                 return
             ack = await self._request(job.decode_worker, m.KvTransfer(
                 rid, reply.lease_id, out.new_token_ids[0], list(job.token_ids), list(job.block_hashes), job.params,
-                bs, KV_LAYOUT, kv, job.detokenizer, first_logprob=(to_wire_logprobs(out.logprobs) or [None])[0],
-                priority=job.priority, arrival_time=job.arrival_time,
-                num_cached_tokens=out.usage.cached_tokens, cache_salt=job.cache_salt), m.KvAck)
+                bs, KV_LAYOUT, kv, job.detokenizer, first_logprob=(to_wire_logprobs(out.logprobs) or [None])[-1],
+                priority=job.priority, arrival_time=job.arrival_time, num_cached_tokens=out.usage.cached_tokens,
+                cache_salt=job.cache_salt, num_output_tokens=job.num_output_tokens), m.KvAck)
             if not ack.ok:
                 reason = f"{job.decode_worker} refused the KV: {ack.reason}"
                 await self.send_router(m.ErrorReply(rid, "internal", reason))
@@ -296,14 +312,16 @@ class WorkerService(Service):
             if t.kv_layout != KV_LAYOUT or t.block_size != self.engine.config.block_size:
                 raise InvalidRequestError(f"KV layout {t.kv_layout!r}/block {t.block_size} does not match "
                                           f"{KV_LAYOUT!r}/block {self.engine.config.block_size}")
-            self.tracks[t.request_id] = Track(t.detokenizer, sent=1)
+            prompt, resumed = split_resumed(t.token_ids, t.num_output_tokens)
+            self.tracks[t.request_id] = Track(t.detokenizer, sent=len(resumed) + 1)
             # The first token goes to the tokenizer before the engine can produce the second: one PUSH
             # socket per tokenizer keeps them in order.
             await self._push(t.detokenizer, m.DetokenizeBatch(self.instance, self.progress, [
-                m.DetokenizeItem(t.request_id, 0, [t.first_token])]))
+                m.DetokenizeItem(t.request_id, len(resumed), [t.first_token])]))
             await self._thread.call(lambda: self.engine.add_prefilled_request(
-                t.request_id, t.token_ids, t.first_token, to_engine_params(t.params), t.kv, reservation_id=t.lease_id,
-                priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob), cache_salt=t.cache_salt))
+                t.request_id, prompt, t.first_token, to_engine_params(t.params), t.kv, reservation_id=t.lease_id,
+                priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob), cache_salt=t.cache_salt,
+                resume_output_ids=resumed))
         except Exception as exc:
             self.tracks.pop(t.request_id, None)
             await self._thread.call(lambda: self.engine.cancel_reservation(t.lease_id))

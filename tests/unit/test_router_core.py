@@ -25,6 +25,7 @@ from deepinfer.protocol.messages import (
     PrefillJob,
     RequestFinished,
     SamplingParamsWire,
+    ServiceExited,
     StreamDelta,
     TextDeltaItem,
     TextDeltas,
@@ -647,7 +648,7 @@ def test_gone_client_requests_are_aborted_silently() -> None:
 
 
 def test_missed_heartbeats_fail_the_workers_requests_and_stop_placement() -> None:
-    mesh = basic_mesh()
+    mesh = basic_mesh(max_moves=0)  # (moving requests elsewhere: the tests further down)
     mesh.beat("pre1", "prefill", queued_prompt_tokens=10_000)
     job = mesh.placed()
     assert mesh.core.request(job.request_id).where.prefill == "pre0"
@@ -669,7 +670,7 @@ def test_missed_heartbeats_fail_the_workers_requests_and_stop_placement() -> Non
 
 
 def test_new_incarnation_fails_the_old_requests_and_drops_stale_messages() -> None:
-    mesh = basic_mesh()
+    mesh = basic_mesh(max_moves=0)
     job = mesh.placed()
     mesh.done(job)
     rid = job.request_id
@@ -690,7 +691,7 @@ def test_new_incarnation_fails_the_old_requests_and_drops_stale_messages() -> No
 
 
 def test_hello_with_a_new_incarnation_is_a_restart() -> None:
-    mesh = basic_mesh()
+    mesh = basic_mesh(max_moves=0)
     job = mesh.placed()
     hello = Hello(1, "prefill", "pre0", capabilities={"incarnation": "i0"})
     assert mesh.core.on_hello(hello, mesh.now) == []  # a reconnect of the same process
@@ -705,7 +706,7 @@ def test_hello_with_a_new_incarnation_is_a_restart() -> None:
 
 
 def test_wedged_worker_is_declared_dead() -> None:
-    mesh = basic_mesh(progress_timeout_s=10.0)
+    mesh = basic_mesh(progress_timeout_s=10.0, max_moves=0)
     mesh.placed()
     for t in range(1, 13):
         mesh.now = float(t)
@@ -725,6 +726,129 @@ def test_wedged_worker_is_declared_dead() -> None:
     mesh.beat("pre0", "prefill", progress=6, waiting=0)  # idle, progress unchanged: not wedged
     mesh.core.tick(mesh.now + 2)
     assert mesh.core.table.get("pre0").alive
+
+
+# ----- moving requests off lost services -----
+
+
+def pd_mesh(**kw: Any) -> Mesh:
+    config = RouterConfig(**{"heartbeat_timeout_s": 3.0, **kw})
+    return Mesh(config, tok0="tokenizer", tok1="tokenizer", pre0="prefill", dec0="decode", dec1="decode")
+
+
+def decoding(mesh: Mesh, streamed: list[int], client: bytes = C1, **kw: Any) -> PrefillJob:
+    """A request prefilled, decoding, with `streamed` tokens delivered to its (streaming) client."""
+    job = mesh.placed(client, stream=True, **kw)
+    mesh.done(job)
+    tok = mesh.core.request(job.request_id).where.tokenizer
+    out = mesh.deltas(TextDeltaItem(job.request_id, 0, "x" * len(streamed), streamed), tokenizer=tok)
+    assert [d.token_ids for d in msgs(out, StreamDelta)] == [streamed]
+    return job
+
+
+def test_lost_decode_worker_moves_its_requests_and_the_stream_goes_on() -> None:
+    mesh = pd_mesh()
+    job = decoding(mesh, [7, 8, 9])
+    assert job.decode_worker == "dec0" and job.num_output_tokens == 0
+    mesh.now = 2.5
+    for name, role in (("tok0", "tokenizer"), ("tok1", "tokenizer"), ("pre0", "prefill"), ("dec1", "decode")):
+        mesh.beat(name, role)
+    out = mesh.core.tick(3.5)  # dec0 fell silent
+    assert not [o for o in out if o.to_client]  # the client sees nothing of it
+    assert sorted(dests(out, AbortRequest)) == ["dec0", "tok0"]  # the old id, everywhere (dec0 may be wedged)
+    [enc] = msgs(out, EncodeRequest)
+    assert dests(out, EncodeRequest) == ["tok0"]  # its tokenizer is alive: it continues the text
+    assert enc.request_id != job.request_id and enc.prompt_token_ids == job.token_ids
+    assert enc.resume_output_ids == [7, 8, 9]
+    st_ = mesh.core.request_of(C1, "c1")
+    assert st_.phase is Phase.TOKENIZING and st_.moves == 1 and mesh.core.request(job.request_id) is None
+    # Late messages under the old id are stale.
+    assert mesh.deltas(TextDeltaItem(job.request_id, 3, "late", [10])) == []
+    [job2] = msgs(mesh.core.on_encode_result("tok0", EncodeResult(enc.request_id, enc.prompt_token_ids, []), 3.5),
+                  PrefillJob)
+    assert job2.token_ids == job.token_ids + [7, 8, 9] and job2.num_output_tokens == 3
+    assert job2.decode_worker == "dec1" and job2.params == job.params
+    mesh.done(job2, num_cached_tokens=8)
+    out = mesh.deltas(TextDeltaItem(enc.request_id, 3, "yz", [10, 11], finished=True, finish_reason="length"))
+    [delta] = msgs(out, StreamDelta)
+    assert (delta.request_id, delta.offset, delta.token_ids) == ("c1", 3, [10, 11])
+    [fin] = msgs(out, RequestFinished)
+    assert fin.token_ids == [7, 8, 9, 10, 11] and fin.text == "xxxyz"
+    assert fin.usage.prompt_tokens == len(job.token_ids) and fin.usage.completion_tokens == 5
+    assert fin.usage.cached_tokens == 0  # the usage of the client's prompt: its first prefill
+    assert mesh.core.metrics.moves == 1 and mesh.core.metrics.finished["length"] == 1
+    assert_clean(mesh.core)
+
+
+def test_supervisor_note_moves_requests_at_once_and_names_the_process() -> None:
+    mesh = pd_mesh()
+    mesh.core.on_hello(Hello(1, "decode", "dec0", capabilities={"incarnation": "i0", "pid": "4242"}), mesh.now)
+    job = decoding(mesh, [5])
+    assert mesh.core.on_service_exited(ServiceExited("dec0", 4141, -9), mesh.now) == []  # another process
+    assert mesh.core.metrics.stale == 1
+    out = mesh.core.on_service_exited(ServiceExited("dec0", 4242, -9), mesh.now)
+    [enc] = msgs(out, EncodeRequest)
+    assert enc.resume_output_ids == [5] and dests(out, AbortRequest) == ["tok0"]  # nothing to the dead dec0
+    assert not mesh.core.table.get("dec0").alive
+    assert mesh.beat("dec0", "decode") == [] and not mesh.core.table.get("dec0").alive  # its late heartbeat
+    # Its successor says Hello and heartbeats: placeable again.
+    mesh.core.on_hello(Hello(1, "decode", "dec0", capabilities={"incarnation": "i1", "pid": "4343"}), mesh.now)
+    mesh.beat("dec0", "decode", incarnation="i1")
+    assert mesh.core.table.get("dec0").placeable(mesh.now, 3.0)
+    assert mesh.core.on_service_exited(ServiceExited("dec0", 4242, -9), mesh.now) == []  # a late note
+    [job2] = msgs(mesh.core.on_encode_result("tok0", EncodeResult(enc.request_id, job.token_ids, []), mesh.now),
+                  PrefillJob)
+    assert job2.num_output_tokens == 1
+
+
+def test_lost_tokenizer_moves_its_requests_to_another_tokenizer() -> None:
+    mesh = pd_mesh()
+    job = decoding(mesh, [3, 4])
+    assert mesh.core.request(job.request_id).where.tokenizer == "tok0"
+    encoding = [mesh.admit(C2) for _ in range(2)]  # round robin: one of them is encoding on tok0
+    [on_tok0] = [e for e in encoding if mesh.core.request(e.request_id).where.tokenizer == "tok0"]
+    mesh.core.on_hello(Hello(1, "tokenizer", "tok0", capabilities={"incarnation": "i0", "pid": "77"}), mesh.now)
+    out = mesh.core.on_service_exited(ServiceExited("tok0", 77, 1), mesh.now)
+    assert dests(out, EncodeRequest) == ["tok1", "tok1"]
+    moved = {e.request_id.split("~")[0]: e for e in msgs(out, EncodeRequest)}
+    assert moved[job.request_id].resume_output_ids == [3, 4]
+    assert moved[on_tok0.request_id].resume_output_ids is None  # its encoding was lost: it starts over
+    assert moved[on_tok0.request_id].prompt_token_ids == on_tok0.prompt_token_ids
+    assert sorted(dests(out, AbortRequest)) == ["dec0"]  # pre0 was done with it; tok0 is gone
+
+
+def test_a_restarted_single_tokenizer_takes_its_requests_back() -> None:
+    mesh = basic_mesh()
+    decoding(mesh, [1])
+    out = mesh.beat("tok0", "tokenizer", incarnation="i1")
+    [enc] = msgs(out, EncodeRequest)
+    assert dests(out, EncodeRequest) == ["tok0"] and enc.resume_output_ids == [1]
+    assert dests(out, AbortRequest) == ["dec0"]  # (the new tok0 never had the old id)
+    assert mesh.core.request(enc.request_id).where.holders == {"tok0"}
+
+
+def test_moves_are_bounded_then_worker_lost() -> None:
+    mesh = pd_mesh(max_moves=1)
+    decoding(mesh, [1])
+    out = mesh.beat("dec0", "decode", incarnation="i1")  # restarted: move 1
+    [enc] = msgs(out, EncodeRequest)
+    [job2] = msgs(mesh.core.on_encode_result("tok0", EncodeResult(enc.request_id, list(range(100, 110)), []), 0.0),
+                  PrefillJob)
+    lost = job2.decode_worker
+    out = mesh.beat(lost, "decode", incarnation="i2")
+    [err] = msgs(out, ErrorReply)
+    assert err.code == "worker_lost" and "moved 1 times already" in err.message and err.request_id == "c1"
+    assert_clean(mesh.core)
+
+
+def test_no_live_tokenizer_means_worker_lost() -> None:
+    mesh = basic_mesh()
+    mesh.core.on_hello(Hello(1, "tokenizer", "tok0", capabilities={"incarnation": "i0", "pid": "9"}), mesh.now)
+    decoding(mesh, [1])
+    out = mesh.core.on_service_exited(ServiceExited("tok0", 9, -9), mesh.now)
+    [err] = msgs(out, ErrorReply)
+    assert err.code == "worker_lost" and "no live tokenizer" in err.message
+    assert_clean(mesh.core)
 
 
 def test_deadline_ends_the_request_with_timeout() -> None:
@@ -853,7 +977,7 @@ class Model:
         return self.mesh.core
 
     def pick(self, *phases: Phase) -> Any:
-        reqs = [self.core.request(r) for r in sorted(self.live.values(), key=int)]
+        reqs = sorted((self.core.request_of(*key) for key in self.live), key=lambda r: r.seq)
         reqs = [r for r in reqs if not phases or r.phase in phases]
         return self.draw(st.sampled_from(reqs)) if reqs else None
 
@@ -865,7 +989,8 @@ class Model:
             st.sampled_from(
                 ["generate"] * 2
                 + ["progress"] * 6
-                + ["encode", "prefill_done", "delta", "error", "abort", "gone", "restart", "time", "time", "kv"]
+                + ["encode", "prefill_done", "delta", "error", "abort", "gone", "restart", "exited", "time", "time"]
+                + ["kv"]
             )
         )
         out = getattr(self, f"do_{kind}")()
@@ -956,9 +1081,15 @@ class Model:
         name = self.instance()
         incarnation = f"i{self.draw(st.integers(0, 3))}"
         if self.draw(st.booleans()):
-            hello = Hello(1, INSTANCES[name], name, capabilities={"incarnation": incarnation})
+            pid = self.draw(st.integers(100, 103))
+            hello = Hello(1, INSTANCES[name], name, capabilities={"incarnation": incarnation, "pid": str(pid)})
             return self.core.on_hello(hello, self.mesh.now)
         return self.mesh.beat(name, INSTANCES[name], incarnation=incarnation)
+
+    def do_exited(self) -> list[Outbound]:
+        """A supervisor's note: mostly about the process the router knows, sometimes a predecessor."""
+        return self.core.on_service_exited(ServiceExited(self.instance(), self.draw(st.integers(100, 103)), -9),
+                                           self.mesh.now)
 
     def do_kv(self) -> list[Outbound]:
         """KV events, mostly in order, sometimes skipping ahead, restarting or sent by the wrong instance."""
@@ -995,16 +1126,17 @@ class Model:
             if o.to_client and isinstance(o.msg, (RequestFinished, ErrorReply)):
                 key = (o.dest, o.msg.request_id)
                 assert key in self.live, f"a second terminal message, or one for nothing: {o}"
-                assert core.request(self.live.pop(key)) is None, "terminal sent but state kept"
+                self.live.pop(key)
+                assert core.request_of(*key) is None, "terminal sent but state kept"
                 self.ended += 1
             elif o.to_client:
                 assert isinstance(o.msg, StreamDelta) and (o.dest, o.msg.request_id) in self.live
-        for key, rid in list(self.live.items()):
-            if core.request(rid) is None:
+        for key in list(self.live):
+            if core.request_of(*key) is None:
                 assert key[0] in self.gone, f"request {key} ended without a terminal message"
                 del self.live[key]
                 self.ended += 1
-        reqs = [core.request(r) for r in self.live.values()]
+        reqs = [core.request_of(*key) for key in self.live]
         for inst in core.table.instances.values():
             assert inst.held == {r.rid for r in reqs if inst.name in r.where.holders}
             ws = [r.where for r in reqs]

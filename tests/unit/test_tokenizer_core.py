@@ -240,3 +240,37 @@ def test_one_batch_serves_several_requests(core: TokenizerCore, tok: Tokenizer) 
     items = core.on_detokenize(batch).items
     assert [(i.request_id, i.text, i.finished) for i in items] == [("a", " hi", False), ("b", " hi", True)]
     assert core.num_inflight == 1
+
+
+# ----- resume: a request moved off a lost worker -----
+
+
+@pytest.mark.parametrize("cut", [1, 4, 7, 9])
+def test_a_resumed_stream_continues_the_text_exactly(core: TokenizerCore, tok: Tokenizer, cut: int) -> None:
+    """Text streamed before the cut (by the first stream) plus text after it (by the resumed one, fed
+    only the later tokens) is the whole text: no character repeated, lost or split, stop strings found
+    across the cut."""
+    text = " Hi 😀👍🏽 wörld. The END of it"
+    ids = tok.encode(text, add_special_tokens=False)
+    start(core, "first", stop=["END"])
+    before = stream(core, "first", ids[:cut], finish=False)
+    prompt = start(core, "probe").token_ids
+    res = core.on_encode(EncodeRequest("second", prompt_token_ids=prompt, stop=["END"], resume_output_ids=ids[:cut]))
+    assert isinstance(res, EncodeResult) and res.token_ids == prompt
+    after = [d for i in range(cut, len(ids)) for d in feed(core, "second", [ids[i]], i)]
+    assert after[0].offset == cut
+    assert "".join(i.text for i in before + after) == " Hi 😀👍🏽 wörld. The "
+    assert after[-1].finished and after[-1].stop_string == "END"
+
+
+def test_resume_hashes_cover_prompt_and_output(tok: Tokenizer, tmp_path: Path) -> None:
+    from deepinfer.cache.hashing import CacheNamespace, HashKeys, hash_blocks
+
+    ns = CacheNamespace("m", "t", "float32", "l", block_size=4)
+    core = TokenizerCore(tok, "tok0", max_model_len=64, namespace=ns)
+    prompt, output = list(range(10, 20)), list(range(30, 37))
+    res = core.on_encode(EncodeRequest("r", prompt_token_ids=prompt, cache_salt="s", resume_output_ids=output))
+    assert isinstance(res, EncodeResult) and res.token_ids == prompt
+    assert res.block_hashes == hash_blocks(ns, prompt + output, HashKeys("s")) and len(res.block_hashes) == 4
+    bad = core.on_encode(EncodeRequest("r2", prompt_token_ids=prompt, resume_output_ids=[5, 10**6]))
+    assert isinstance(bad, ErrorReply) and "output token id 1000000" in bad.message
