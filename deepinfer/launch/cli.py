@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -268,7 +269,10 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 @click.option("--threads", type=int, default=None, help="torch threads per worker (default: a share of the cores).")
 @click.option("--kv-cache-mb", type=int, default=512, show_default=True)
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
-              help="Where ipc sockets, the topology and logs go (default: a new temporary directory).")
+              help="Where ipc sockets, the topology and logs go (default: a new temporary directory, removed "
+                   "at exit; in a directory given here only the sockets and generated topology are removed).")
+@click.option("--log-dir", type=click.Path(path_type=Path), default=None,
+              help="Where each service's log goes, kept after exit (default: the run directory).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="The disk tier of the KV cache (default: $DEEPINFER_KVCACHE_DIR or ~/.cache/deepinfer/kvcache).")
 @click.option("--host-cache-mb", type=int, default=1024, show_default=True, help="DRAM tier of the KV cache.")
@@ -277,9 +281,9 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 @click.option("--no-prefix-caching", is_flag=True, help="No KV reuse at all: every prompt is computed in full.")
 @speculation_options
 def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
-       num_tokenizers: int, threads: int | None, kv_cache_mb: int, run_dir: Path | None, cache_dir: Path | None,
-       host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool, no_prefix_caching: bool, speculative: str | None,
-       num_speculative_tokens: int, no_adaptive_speculation: bool) -> None:
+       num_tokenizers: int, threads: int | None, kv_cache_mb: int, run_dir: Path | None, log_dir: Path | None,
+       cache_dir: Path | None, host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool, no_prefix_caching: bool,
+       speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool) -> None:
     """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM.
     With --topology, every worker option (speculation too) comes from the file, per worker."""
     from deepinfer.launch.topology import Topology
@@ -287,29 +291,41 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
     if topology is not None and speculative is not None:  # it would be silently ignored
         raise click.UsageError("--speculative configures the workers `up` builds; with --topology, set "
                                "`speculative` per worker in the file")
-    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    temporary = run_dir is None  # made here: removed whole at exit
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))  # (mode 0700)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     cache = dict(kvcache=not (no_kvcache or no_prefix_caching), cache_dir=cache_dir, host_cache_mb=host_cache_mb,
                  disk_cache_mb=disk_cache_mb, prefix_caching=not no_prefix_caching)
     spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)
-    if inproc:
-        from deepinfer.launch.mesh import serve_inproc
+    local = dict(disaggregated=not colocated, num_prefill=num_prefill, num_decode=num_decode,
+                 num_tokenizers=num_tokenizers, threads=threads, kv_cache_mb=kv_cache_mb, **cache, **spec_kw)
+    made: list[Path] = []  # what this run put in a run directory the user gave (removed at exit; logs stay)
+    try:
+        if inproc:
+            from deepinfer.launch.mesh import serve_inproc
 
-        topo = Topology.local(model, "inproc", disaggregated=not colocated, num_prefill=num_prefill,
-                              num_decode=num_decode, num_tokenizers=num_tokenizers, threads=threads,
-                              kv_cache_mb=kv_cache_mb, **cache, **spec_kw)
-        topo = dataclasses.replace(topo, frontend=f"ipc://{run_dir}/router-frontend.sock")
-        serve_inproc(topo, on_ready=lambda: _announce(topo.frontend))
-        return
+            topo = Topology.local(model, "inproc", **local)
+            topo = dataclasses.replace(topo, frontend=f"ipc://{run_dir}/router-frontend.sock")
+            made += _ipc_paths(topo, run_dir)
+            serve_inproc(topo, on_ready=lambda: _announce(topo.frontend))
+            return
+        if topology is None:
+            topology = run_dir / "topology.toml"
+            made.append(topology)
+            topology.write_text(Topology.local(model, "ipc", run_dir, **local).to_toml())
+        made += _ipc_paths(Topology.load(topology), run_dir)
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        logs = f"logs in {log_dir or run_dir}" + (" until exit" if temporary and log_dir is None else "")
+        _supervise(topology, log_dir or run_dir, logs)
+    finally:
+        _remove_run_files(run_dir, temporary, made)
+
+
+def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
+    """Start the supervisor's children and keep them up until SIGINT/SIGTERM, then drain and stop them."""
     from deepinfer.launch.supervisor import Supervisor
 
-    if topology is None:
-        topo = Topology.local(model, "ipc", run_dir, disaggregated=not colocated, num_prefill=num_prefill,
-                              num_decode=num_decode, num_tokenizers=num_tokenizers, threads=threads,
-                              kv_cache_mb=kv_cache_mb, **cache, **spec_kw)
-        topology = run_dir / "topology.toml"
-        topology.write_text(topo.to_toml())
-    sup = Supervisor(topology, log_dir=run_dir)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -318,15 +334,37 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    sup = Supervisor(topology, log_dir=log_dir)
     sup.start()
     try:
         sup.wait_ready(lambda: stopping)
-        _announce(sup.topology.frontend, f"logs in {run_dir}")
+        if not stopping:
+            _announce(sup.topology.frontend, logs)
         while not stopping:
             sup.poll()
             time.sleep(0.2)
     finally:
         sup.stop()
+
+
+def _ipc_paths(topology: Any, run_dir: Path) -> list[Path]:
+    """The ipc:// socket files of a topology that lie in `run_dir`."""
+    endpoints = [topology.frontend, topology.backend, *(t.detok for t in topology.tokenizers),
+                 *(w.kv for w in topology.workers), *(k.endpoint for k in topology.kvcaches)]
+    paths = [Path(e.removeprefix("ipc://")) for e in endpoints if e.startswith("ipc://")]
+    return [p for p in paths if p.parent.resolve() == run_dir.resolve()]
+
+
+def _remove_run_files(run_dir: Path, temporary: bool, made: list[Path]) -> None:
+    """`up` leaves nothing behind: a temporary run directory goes whole (its logs too: --log-dir keeps
+    them); from a directory the user gave, only the sockets and topology this run made (its logs stay).
+    A launcher killed with SIGKILL cannot do this; its directory stays."""
+    if temporary:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for path in made:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _announce(endpoint: str, extra: str = "") -> None:
@@ -358,11 +396,13 @@ def service(role: str, topology: Path, name: str | None, index: int | None) -> N
 @main.command()
 @click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for the unit files.")
-def systemd(topology: Path, out: Path) -> None:
+@click.option("--user", default="deepinfer", show_default=True,
+              help="The (existing, unprivileged) user every unit runs as.")
+def systemd(topology: Path, out: Path, user: str) -> None:
     """Write systemd units for a topology (templates per role, a target that starts every instance)."""
     from deepinfer.launch.systemd import write_units
 
-    for path in write_units(topology, out):
+    for path in write_units(topology, out, user=user):
         click.echo(str(path))
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import zmq.asyncio
 
 from deepinfer.engine.config import EngineConfig
+from deepinfer.launch.supervisor import watch_lifeline
 from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir
 from deepinfer.launch.tuning import tune_malloc
 from deepinfer.services.base import Service
@@ -105,7 +106,8 @@ class InprocMesh:
 
 
 def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[], None] | None = None) -> None:
-    """Run one service in this process until SIGINT/SIGTERM."""
+    """Run one service in this process until SIGINT/SIGTERM, or until the supervisor that started it is gone:
+    either drains it (see `Service.drain`; it ends by the drain timeout whether or not its peers are alive)."""
     tune_malloc()
     try:
         import uvloop
@@ -120,6 +122,7 @@ def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[],
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, service.drain)
+        watch_lifeline(loop, service.drain)
         ready = asyncio.Event()
         task = asyncio.create_task(service.run(ready))
         waiter = asyncio.ensure_future(ready.wait())
@@ -127,8 +130,10 @@ def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[],
         waiter.cancel()
         if ready.is_set() and on_ready:
             on_ready()
-        await task
-        ctx.term()
+        try:
+            await task
+        finally:
+            ctx.destroy(linger=0)  # never waits: a socket left open (or unsent messages) cannot hold the exit
 
     asyncio.run(main())
 
@@ -192,13 +197,13 @@ def serve_inproc(topology: Topology, on_ready: Callable[[], None] | None = None)
         pass
 
     async def main() -> None:
-        mesh = InprocMesh(topology)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM):  # before the models load: a signal then still stops cleanly
             loop.add_signal_handler(sig, stop.set)
+        mesh = InprocMesh(topology)
         await mesh.start()
-        if on_ready:
+        if on_ready and not stop.is_set():
             on_ready()
         await stop.wait()
         await mesh.stop()

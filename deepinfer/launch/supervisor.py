@@ -5,14 +5,27 @@ Each child is `python -m deepinfer.launch.cli service ROLE --topology F --name N
 systemd unit runs. CPU threads are a budget: every worker gets its share of the host's cores (torch's
 OpenMP threads spin while waiting, and oversubscribed they slow matmuls by orders of magnitude);
 router and tokenizers get one.
+
+Children never outlive the supervisor's process, however it dies (even SIGKILL mid-shutdown), by two means:
+* Linux: a parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`), set only for children spawned from the
+  main thread, because the kernel sends it when the spawning *thread* exits, not the process;
+* everywhere: a lifeline pipe. Every child inherits its read end (fd in `$DEEPINFER_LIFELINE_FD`); only the
+  supervisor holds the write end, so the child reads EOF once the supervisor's process is gone
+  (`watch_lifeline`, installed by `mesh.run_service`).
+Either way the child drains as on SIGTERM, so it stops within its drain timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
 import os
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,8 +35,76 @@ import structlog
 
 from deepinfer.launch.topology import Topology
 from deepinfer.launch.tuning import MALLOC_ENV
+from deepinfer.services.base import DRAIN_TIMEOUT_S
 
 log = structlog.get_logger("deepinfer.supervisor")
+
+LIFELINE_ENV = "DEEPINFER_LIFELINE_FD"
+STOP_GRACE_S = 10.0  # a stopping child gets its drain timeout plus this before SIGKILL
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# Called once per child exit seen by `Supervisor.poll`: (child name, role, return code; negative = signal).
+OnExit = Callable[[str, str, int], None]
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's prctl, resolved once in the parent: the child between fork and exec should only call it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl = _load_prctl()
+
+
+def _die_with(launcher_pid: int) -> Callable[[], None]:
+    """A `preexec_fn` (runs in the child between fork and exec) asking the kernel for SIGTERM when the
+    parent goes. The parent may have died before the call took effect: then the child was already
+    reparented, and it exits at once instead of starting an orphan."""
+
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != launcher_pid:
+            os._exit(1)
+
+    return preexec
+
+
+def watch_lifeline(loop: asyncio.AbstractEventLoop, on_lost: Callable[[], None]) -> bool:
+    """In a supervised child: call `on_lost()` once the supervisor's process is gone (EOF on the lifeline
+    pipe whose fd `$DEEPINFER_LIFELINE_FD` names). Returns False when this process has no lifeline (not
+    started by a Supervisor). The variable is removed so nothing this process starts inherits it."""
+    value = os.environ.pop(LIFELINE_ENV, None)
+    if value is None:
+        return False
+    try:
+        fd = int(value)
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            raise OSError(f"fd {fd} is not a pipe")
+    except (ValueError, OSError) as exc:
+        log.warning("no lifeline to the supervisor", fd=value, error=str(exc))
+        return False
+
+    def readable() -> None:
+        try:
+            if os.read(fd, 4096):
+                return  # nobody writes to it; ignore anything that comes
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        loop.remove_reader(fd)  # EOF stays readable: stop watching, then act once
+        os.close(fd)
+        log.warning("the supervisor is gone: stopping")
+        on_lost()
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
+    return True
 
 
 @dataclass
@@ -49,13 +130,22 @@ def thread_shares(topology: Topology, cores: int | None = None) -> dict[str, int
 
 
 class Supervisor:
+    """Spawn, restart and stop the children. `on_exit(name, role, returncode)` is called once for every
+    child exit that `poll()` sees (not for the exits `stop()` causes), before any restart, so
+    `child(name).proc` is still the process that exited; it runs on the polling thread and must not block.
+    Call `start`/`poll` from a thread that lives as long as the children should (the main thread in `up`):
+    only children spawned from the main thread get the parent-death signal, the others rely on the
+    lifeline pipe."""
+
     MAX_BACKOFF_S = 8.0
     STABLE_AFTER_S = 30.0  # a child that ran this long resets its backoff
 
-    def __init__(self, topology_path: Path, log_dir: Path | None = None) -> None:
+    def __init__(self, topology_path: Path, log_dir: Path | None = None, on_exit: OnExit | None = None) -> None:
         self.topology_path = topology_path
         self.topology = Topology.load(topology_path)
         self.log_dir = log_dir
+        self.on_exit = on_exit
+        self._lifeline: tuple[int, int] | None = None  # (read end for children, write end only we hold)
         shares = thread_shares(self.topology)
         self.children = [Child("router", "router", 1)]
         self.children += [Child("kvcache", k.name, 1) for k in self.topology.kvcaches]
@@ -65,15 +155,35 @@ class Supervisor:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def command(self, c: Child) -> list[str]:
+        """What a child runs: the same command as a systemd unit."""
+        return [sys.executable, "-m", "deepinfer.launch.cli", "service", c.role, "--topology",
+                str(self.topology_path), "--name", c.name]
+
+    def _lifeline_fd(self) -> int:
+        """The read end every child inherits. Both ends are non-inheritable (Python's default) and Popen
+        closes every fd not in pass_fds, so no child ever holds the write end."""
+        if self._lifeline is None:
+            self._lifeline = os.pipe()
+        return self._lifeline[0]
+
     def _spawn(self, c: Child) -> None:
+        lifeline = self._lifeline_fd()
         env = dict(MALLOC_ENV, **os.environ)  # (a MALLOC_* the operator set wins)
         env.update(OMP_NUM_THREADS=str(c.threads), MKL_NUM_THREADS=str(c.threads),
                    DEEPINFER_THREADS=str(c.threads), PYTHONUNBUFFERED="1",
-                   DEEPINFER_LOG_LEVEL=os.environ.get("DEEPINFER_LOG_LEVEL", "info"))
-        cmd = [sys.executable, "-m", "deepinfer.launch.cli", "service", c.role, "--topology",
-               str(self.topology_path), "--name", c.name]
+                   DEEPINFER_LOG_LEVEL=os.environ.get("DEEPINFER_LOG_LEVEL", "info"),
+                   **{LIFELINE_ENV: str(lifeline)})
+        # Its own session (a terminal's Ctrl-C reaches the launcher only, which stops children in order).
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        preexec = _die_with(os.getpid()) if on_main_thread else None
         out = open(self.log_dir / f"{c.name}.log", "ab") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
-        c.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            c.proc = subprocess.Popen(self.command(c), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True, pass_fds=(lifeline,), preexec_fn=preexec)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # the child has its own copy
         c.started_at = time.monotonic()
         log.info("started", service=c.name, pid=c.proc.pid, threads=c.threads, restarts=c.restarts)
 
@@ -88,12 +198,13 @@ class Supervisor:
         for c in self.children:
             if c.proc is None or c.proc.poll() is None:
                 continue
-            if c.next_start == 0.0:
+            if c.next_start == 0.0:  # first seen dead (next_start is 0 only while the child is believed alive)
                 if now - c.started_at > self.STABLE_AFTER_S:
                     c.backoff_s = 0.5
                 c.next_start = now + c.backoff_s
                 log.warning("exited", service=c.name, code=c.proc.returncode, restart_in_s=c.backoff_s)
                 c.backoff_s = min(self.MAX_BACKOFF_S, c.backoff_s * 2)
+                self._report_exit(c)
             if now >= c.next_start:
                 c.restarts += 1
                 c.next_start = 0.0
@@ -101,11 +212,21 @@ class Supervisor:
                 restarted.append(c.name)
         return restarted
 
-    def stop(self, timeout_s: float = 60.0) -> None:
+    def _report_exit(self, c: Child) -> None:
+        if self.on_exit is None or c.proc is None:
+            return
+        try:
+            self.on_exit(c.name, c.role, c.proc.returncode)
+        except Exception:  # a failing observer must not stop the restarts
+            log.exception("on_exit failed", service=c.name)
+
+    def stop(self, timeout_s: float = DRAIN_TIMEOUT_S + STOP_GRACE_S) -> None:
         """Drain and stop in order, waiting for each group: the router first (it refuses new requests and
         waits for admitted ones to finish, which needs everyone else still up), then the workers and the
         tokenizers and cache daemons (idle by then; a daemon finishes its queued disk writes). SIGTERM
-        means drain to every service; SIGKILL after `timeout_s`."""
+        means drain to every service; SIGKILL after `timeout_s` (by default a little more than a
+        service's own drain timeout, so a drain ends by itself)."""
+        log.info("stopping", children=[c.proc.pid for c in self.children if c.proc and c.proc.poll() is None])
         for group in ("router", "worker", "tokenizer", "kvcache"):
             procs = [c.proc for c in self.children if c.role == group and c.proc and c.proc.poll() is None]
             for p in procs:
@@ -117,6 +238,10 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        if self._lifeline is not None:
+            for fd in self._lifeline:
+                os.close(fd)
+            self._lifeline = None
         log.info("stopped")
 
     def wait_ready(self, should_stop: Callable[[], bool] = lambda: False, timeout_s: float = 600.0) -> None:

@@ -26,6 +26,11 @@ from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
 
 Handler = Callable[[Any], Awaitable[None]]
 
+DRAIN_TIMEOUT_S = 60.0  # a draining service stops after this even with work in flight (units wait longer)
+# The most a send on the way out waits: with the router gone the DEALER's queue fills (SNDHWM), and a plain
+# send would then wait for it forever.
+SHUTDOWN_SEND_S = 1.0
+
 
 class HandshakeRefused(RuntimeError):
     """The router refused this service's Hello; the message carries the router's reason."""
@@ -52,6 +57,7 @@ class Service:
         self._stopping = asyncio.Event()
         self._sockets: list[Any] = []
         self.draining = False
+        self._drain_task: asyncio.Future[None] | None = None
 
     # -- to override ------------------------------------------------------------------------
 
@@ -101,7 +107,8 @@ class Service:
         """Connect, handshake, serve until `stop()`; then close every socket."""
         self.router = self.socket(make_dealer(self.ctx, self.backend, self.instance.encode()))
         try:
-            await self.handshake()
+            if not await self._unless_stopped(self.handshake()):
+                return  # stopped (SIGTERM) before the router answered: nothing to drain
             await self.on_start()
             self.log.info("serving")
             if ready is not None:
@@ -120,6 +127,21 @@ class Service:
                 s.close(linger=0)
             self.log.info("stopped")
 
+    async def _unless_stopped(self, step: Awaitable[Any]) -> bool:
+        """Await `step` unless `stop()` comes first (then cancel it); False if stopped."""
+        work, stop = asyncio.ensure_future(step), asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.wait([work])  # let it unwind
+        if work.cancelled():
+            return False
+        work.result()  # raises what the step raised
+        return True
+
     def stop(self) -> None:
         self._stopping.set()
 
@@ -127,25 +149,43 @@ class Service:
         """Nothing in flight: a draining service may stop. Subclasses holding requests override it."""
         return True
 
-    def drain(self, timeout_s: float = 60.0) -> None:
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Take no new work (heartbeats say `draining`, so the router stops placing here), finish what is in
-        flight, then stop — or stop anyway after `timeout_s`."""
+        flight, then stop — or stop anyway after `timeout_s`, whether or not the router is still there."""
         if not self.draining:
             self.draining = True
-            asyncio.ensure_future(self._drain(timeout_s))
+            self._drain_task = asyncio.ensure_future(self._drain(timeout_s))
 
     async def _drain(self, timeout_s: float) -> None:
-        self.log.info("draining")
-        await self._beat()  # tell the router now, not at the next period
         deadline = time.monotonic() + timeout_s
-        while not self.idle() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        self.stop()
+        self.log.info("draining", timeout_s=timeout_s)
+        try:
+            # Tell the router now, not at the next period; bounded, as the router may be gone.
+            await self._beat(timeout_s=min(SHUTDOWN_SEND_S, timeout_s))
+            while not self.idle() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        except Exception:
+            self.log.exception("drain failed; stopping now")
+        finally:  # invariant: a drain ends in stop() by its deadline
+            self.stop()
 
     # -- loops ------------------------------------------------------------------------------
 
     async def send_router(self, msg: Any) -> None:
         await asend_msg(self.router, msg)
+
+    async def send_router_within(self, msg: Any, timeout_s: float) -> bool:
+        """Send to the router unless that takes longer than `timeout_s`: for the way out, where the router may
+        be gone. A message not sent is logged, not raised; returns whether it was sent."""
+        if self.router is None:
+            return False
+        try:
+            await asyncio.wait_for(self.send_router(msg), timeout_s)
+            return True
+        except (TimeoutError, zmq.ZMQError) as exc:
+            self.log.warning("router unreachable; not sent", type=type(msg).__name__,
+                             error=str(exc) or f"no room to send in {timeout_s}s")
+            return False
 
     async def _recv_loop(self) -> None:
         await self.dispatch_forever(self.router, arecv_msg)
@@ -170,11 +210,16 @@ class Service:
             except Exception:  # a handler bug must not take the service down
                 self.log.exception("handler failed", type=type(args[-1]).__name__)
 
-    async def _beat(self) -> None:
+    async def _beat(self, timeout_s: float | None = None) -> None:
+        """Send a heartbeat; with `timeout_s`, give up after that long (see `send_router_within`)."""
         self._seq += 1
-        await self.send_router(m.Heartbeat(service=self.role, instance=self.instance, incarnation=self.incarnation,
-                                           seq=self._seq, progress=self.progress, draining=self.draining,
-                                           sent_time=time.time(), **self.heartbeat_fields()))
+        beat = m.Heartbeat(service=self.role, instance=self.instance, incarnation=self.incarnation, seq=self._seq,
+                           progress=self.progress, draining=self.draining, sent_time=time.time(),
+                           **self.heartbeat_fields())
+        if timeout_s is None:
+            await self.send_router(beat)
+        else:
+            await self.send_router_within(beat, timeout_s)
 
     async def _heartbeat_loop(self) -> None:
         while True:

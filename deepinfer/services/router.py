@@ -27,6 +27,7 @@ from deepinfer.protocol import messages as m
 from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.handshake import check_hello
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
+from deepinfer.services.base import DRAIN_TIMEOUT_S
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
 
 __all__ = ["MeshPins", "RouterConfig", "RouterService"]
@@ -79,23 +80,27 @@ class RouterService:
         self._stopping = asyncio.Event()
         self.frontend: Any = None
         self.backend: Any = None
+        self._drain_task: asyncio.Future[None] | None = None
 
     def stop(self) -> None:
         self.core.draining = True
         self._stopping.set()
 
-    def drain(self, timeout_s: float = 60.0) -> None:
-        """Refuse new requests (clients get "overloaded"), let admitted ones finish, then stop."""
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Refuse new requests (clients get "overloaded"), let admitted ones finish, then stop — after
+        `timeout_s` at the latest. The drain itself sends nothing, so dead peers cannot hold it."""
         if not self.core.draining:
             self.core.draining = True
-            asyncio.ensure_future(self._drain(timeout_s))
+            self._drain_task = asyncio.ensure_future(self._drain(timeout_s))
 
     async def _drain(self, timeout_s: float) -> None:
-        self.log.info("draining", inflight=self.core.num_inflight)
         deadline = time.monotonic() + timeout_s
-        while self.core.num_inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        self.stop()
+        self.log.info("draining", inflight=self.core.num_inflight, timeout_s=timeout_s)
+        try:
+            while self.core.num_inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:  # invariant: a drain ends in stop() by its deadline
+            self.stop()
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
         self.frontend = make_router(self.ctx, self.frontend_ep)

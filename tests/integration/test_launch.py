@@ -15,6 +15,7 @@ import pytest
 from deepinfer.launch.systemd import unit_files, write_units
 from deepinfer.launch.topology import Topology, TopologyError
 from deepinfer.protocol.client import Client
+from deepinfer.services.base import DRAIN_TIMEOUT_S
 
 
 def test_topology_round_trips_through_toml(tmp_path):
@@ -188,6 +189,11 @@ def test_systemd_units(tmp_path):
         assert name in target
     worker = files["deepinfer-worker@.service"]
     assert "service worker --topology" in worker and "--name %i" in worker and "Restart=on-failure" in worker
+    for name, text in files.items():
+        if name.endswith(".service"):
+            assert_hardened(text)
+    assert "PrivateDevices=yes" not in worker  # a worker may drive a GPU
+    assert "PrivateDevices=yes" in files["deepinfer-router@.service"]
     out = tmp_path / "units"
     write_units(path, out)
     if shutil.which("systemd-analyze") is None:
@@ -202,6 +208,43 @@ def test_systemd_units(tmp_path):
                          capture_output=True, text=True)
     problems = [line for line in res.stderr.splitlines() if "deepinfer" in line]
     assert res.returncode == 0 and not problems, res.stderr
+
+
+def unit_settings(text: str) -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def assert_hardened(text: str, user: str = "deepinfer") -> None:
+    s = unit_settings(text)
+    assert s["User"] == [user]
+    assert int(s["TimeoutStopSec"][0]) > DRAIN_TIMEOUT_S  # a drain ends before systemd kills
+    for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "PrivateTmp": "yes",
+                       "RuntimeDirectory": "deepinfer", "RuntimeDirectoryMode": "0700",
+                       "CacheDirectory": "deepinfer", "UMask": "0077", "RestrictSUIDSGID": "yes"}.items():
+        assert s[key] == [value], key
+    assert s["ProtectHome"][0] in ("yes", "read-only")
+    assert "DEEPINFER_CACHE_DIR=%C/deepinfer" in s["Environment"]  # model, kernels, KV disk tier: writable
+
+
+def test_systemd_units_run_as_the_given_user_and_may_write_what_the_topology_names(tmp_path):
+    path = tmp_path / "topology.toml"
+    path.write_text(SPEC_TOPOLOGY.replace("tcp://10.0.0.1:5550", "ipc:///run/deepinfer/front.sock")
+                    + '[[kvcache]]\nname = "kv"\nendpoint = "tcp://10.0.0.3:5580"\ndir = "/srv/kv"\n')
+    files = unit_files(path, Topology.load(path), launcher="/usr/bin/deepinfer-launch", user="llm")
+    for name, text in files.items():
+        if name.endswith(".service"):
+            assert_hardened(text, user="llm")
+            assert unit_settings(text)["ReadWritePaths"] == ["-/run/deepinfer", "-/srv/kv"]
+            assert unit_settings(text)["ProtectHome"] == ["yes"]
+    home = tmp_path / "home.toml"
+    home.write_text(SPEC_TOPOLOGY.replace('model = "smollm2"', 'model = "/home/alice/models/m"'))
+    router = unit_files(home, Topology.load(home), launcher="/usr/bin/deepinfer-launch")["deepinfer-router@.service"]
+    assert unit_settings(router)["ProtectHome"] == ["read-only"]  # the model stays readable
 
 
 @pytest.mark.smollm2
