@@ -324,6 +324,7 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
 
 def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
     """Start the supervisor's children and keep them up until SIGINT/SIGTERM, then drain and stop them."""
+    from deepinfer.launch.exit_notes import ExitNotifier
     from deepinfer.launch.supervisor import Supervisor
 
     stopping = False
@@ -335,6 +336,7 @@ def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     sup = Supervisor(topology, log_dir=log_dir)
+    sup.on_exit = notes = ExitNotifier(sup.topology.backend)
     sup.start()
     try:
         sup.wait_ready(lambda: stopping)
@@ -345,6 +347,7 @@ def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
             time.sleep(0.2)
     finally:
         sup.stop()
+        notes.close()
 
 
 def _ipc_paths(topology: Any, run_dir: Path) -> list[Path]:

@@ -43,8 +43,8 @@ LIFELINE_ENV = "DEEPINFER_LIFELINE_FD"
 STOP_GRACE_S = 10.0  # a stopping child gets its drain timeout plus this before SIGKILL
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-# Called once per child exit seen by `Supervisor.poll`: (child name, role, return code; negative = signal).
-OnExit = Callable[[str, str, int], None]
+# Called once per child exit seen by `Supervisor.poll`: (child name, role, pid, return code; negative = signal).
+OnExit = Callable[[str, str, int, int], None]
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -130,7 +130,7 @@ def thread_shares(topology: Topology, cores: int | None = None) -> dict[str, int
 
 
 class Supervisor:
-    """Spawn, restart and stop the children. `on_exit(name, role, returncode)` is called once for every
+    """Spawn, restart and stop the children. `on_exit(name, role, pid, returncode)` is called once for every
     child exit that `poll()` sees (not for the exits `stop()` causes), before any restart, so
     `child(name).proc` is still the process that exited; it runs on the polling thread and must not block.
     Call `start`/`poll` from a thread that lives as long as the children should (the main thread in `up`):
@@ -216,7 +216,7 @@ class Supervisor:
         if self.on_exit is None or c.proc is None:
             return
         try:
-            self.on_exit(c.name, c.role, c.proc.returncode)
+            self.on_exit(c.name, c.role, c.proc.pid, c.proc.returncode)
         except Exception:  # a failing observer must not stop the restarts
             log.exception("on_exit failed", service=c.name)
 

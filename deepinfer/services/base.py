@@ -89,8 +89,10 @@ class Service:
 
     async def handshake(self, timeout_s: float = 30.0) -> m.Welcome:
         """Say Hello until the router answers; raise HandshakeRefused with its reason if it refuses."""
+        # The pid lets a supervisor's exit note (ServiceExited) name this very process.
+        caps = {**self.capabilities(), "incarnation": self.incarnation, "pid": str(os.getpid())}
         hello = m.Hello(m.PROTOCOL_VERSION, self.role, self.instance, self.model_fingerprint,
-                        self.block_hash_scheme, {**self.capabilities(), "incarnation": self.incarnation})
+                        self.block_hash_scheme, caps)
         deadline = time.monotonic() + timeout_s
         while True:
             await asend_msg(self.router, hello)

@@ -33,6 +33,7 @@ from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
 __all__ = ["MeshPins", "RouterConfig", "RouterService"]
 
 TICK_S = 0.1
+SUPERVISOR_PREFIX = "supervisor"  # the backend identities a supervisor's exit notes come from
 
 
 class MeshPins:
@@ -185,6 +186,9 @@ class RouterService:
                 await self._send(self.core.on_text_deltas(msg, now))
             elif isinstance(msg, m.ErrorReply):
                 await self._send(self.core.on_error(sender, msg, now))
+            elif isinstance(msg, m.ServiceExited) and sender.startswith(SUPERVISOR_PREFIX):
+                self.log.info("service exited", instance=msg.instance, pid=msg.pid, code=msg.returncode)
+                await self._send(self.core.on_service_exited(msg, now))
             else:
                 self.log.warning("unexpected service message", type=type(msg).__name__, sender=sender)
 

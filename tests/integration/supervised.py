@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from deepinfer.launch.exit_notes import ExitNotifier
 from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
 
@@ -16,7 +17,8 @@ from deepinfer.launch.topology import Topology
 def supervised_mesh(topo: Topology, run_dir: Path, poll_s: float = 0.2) -> Iterator[Supervisor]:
     path = run_dir / "topology.toml"
     path.write_text(topo.to_toml())
-    sup = Supervisor(path, log_dir=run_dir)
+    notes = ExitNotifier(topo.backend)  # as `up` does: the router hears of a dead child at once
+    sup = Supervisor(path, log_dir=run_dir, on_exit=notes)
     sup.start()
     stop = threading.Event()
 
@@ -31,3 +33,4 @@ def supervised_mesh(topo: Topology, run_dir: Path, poll_s: float = 0.2) -> Itera
     finally:
         stop.set()
         sup.stop()
+        notes.close()

@@ -95,8 +95,11 @@ def test_supervisor_reports_each_child_exit_once(tmp_path):
     path.write_text(Topology.local("smollm2", "ipc", tmp_path).to_toml())
     reports: list[tuple[str, str, int]] = []
 
-    def on_exit(name: str, role: str, code: int) -> None:
+    pids: list[int] = []
+
+    def on_exit(name: str, role: str, pid: int, code: int) -> None:
         reports.append((name, role, code))
+        pids.append(pid)
         if len(reports) == 1:
             raise RuntimeError("a broken observer")  # logged; restarts go on
 
@@ -113,6 +116,7 @@ def test_supervisor_reports_each_child_exit_once(tmp_path):
     roles = {c.name: c.role for c in sup.children}
     assert {(n, r) for n, r, _ in reports} == set(roles.items())
     assert all(code == 3 and roles[name] == role for name, role, code in reports)
+    assert len(set(pids)) == len(pids)  # each report names the process that exited
     for c in sup.children:  # once per exit: never more reports than processes started
         assert sum(r[0] == c.name for r in reports) <= c.restarts + 1
 
