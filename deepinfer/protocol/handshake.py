@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from deepinfer.protocol.messages import PROTOCOL_VERSION, Hello, Welcome
 
+# A Welcome refused with this reason asks the peer for a Hello: the router restarted since the peer's last
+# one, so it knows nothing of the peer (or of the requests the peer holds for the router that is gone).
+SAY_HELLO = "say Hello first: this router does not know you (it restarted since your last Hello)"
+
 _SHOWN = 12  # fingerprints are long digests; enough characters to tell two apart in a log line
 
 

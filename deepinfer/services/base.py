@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.errors import ProtocolError
+from deepinfer.protocol.handshake import SAY_HELLO
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
 
 Handler = Callable[[Any], Awaitable[None]]
@@ -30,6 +31,7 @@ DRAIN_TIMEOUT_S = 60.0  # a draining service stops after this even with work in 
 # The most a send on the way out waits: with the router gone the DEALER's queue fills (SNDHWM), and a plain
 # send would then wait for it forever.
 SHUTDOWN_SEND_S = 1.0
+REHELLO_INTERVAL_S = 1.0  # least time between Hellos to a restarted router that has not answered yet
 
 
 class HandshakeRefused(RuntimeError):
@@ -58,6 +60,7 @@ class Service:
         self._sockets: list[Any] = []
         self.draining = False
         self._drain_task: asyncio.Future[None] | None = None
+        self._rehello_at: float | None = None  # when we last said Hello to a restarted router, until welcomed
 
     # -- to override ------------------------------------------------------------------------
 
@@ -87,12 +90,19 @@ class Service:
         self._sockets.append(sock)
         return sock
 
-    async def handshake(self, timeout_s: float = 30.0) -> m.Welcome:
-        """Say Hello until the router answers; raise HandshakeRefused with its reason if it refuses."""
+    def hello(self) -> m.Hello:
         # The pid lets a supervisor's exit note (ServiceExited) name this very process.
         caps = {**self.capabilities(), "incarnation": self.incarnation, "pid": str(os.getpid())}
-        hello = m.Hello(m.PROTOCOL_VERSION, self.role, self.instance, self.model_fingerprint,
-                        self.block_hash_scheme, caps)
+        return m.Hello(m.PROTOCOL_VERSION, self.role, self.instance, self.model_fingerprint,
+                       self.block_hash_scheme, caps)
+
+    async def on_router_restart(self) -> None:
+        """The router restarted: every request this service holds was the old router's, whose clients got
+        an error from their side. Subclasses holding requests drop them all here (before the new Hello)."""
+
+    async def handshake(self, timeout_s: float = 30.0) -> m.Welcome:
+        """Say Hello until the router answers; raise HandshakeRefused with its reason if it refuses."""
+        hello = self.hello()
         deadline = time.monotonic() + timeout_s
         while True:
             await asend_msg(self.router, hello)
@@ -190,11 +200,34 @@ class Service:
             return False
 
     async def _recv_loop(self) -> None:
-        await self.dispatch_forever(self.router, arecv_msg)
+        await self.dispatch_forever(self.router, arecv_msg, {**self.handlers(), m.Welcome: self._on_welcome})
 
-    async def dispatch_forever(self, sock: Any, recv: Callable[[Any], Awaitable[Any]]) -> None:
-        """Receive from `sock` and run the handler for each message's type, forever."""
-        table = self.handlers()
+    async def _on_welcome(self, welcome: m.Welcome) -> None:
+        """After the handshake a Welcome is news: a router that asks for a Hello has restarted (drop the old
+        one's work, say Hello again); an accepted one answers that Hello; a refusal ends this service."""
+        if welcome.accepted:
+            if self._rehello_at is not None:
+                self.log.info("rejoined the restarted router")
+                self._rehello_at = None
+            return
+        if welcome.reason != SAY_HELLO:
+            self.log.error("the router refused this service", reason=welcome.reason)
+            self.stop()
+            return
+        now = time.monotonic()
+        if self._rehello_at is None:
+            self.log.warning("the router restarted: dropping its requests and saying Hello again")
+            await self.on_router_restart()
+        elif now - self._rehello_at < REHELLO_INTERVAL_S:
+            return  # a Hello is on its way: the router asks once per message it drops meanwhile
+        self._rehello_at = now
+        await self.send_router(self.hello())
+
+    async def dispatch_forever(self, sock: Any, recv: Callable[[Any], Awaitable[Any]],
+                               table: dict[type, Handler] | None = None) -> None:
+        """Receive from `sock` and run the handler for each message's type (`table`, default `handlers()`),
+        forever."""
+        table = self.handlers() if table is None else table
         while True:
             try:
                 msg = await recv(sock)

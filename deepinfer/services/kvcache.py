@@ -152,23 +152,16 @@ class KvCacheService(Service):
         self.store.close()
 
     def tasks(self) -> list[Any]:
-        return [self.dispatch_forever(self.sock, arecv_routed), self._flush_loop(), self._events_loop()]
+        # The workers' socket takes cache requests only: control comes from the router's side.
+        cache_table: dict[type, Handler] = {m.CacheLookup: self._on_lookup, m.CacheFetch: self._on_fetch,
+                                            m.CacheStore: self._on_store}
+        return [self.dispatch_forever(self.sock, arecv_routed, cache_table), self._flush_loop(), self._events_loop()]
 
     def handlers(self) -> dict[type, Handler]:
-        return {
-            m.Welcome: self._ignore,
-            m.Shutdown: self._on_shutdown,
-            m.KvResync: self._on_resync,
-            m.CacheLookup: self._on_lookup,
-            m.CacheFetch: self._on_fetch,
-            m.CacheStore: self._on_store,
-        }
+        return {m.Shutdown: self._on_shutdown, m.KvResync: self._on_resync}
 
     def idle(self) -> bool:
         return not self.fetches.tasks and not self.stores.tasks and not self.store.pending_writes()
-
-    async def _ignore(self, *msg: Any) -> None:
-        pass
 
     async def _on_shutdown(self, msg: m.Shutdown) -> None:
         self.stop()

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.errors import ProtocolError
-from deepinfer.protocol.handshake import check_hello
+from deepinfer.protocol.handshake import SAY_HELLO, check_hello
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
@@ -34,6 +34,11 @@ __all__ = ["MeshPins", "RouterConfig", "RouterService"]
 
 TICK_S = 0.1
 SUPERVISOR_PREFIX = "supervisor"  # the backend identities a supervisor's exit notes come from
+REHELLO_ASK_S = 1.0
+MAX_ASKED = 4096
+# The field naming the instance a message speaks for: it must be the sender's own identity.
+SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
+                               m.KvEvents: "publisher"}
 
 
 class MeshPins:
@@ -81,6 +86,9 @@ class RouterService:
         self._stopping = asyncio.Event()
         self.frontend: Any = None
         self.backend: Any = None
+        self.greeted: set[bytes] = set()  # backend identities welcomed by this incarnation
+        self._asked: dict[bytes, float] = {}  # identities asked for a Hello, and when (monotonic)
+        self.forged = 0
         self._drain_task: asyncio.Future[None] | None = None
 
     def stop(self) -> None:
@@ -169,9 +177,22 @@ class RouterService:
                 self.log.warning("malformed service message", code=exc.code, detail=exc.detail, peer=exc.peer)
                 continue
             sender, now = ident.decode(errors="replace"), time.time()
+            if isinstance(msg, m.ServiceExited):
+                if sender.startswith(SUPERVISOR_PREFIX):
+                    self.log.info("service exited", instance=msg.instance, pid=msg.pid, code=msg.returncode)
+                    await self._send(self.core.on_service_exited(msg, now))
+                continue
             if isinstance(msg, m.Hello):
                 await self._welcome(ident, msg, now)
-            elif isinstance(msg, m.Heartbeat):
+                continue
+            if ident not in self.greeted:
+                await self._ask_hello(ident)
+                continue
+            if getattr(msg, SPEAKS_FOR.get(type(msg), ""), sender) != sender:
+                self.forged += 1  # a message about another instance than the one sending it
+                self.log.warning("message for another instance refused", type=type(msg).__name__, sender=sender)
+                continue
+            if isinstance(msg, m.Heartbeat):
                 await self._send(self.core.on_heartbeat(msg, now))
             elif isinstance(msg, m.EncodeResult):
                 await self._send(self.core.on_encode_result(sender, msg, now))
@@ -186,18 +207,33 @@ class RouterService:
                 await self._send(self.core.on_text_deltas(msg, now))
             elif isinstance(msg, m.ErrorReply):
                 await self._send(self.core.on_error(sender, msg, now))
-            elif isinstance(msg, m.ServiceExited) and sender.startswith(SUPERVISOR_PREFIX):
-                self.log.info("service exited", instance=msg.instance, pid=msg.pid, code=msg.returncode)
-                await self._send(self.core.on_service_exited(msg, now))
             else:
                 self.log.warning("unexpected service message", type=type(msg).__name__, sender=sender)
 
+    async def _ask_hello(self, ident: bytes) -> None:
+        """A service this incarnation has not welcomed: it spoke to the router before this one. Ask it for a
+        Hello (at most once a second each), dropping what it sent meanwhile."""
+        now = time.monotonic()
+        if now - self._asked.get(ident, -REHELLO_ASK_S) < REHELLO_ASK_S:
+            return
+        if len(self._asked) > MAX_ASKED:
+            self._asked.clear()
+        self._asked[ident] = now
+        refusal = m.Welcome(m.PROTOCOL_VERSION, False, SAY_HELLO, service="router", instance=self.instance)
+        await self._send([Outbound(ident.decode(errors="replace"), refusal)])
+
     async def _welcome(self, ident: bytes, hello: m.Hello, now: float) -> None:
         welcome = self.pins.check(hello, self.instance)
+        if welcome.accepted and hello.instance.encode() != ident:
+            welcome = dataclasses.replace(welcome, accepted=False,
+                                          reason=f"Hello names {hello.instance!r}; its socket is {ident!r}")
         await asend_msg(self.backend, welcome, ident)
         if welcome.accepted:
+            self.greeted.add(ident)
+            self._asked.pop(ident, None)
             await self._send(self.core.on_hello(hello, now))
         else:
+            self.greeted.discard(ident)
             self.log.warning("refused", instance=hello.instance, reason=welcome.reason)
 
     async def _tick_loop(self) -> None:

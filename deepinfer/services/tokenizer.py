@@ -39,11 +39,11 @@ class TokenizerService(Service):
         self.pull = self.socket(make_pull(self.ctx, bind=self.detok_bind))
 
     def tasks(self) -> list[Any]:
-        return [self.dispatch_forever(self.pull, arecv_msg)]
+        # The workers' PULL takes token batches only: a peer that can reach it controls nothing else.
+        return [self.dispatch_forever(self.pull, arecv_msg, {m.DetokenizeBatch: self._detokenize})]
 
     def handlers(self) -> dict[type, Handler]:
-        return {m.EncodeRequest: self._encode, m.AbortRequest: self._abort, m.DetokenizeBatch: self._detokenize,
-                m.Welcome: self._ignore, m.Shutdown: self._shutdown}
+        return {m.EncodeRequest: self._encode, m.AbortRequest: self._abort, m.Shutdown: self._shutdown}
 
     def idle(self) -> bool:
         return self.core.num_inflight == 0
@@ -58,11 +58,11 @@ class TokenizerService(Service):
         if deltas.items:
             await self.send_router(deltas)
 
+    async def on_router_restart(self) -> None:
+        self.log.info("dropped the old router's requests", count=self.core.drop_all())
+
     async def _abort(self, req: m.AbortRequest) -> None:
         self.core.on_abort(req.request_id)
-
-    async def _ignore(self, msg: Any) -> None:
-        pass
 
     async def _shutdown(self, msg: m.Shutdown) -> None:
         self.stop()

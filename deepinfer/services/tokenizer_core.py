@@ -155,6 +155,12 @@ class TokenizerCore:
     def on_abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def drop_all(self) -> int:
+        """Forget every stream (the router that owned them is gone); returns how many there were."""
+        n = len(self._streams)
+        self._streams.clear()
+        return n
+
     def _item(self, item: DetokenizeItem) -> TextDeltaItem | None:
         rid = item.request_id
         stream = self._streams.get(rid)

@@ -119,20 +119,17 @@ class WorkerService(Service):
         if self.engine.config.enable_prefix_caching:
             tasks.append(self._events_loop())
         if self._kv_router is not None:
-            tasks.append(self.dispatch_forever(self._kv_router, arecv_routed))
-        tasks += [self.dispatch_forever(d, arecv_msg) for d in self._kv_dealers.values()]
+            kv_in: dict[type, Handler] = {m.KvReserve: self._on_reserve, m.KvTransfer: self._on_transfer}
+            tasks.append(self.dispatch_forever(self._kv_router, arecv_routed, kv_in))
+        kv_replies: dict[type, Handler] = {m.KvReserveReply: self._on_reply, m.KvAck: self._on_reply}
+        tasks += [self.dispatch_forever(d, arecv_msg, kv_replies) for d in self._kv_dealers.values()]
         return tasks
 
     def handlers(self) -> dict[type, Handler]:
         return {
-            m.Welcome: self._ignore,
             m.PrefillJob: self._on_job,
             m.AbortRequest: self._on_abort,
             m.Shutdown: self._on_shutdown,
-            m.KvReserve: self._on_reserve,
-            m.KvTransfer: self._on_transfer,
-            m.KvReserveReply: self._on_reply,
-            m.KvAck: self._on_reply,
             m.KvResync: self._on_resync,
         }
 
@@ -150,9 +147,6 @@ class WorkerService(Service):
     def idle(self) -> bool:
         e = self.engine
         return not self.tracks and not e.has_unfinished() and not e.num_held and not e.num_reserved_blocks
-
-    async def _ignore(self, *msg: Any) -> None:
-        pass
 
     async def _on_shutdown(self, msg: m.Shutdown) -> None:
         self.stop()
@@ -195,6 +189,17 @@ class WorkerService(Service):
         except InvalidRequestError as exc:
             self.tracks.pop(job.request_id, None)
             await self.send_router(m.ErrorReply(job.request_id, "invalid_request", str(exc)))
+
+    async def on_router_restart(self) -> None:
+        assert self._thread is not None
+        self.tracks.clear()
+        engine = self.engine
+
+        def abort_all() -> int:
+            ids = {*engine.scheduler.requests, *engine.scheduler.held, *engine.reservations.ids}
+            return sum(engine.abort(rid) for rid in ids)
+
+        self.log.info("dropped the old router's requests", count=await self._thread.call(abort_all))
 
     async def _on_abort(self, req: m.AbortRequest) -> None:
         assert self._thread is not None

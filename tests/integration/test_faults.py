@@ -1,9 +1,12 @@
-"""Fault tests with real processes: kill -9 and SIGSTOP a decode worker under load.
+"""Fault tests with real processes: kill -9 and SIGSTOP a decode worker, kill -9 a tokenizer and the
+router, all under load.
 
 The mesh runs as one process per service (ipc://) under the supervisor, as `deepinfer-launch up` runs it,
-with two decode workers. A lost decode worker's requests move to the other one (the supervisor tells the
-router the moment a child exits; a stopped one is found by its missed heartbeats): every stream completes
-with the output of an undisturbed run, without a gap or a repeated token, seeded sampling included.
+with two decode workers and two tokenizers. A lost decode worker's or tokenizer's requests move to the
+other one (the supervisor tells the router the moment a child exits; a stopped one is found by its missed
+heartbeats): every stream completes with the output of an undisturbed run, without a gap or a repeated
+token, seeded sampling included. A killed router loses its requests (their clients get RouterLostError);
+its successor is greeted by every service again and serves new requests.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.topology import Topology
 from deepinfer.protocol import messages as m
-from deepinfer.protocol.client import AsyncClient, Client
+from deepinfer.protocol.client import AsyncClient, Client, RouterLostError
 from tests.integration.supervised import supervised_mesh
 
 pytestmark = pytest.mark.smollm2
@@ -49,8 +52,8 @@ def prompts_and_reference(smollm2_path):
 
 @pytest.fixture
 def mesh(smollm2_path, tmp_path):
-    topo = Topology.local(str(smollm2_path), "ipc", tmp_path, disaggregated=True, num_decode=2, threads=1,
-                          kv_cache_mb=64)
+    topo = Topology.local(str(smollm2_path), "ipc", tmp_path, disaggregated=True, num_decode=2, num_tokenizers=2,
+                          threads=1, kv_cache_mb=64)
     topo = dataclasses.replace(topo, router_options={"heartbeat_timeout_s": 1.5})
     with supervised_mesh(topo, tmp_path) as sup:
         yield sup
@@ -135,3 +138,46 @@ def test_sigstop_worker_is_declared_dead_its_streams_move_and_its_late_messages_
     with Client(mesh.topology.frontend, timeout_s=60) as c:
         outs = c.generate_many([dict(prompt_token_ids=p, **params(i)) for i, p in enumerate(prompts[:4])])
     assert [o.token_ids for o in outs] == want[:4]
+
+
+def test_kill_9_tokenizer_moves_its_streams_to_the_other(mesh, prompts_and_reference):
+    prompts, want = prompts_and_reference
+    tokenizer = mesh.child("tokenizer-0")
+
+    async def kill() -> None:
+        os.kill(tokenizer.proc.pid, signal.SIGKILL)
+
+    results = asyncio.run(streams_through_a_fault(mesh.topology.frontend, prompts, kill))
+    assert_undisturbed(results, want)
+
+
+def test_kill_9_router_then_its_successor_is_greeted_and_serves(mesh, prompts_and_reference):
+    prompts, want = prompts_and_reference
+    router = mesh.child("router")
+
+    async def kill() -> None:
+        os.kill(router.proc.pid, signal.SIGKILL)
+
+    results = asyncio.run(streams_through_a_fault(mesh.topology.frontend, prompts, kill))
+    lost = [i for i, (_, end) in enumerate(results) if not isinstance(end, m.RequestFinished)]
+    assert lost, "the kill came while streams were flowing"
+    for i, (tokens, end) in enumerate(results):
+        if i in lost:
+            assert isinstance(end, RouterLostError), (i, end)  # typed, and long before the client's timeout
+            assert tokens == want[i][: len(tokens)]
+        else:
+            assert end.token_ids == want[i]
+    deadline = time.monotonic() + 120
+    while router.restarts == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    restarted = time.monotonic()
+    mesh.wait_ready(timeout_s=120)
+    print(f"first request through the restarted router {time.monotonic() - restarted:.1f}s after its restart")
+    with Client(mesh.topology.frontend, timeout_s=60) as c:
+        outs = c.generate_many([dict(prompt_token_ids=p, **params(i)) for i, p in enumerate(prompts[:4])])
+    assert [o.token_ids for o in outs] == want[:4]
+    # Every service said Hello again, and the workers dropped the old router's work.
+    for name in ("tokenizer-0", "tokenizer-1", "prefill-0", "decode-0", "decode-1", "kvcache-0"):
+        assert "rejoined the restarted router" in (mesh.log_dir / f"{name}.log").read_text(), name
+    dropped = "".join((mesh.log_dir / f"{n}.log").read_text() for n in ("decode-0", "decode-1", "prefill-0"))
+    assert "dropped the old router's requests" in dropped
