@@ -59,6 +59,9 @@ class SamplingParams:
     logprobs: int | None = None
 
     MAX_LOGPROBS = 20
+    MAX_STOP_STRINGS = 16  # each is searched for after every token: their number and length are bounded
+    MAX_STOP_LEN = 256
+    MAX_STOP_TOKEN_IDS = 64
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -90,6 +93,11 @@ class SamplingParams:
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        if len(self.stop) > self.MAX_STOP_STRINGS or len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {self.MAX_STOP_STRINGS} stop strings and {self.MAX_STOP_TOKEN_IDS} "
+                                      f"stop token ids (got {len(self.stop)} and {len(self.stop_token_ids)})")
+        if any(isinstance(s, str) and len(s) > self.MAX_STOP_LEN for s in self.stop):
+            raise InvalidRequestError(f"stop strings may have at most {self.MAX_STOP_LEN} characters")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise InvalidRequestError(f"stop token id {t!r} is outside the vocabulary")

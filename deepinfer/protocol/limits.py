@@ -31,3 +31,9 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+# The client front: anyone who can reach it may send, and a request is a type byte and a msgpack body (no
+# buffer frames). A prompt past 2 MiB of text is past any context; libzmq drops a bigger frame (MAXMSGSIZE)
+# before it is buffered, so a 1 GiB message costs the router nothing.
+CLIENT_LIMITS = Limits(max_frames=2, max_payload=2 * MiB, max_frame=2 * MiB, max_total=2 * MiB + 16,
+                       max_str_len=2 * MiB, max_bin_len=64 * KiB, max_array_len=512 * KiB, max_map_len=4 * KiB)

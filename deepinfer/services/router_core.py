@@ -51,6 +51,7 @@ request, or out of phase, are stale: counted and dropped.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from deepinfer.protocol.messages import (
@@ -106,6 +107,7 @@ class RouterCore:
         self._deadlines: list[tuple[float, str]] = []  # heap; entries of ended requests are skipped
         self._parked: dict[str, None] = {}  # encoded, waiting for a live worker (insertion-ordered)
         self._counter = 0
+        self._inflight_by_tenant: Counter[str] = Counter()
 
     @property
     def num_inflight(self) -> int:
@@ -144,6 +146,10 @@ class RouterCore:
             return refuse("overloaded", f"queue full: {self.queued_requests} requests waiting")
         if self.queued_requests and self.queued_tokens + estimate > cfg.max_queued_prompt_tokens:
             return refuse("overloaded", f"queue full: {self.queued_tokens} prompt tokens waiting")
+        tenant = req.api_key or ""
+        cap = cfg.max_inflight_per_tenant.get(tenant, cfg.default_max_inflight_per_tenant)
+        if cap is not None and self._inflight_by_tenant[tenant] >= cap:
+            return refuse("overloaded", f"this tenant already has {cap} requests in flight")
         if self.table.place(estimate, req.params.max_tokens, now) is None:
             return refuse("overloaded", "no live prefill/decode workers")
         tokenizer = self.table.pick_tokenizer(now)
@@ -158,6 +164,8 @@ class RouterCore:
         self._by_client.setdefault(client, {})[req.request_id] = rid
         heapq.heappush(self._deadlines, (deadline, rid))
         st.queued_charge, st.cache_salt = estimate, salt
+        st.tenant, st.priority = tenant, max(req.priority, cfg.priority_floor.get(tenant, cfg.default_priority_floor))
+        self._inflight_by_tenant[tenant] += 1
         self.queued_requests += 1
         self.queued_tokens += estimate
         self.table.hold(st.where, {tokenizer.name})
@@ -179,6 +187,14 @@ class RouterCore:
             st = self._reqs[rid]
             st.client_gone = True
             out += self._cancel(st, now, "client disconnected")
+        return out
+
+    def on_client_slow(self, client: ClientId, now: float) -> list[Outbound]:
+        """The client stopped reading (its queue is full): its requests end now with an explicit error rather
+        than hold blocks and batch slots for a reader that is not there."""
+        out: list[Outbound] = []
+        for rid in list(self._by_client.get(client, {}).values()):
+            out += self._error(self._reqs[rid], "overloaded", "the client read its results too slowly", now)
         return out
 
     # ----- service events -----
@@ -352,7 +368,7 @@ class RouterCore:
             st.params,
             decode_worker=placement.decode.name,
             detokenizer=st.where.tokenizer,
-            priority=st.req.priority,
+            priority=st.priority,
             arrival_time=st.arrival,
             expected_cached_blocks=prediction.cached_blocks,
             cache_salt=st.cache_salt,
@@ -498,6 +514,9 @@ class RouterCore:
         self._dequeue(st)
         self._parked.pop(st.rid, None)
         del self._reqs[st.rid]
+        self._inflight_by_tenant[st.tenant] -= 1
+        if not self._inflight_by_tenant[st.tenant]:
+            del self._inflight_by_tenant[st.tenant]
         ids = self._by_client[st.client]
         del ids[st.req.request_id]
         if not ids:

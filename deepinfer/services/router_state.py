@@ -83,6 +83,8 @@ class RouterRequest:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     client_gone: bool = False
+    tenant: str = ""  # its api_key ("" without one): whose policy and in-flight count it falls under
+    priority: int = 0  # the client's, raised to the tenant's floor
     moves: int = 0  # times it continued elsewhere after losing a worker or its tokenizer
 
     @property
@@ -91,7 +93,7 @@ class RouterRequest:
 
     @property
     def order(self) -> tuple[int, int]:
-        return (self.req.priority, self.seq)
+        return (self.priority, self.seq)
 
     @property
     def job_tokens(self) -> list[int]:
@@ -112,6 +114,13 @@ class RouterConfig:
     tenants: Mapping[str, str] = field(default_factory=dict)  # api_key → cache salt
     default_cache_salt: str | None = None
     require_api_key: bool = False
+    # Tenant policy, by api_key ("" for requests without one). Priority: lower is served first, and a
+    # request's is raised to its tenant's floor (clients choose within what their tenant may have).
+    priority_floor: Mapping[str, int] = field(default_factory=dict)
+    default_priority_floor: int = 0
+    # Requests one tenant may have in flight (admitted, not ended); past it new ones get "overloaded".
+    max_inflight_per_tenant: Mapping[str, int] = field(default_factory=dict)
+    default_max_inflight_per_tenant: int | None = None
     retry_after_s: float = 1.0  # suggested to clients refused with "overloaded"
     id_prefix: str = ""
     max_ttft_samples: int = 1024

@@ -101,6 +101,7 @@ def dests(out: list[Outbound], kind: type) -> list[str | bytes]:
 def assert_clean(core: RouterCore) -> None:
     """Nothing in flight, and every piece of accounting back to zero."""
     assert core.num_inflight == 0 and core.queued_requests == 0 and core.queued_tokens == 0
+    assert not core._inflight_by_tenant
     for inst in core.table.instances.values():
         assert not inst.held and inst.prefill_tokens == inst.pending_blocks == inst.assigned == 0, inst.name
     m = core.metrics
@@ -728,6 +729,46 @@ def test_wedged_worker_is_declared_dead() -> None:
     assert mesh.core.table.get("pre0").alive
 
 
+# ----- tenant policy and slow clients -----
+
+
+def test_priority_is_raised_to_the_tenants_floor() -> None:
+    mesh = basic_mesh(tenants={"gold": "g", "free": "f"}, priority_floor={"gold": -10}, default_priority_floor=0)
+    jobs = [mesh.placed(api_key=key, priority=p) for key, p in (("free", -9), ("gold", -9), ("gold", -20), (None, 3))]
+    assert [j.priority for j in jobs] == [0, -9, -10, 3]
+
+
+def test_tenant_in_flight_cap_refuses_only_that_tenant() -> None:
+    mesh = basic_mesh(tenants={"a": "a", "b": "b"}, max_inflight_per_tenant={"a": 2}, default_max_inflight_per_tenant=3)
+    assert [type(mesh.generate(api_key="a")[0].msg).__name__ for _ in range(3)] == ["EncodeRequest"] * 2 + ["ErrorReply"]
+    refused = mesh.generate(api_key="a")[0].msg
+    assert refused.code == "overloaded" and "2 requests in flight" in refused.message
+    assert [type(mesh.generate(api_key="b")[0].msg).__name__ for _ in range(4)] == ["EncodeRequest"] * 3 + ["ErrorReply"]
+    mesh.core.on_abort(C1, AbortRequest("c1"), mesh.now)  # one of a's ends: room for one more
+    assert isinstance(mesh.generate(api_key="a")[0].msg, EncodeRequest)
+
+
+def test_a_slow_client_gets_explicit_errors_and_others_go_on() -> None:
+    mesh = basic_mesh()
+    mesh.placed(C1), mesh.admit(C1), mesh.placed(C2)
+    out = mesh.core.on_client_slow(C1, mesh.now)
+    errs = msgs(out, ErrorReply)
+    assert [(e.code, o.dest) for e, o in zip(errs, [o for o in out if o.to_client])] == [("overloaded", C1)] * 2
+    assert "too slowly" in errs[0].message
+    assert sorted(dests(out, AbortRequest)) == ["dec0", "pre0", "tok0", "tok0"]
+    assert mesh.core.num_inflight == 1 and mesh.core.request_of(C2, "c3") is not None
+
+
+def test_too_many_or_too_long_stop_strings_are_refused() -> None:
+    mesh = basic_mesh()
+    many = mesh.generate(params=SamplingParamsWire(stop=[f"s{i}" for i in range(17)]))[0].msg
+    long = mesh.generate(params=SamplingParamsWire(stop=["x" * 257]))[0].msg
+    assert many.code == long.code == "invalid_request"
+    assert "at most 16 stop strings" in many.message and "at most 256 characters" in long.message
+    assert isinstance(mesh.generate(params=SamplingParamsWire(stop=[f"s{i}" for i in range(16)]))[0].msg,
+                      EncodeRequest)
+
+
 # ----- moving requests off lost services -----
 
 
@@ -866,7 +907,7 @@ def test_deadline_ends_the_request_with_timeout() -> None:
 
 
 def test_encoded_request_waits_for_a_worker_then_gives_up() -> None:
-    mesh = basic_mesh(placement_timeout_s=4.0)
+    mesh = basic_mesh(placement_timeout_s=4.0, default_priority_floor=-5)
     a, b = mesh.admit(), mesh.admit(priority=-1)
     mesh.now = 3.5  # pre0 and dec0 fall silent; tok0 keeps beating
     mesh.beat("tok0", "tokenizer")
@@ -989,7 +1030,7 @@ class Model:
             st.sampled_from(
                 ["generate"] * 2
                 + ["progress"] * 6
-                + ["encode", "prefill_done", "delta", "error", "abort", "gone", "restart", "exited", "time", "time"]
+                + ["encode", "prefill_done", "delta", "error", "abort", "gone", "slow", "restart", "exited", "time", "time"]
                 + ["kv"]
             )
         )
@@ -1076,6 +1117,9 @@ class Model:
         out = self.core.on_client_gone(client, self.mesh.now)
         assert not [o for o in out if o.to_client]
         return out
+
+    def do_slow(self) -> list[Outbound]:
+        return self.core.on_client_slow(self.draw(st.sampled_from(CLIENTS)), self.mesh.now)
 
     def do_restart(self) -> list[Outbound]:
         name = self.instance()
