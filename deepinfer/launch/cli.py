@@ -325,6 +325,7 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
 def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
     """Start the supervisor's children and keep them up until SIGINT/SIGTERM, then drain and stop them."""
     from deepinfer.launch.exit_notes import ExitNotifier
+    from deepinfer.launch.keys import supervisor_auth
     from deepinfer.launch.supervisor import Supervisor
 
     stopping = False
@@ -336,7 +337,7 @@ def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     sup = Supervisor(topology, log_dir=log_dir)
-    sup.on_exit = notes = ExitNotifier(sup.topology.backend)
+    sup.on_exit = notes = ExitNotifier(sup.topology.backend, supervisor_auth(sup.topology))
     sup.start()
     try:
         sup.wait_ready(lambda: stopping)
@@ -406,6 +407,19 @@ def systemd(topology: Path, out: Path, user: str) -> None:
     from deepinfer.launch.systemd import write_units
 
     for path in write_units(topology, out, user=user):
+        click.echo(str(path))
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
+def keys(directory: Path, topology: Path) -> None:
+    """Make CURVE key pairs for a topology's services, the supervisor and a first client, in DIRECTORY (0700;
+    existing keys are kept). Name it in the topology's [security] table: keys_dir = "DIRECTORY"."""
+    from deepinfer.launch.keys import make_keys
+    from deepinfer.launch.topology import Topology
+
+    for path in make_keys(directory, Topology.load(topology)):
         click.echo(str(path))
 
 

@@ -16,6 +16,7 @@ import structlog
 import zmq
 
 from deepinfer.protocol import messages as m
+from deepinfer.protocol.auth import ClientAuth
 from deepinfer.protocol.sockets import make_dealer, send_msg
 
 log = structlog.get_logger("deepinfer.supervisor")
@@ -25,11 +26,12 @@ SEND_TIMEOUT_MS = 200
 
 class ExitNotifier:
     """A DEALER on the router's backend whose identity starts with "supervisor" (the router takes
-    ServiceExited from no one else)."""
+    ServiceExited from no one else). On a secured backend `auth` is the supervisor's key, which may claim
+    exactly such routing ids."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, auth: ClientAuth | None = None) -> None:
         self._ctx = zmq.Context()
-        self._sock = make_dealer(self._ctx, backend, f"supervisor-{os.getpid()}".encode())
+        self._sock = make_dealer(self._ctx, backend, f"supervisor-{os.getpid()}".encode(), auth=auth)
         self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
 
     def __call__(self, instance: str, role: str, pid: int, returncode: int) -> None:

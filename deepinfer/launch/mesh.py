@@ -17,6 +17,7 @@ from typing import Any
 import zmq.asyncio
 
 from deepinfer.engine.config import EngineConfig
+from deepinfer.launch.keys import service_auth
 from deepinfer.launch.supervisor import watch_lifeline
 from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir
 from deepinfer.launch.tuning import tune_malloc
@@ -37,13 +38,14 @@ def engine_config(w: WorkerSpec, block_size: int = 16) -> EngineConfig:
 
 
 def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Context) -> Service:
+    auth = service_auth(topology, role, name)  # CURVE keys for its tcp:// sockets; none without [security]
     if role == "router":
         return RouterService("router", topology.frontend, topology.backend, ctx,
-                             RouterConfig(**topology.router_options))
+                             RouterConfig(**topology.router_options), auth=auth)
     if role == "tokenizer":
         spec = topology.tokenizer(name)
         return TokenizerService(spec.name, topology.backend, spec.detok, ctx, topology.model,
-                                block_size=topology.block_size)
+                                block_size=topology.block_size, auth=auth)
     if role == "worker":
         spec = topology.worker(name)
         daemon = topology.kvcache(spec.kvcache) if spec.kvcache is not None else None
@@ -52,13 +54,13 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
             kv_bind=spec.kv if spec.role in ("decode", "worker") else None,
             decode_peers={w.name: w.kv for w in topology.workers if w.role in ("decode", "worker")},
             tokenizers={t.name: t.detok for t in topology.tokenizers},
-            kvcache=(daemon.name, daemon.endpoint) if daemon is not None else None,
+            kvcache=(daemon.name, daemon.endpoint) if daemon is not None else None, auth=auth,
         )
     if role == "kvcache":
         k = topology.kvcache(name)
         return KvCacheService(k.name, topology.backend, ctx, topology.model, k.endpoint,
                               k.dir if k.dir is not None else default_kvcache_dir(), k.host_mb, k.disk_mb,
-                              block_size=topology.block_size)
+                              block_size=topology.block_size, auth=auth)
     raise ValueError(f"unknown role {role!r}")
 
 

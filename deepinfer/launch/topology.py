@@ -25,6 +25,9 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`)::
     dir = "/mnt/nvme/deepinfer-kv"        # the disk tier (default: the user's cache directory)
     host_mb = 4096                        # DRAM tier capacity
     disk_mb = 200000                      # disk tier capacity (watermarks keep usage below it)
+    [security]                            # optional: CURVE on every tcp:// endpoint
+    keys_dir = "/etc/deepinfer/keys"      # from `deepinfer-launch keys DIR --topology F` (relative: to this file)
+    client_keys = "/etc/deepinfer/clients.allowed"  # the tenants' public keys (default: DIR/clients/allowed)
 
 The long-lived side binds (router frontend/backend, tokenizer detok, decode kv, kvcache endpoint);
 everyone else connects. `block_size` (top level, default 16) must be the same for every service: it is
@@ -124,6 +127,16 @@ class TokenizerSpec:
 
 
 @dataclass(frozen=True)
+class SecuritySpec:
+    """Where the CURVE keys are (`deepinfer-launch keys`): `keys_dir/services/NAME.key` names each service's
+    public key, a host holds the `.key_secret` of its own services only; `client_keys` lists the tenants' public
+    keys (kept apart from the service keys: a tenant key never authenticates a service)."""
+
+    keys_dir: str
+    client_keys: str | None = None  # None: keys_dir/clients/allowed
+
+
+@dataclass(frozen=True)
 class Topology:
     model: str
     frontend: str
@@ -133,6 +146,7 @@ class Topology:
     router_options: dict[str, Any] = field(default_factory=dict)
     kvcaches: tuple[KvCacheSpec, ...] = ()
     block_size: int = 16
+    security: SecuritySpec | None = None  # None: no CURVE (loopback or ipc:// only, as DESIGN §3 advises)
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tokenizers] + [w.name for w in self.workers] + [k.name for k in self.kvcaches]
@@ -225,6 +239,7 @@ class Topology:
                 router_options={k: v for k, v in router.items() if k not in ("frontend", "backend")},
                 kvcaches=tuple(KvCacheSpec(**k) for k in data.get("kvcache", [])),
                 block_size=int(data.get("block_size", 16)),
+                security=_security(data.get("security"), Path(path).parent),
             )
         except (KeyError, TypeError) as exc:
             raise TopologyError(f"{path}: malformed topology ({exc})") from exc
@@ -251,7 +266,20 @@ class Topology:
                       f"host_mb = {k.host_mb}", f"disk_mb = {k.disk_mb}"]
             if k.dir is not None:
                 lines.append(f"dir = {json.dumps(k.dir)}")
+        if self.security is not None:
+            lines += ["", "[security]", f"keys_dir = {json.dumps(self.security.keys_dir)}"]
+            if self.security.client_keys is not None:
+                lines.append(f"client_keys = {json.dumps(self.security.client_keys)}")
         return "\n".join(lines) + "\n"
+
+
+def _security(table: dict[str, Any] | None, base: Path) -> SecuritySpec | None:
+    """The [security] table, its paths made absolute against the topology file's directory."""
+    if table is None:
+        return None
+    spec = SecuritySpec(**table)
+    client_keys = None if spec.client_keys is None else str(base / spec.client_keys)
+    return SecuritySpec(str(base / spec.keys_dir), client_keys)
 
 
 def _speculation_toml(w: WorkerSpec) -> list[str]:

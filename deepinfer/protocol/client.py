@@ -20,6 +20,10 @@ The router's liveness: ZMTP heartbeats on the socket and a socket monitor. When 
 drops (its process died, or it stopped answering heartbeats for HEARTBEAT_TIMEOUT_MS) every request the router
 held ends with `RouterLostError`; a request sent while no router is connected waits `connect_timeout_s` for
 one. The socket reconnects by itself, says Hello again, and the same client serves new requests.
+
+A router whose tcp:// front is secured (CURVE, see `protocol.auth`) takes tenants with a listed key only:
+pass `curve_keys=` (this tenant's KeyPair) and `server_key=` (the router's public key), e.g. both from
+`load_client_keys(keys_dir)`. The client's routing id then starts with its key's prefix, which the router checks.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from deepinfer.protocol import messages as m
+from deepinfer.protocol.auth import ClientAuth, KeyPair, client_identity_prefix
 from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.framing import encode_frames
 from deepinfer.protocol.sockets import arecv_msg, make_dealer, recv_msg
@@ -127,9 +132,22 @@ def _hello() -> m.Hello:
     return m.Hello(m.PROTOCOL_VERSION, "client", "client")
 
 
-def _open_dealer(ctx: zmq.Context, endpoint: str) -> tuple[Any, Any | None]:
-    """The client's DEALER and, except on inproc:// (no connection events there), its monitor socket."""
-    sock = make_dealer(ctx, [], f"client-{secrets.token_hex(6)}".encode())  # connected below
+def _client_auth(curve_keys: KeyPair | None, server_key: bytes | str | None) -> ClientAuth | None:
+    if (curve_keys is None) != (server_key is None):
+        raise ValueError("give both curve_keys= and server_key= (or neither)")
+    if curve_keys is None or server_key is None:
+        return None
+    return ClientAuth(curve_keys, server_key.encode() if isinstance(server_key, str) else bytes(server_key))
+
+
+def _open_dealer(ctx: zmq.Context, endpoint: str, auth: ClientAuth | None = None) -> tuple[Any, Any | None]:
+    """The client's DEALER and, except on inproc:// (no connection events there), its monitor socket. With
+    `auth` (tcp:// only) it authenticates with CURVE under a routing id that starts with its key's prefix."""
+    if auth is not None and endpoint.startswith("tcp://"):
+        identity = client_identity_prefix(auth.keypair.public) + secrets.token_hex(6)
+    else:
+        auth, identity = None, f"client-{secrets.token_hex(6)}"
+    sock = make_dealer(ctx, [], identity.encode(), auth=auth)  # connected below
     # Options are copied into a connection when it is made, and the monitor must see the first handshake:
     # both are set before connect.
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -265,10 +283,10 @@ class _SocketThread:
     """Owns the DEALER, its monitor and the session; the only thread that touches any of them. Callers hand it
     work through `_call` (a queue, plus a byte on a socket pair that wakes its poll)."""
 
-    def __init__(self, endpoint: str, connect_timeout_s: float) -> None:
+    def __init__(self, endpoint: str, connect_timeout_s: float, auth: ClientAuth | None = None) -> None:
         self._ctx = zmq.Context()
         try:
-            self._sock, self._monitor = _open_dealer(self._ctx, endpoint)
+            self._sock, self._monitor = _open_dealer(self._ctx, endpoint, auth)
         except BaseException:
             self._ctx.term()
             raise
@@ -397,11 +415,12 @@ class Client:
     Requests may also overlap within one thread via `generate_many`."""
 
     def __init__(self, endpoint: str, timeout_s: float = 300.0, api_key: str | None = None, *,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, curve_keys: KeyPair | None = None,
+                 server_key: bytes | str | None = None) -> None:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self._ids = _Ids()
-        self._io = _SocketThread(endpoint, connect_timeout_s)
+        self._io = _SocketThread(endpoint, connect_timeout_s, _client_auth(curve_keys, server_key))
         # A client dropped without close() still stops its thread and frees its sockets.
         self._close = weakref.finalize(self, self._io.close)
         try:
@@ -513,12 +532,14 @@ class AsyncClient:
     """asyncio client: any number of concurrent requests over one socket, all on one event loop."""
 
     def __init__(self, endpoint: str, timeout_s: float = 300.0, api_key: str | None = None,
-                 ctx: zmq.asyncio.Context | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 ctx: zmq.asyncio.Context | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 curve_keys: KeyPair | None = None, server_key: bytes | str | None = None) -> None:
         # inproc:// endpoints only connect within one context: pass the mesh's to talk to an in-process mesh.
+        auth = _client_auth(curve_keys, server_key)  # before any resource: a bad pair leaves nothing to close
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
         try:
-            self._sock, self._monitor = _open_dealer(self._ctx, endpoint)
+            self._sock, self._monitor = _open_dealer(self._ctx, endpoint, auth)
         except BaseException:
             if self._own_ctx:
                 self._ctx.term()

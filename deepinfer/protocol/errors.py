@@ -15,6 +15,7 @@ ProtocolErrorCode = Literal[
     "bad_tensor",  # a tensor's dtype/shape disagrees with its frame, or the tensor cannot be framed
     "too_large",  # a size or count limit (frames, payload, frame, total, str/bin/array/map length)
     "too_deep",  # nesting beyond the decoder's bound
+    "unauthenticated",  # the sender's routing id is not one its CURVE key may claim (see protocol.auth)
 ]
 
 ERROR_CODES: frozenset[str] = frozenset(ProtocolErrorCode.__args__)  # type: ignore[attr-defined]

@@ -9,6 +9,11 @@
   SNDHWM/RCVHWM, and MAXMSGSIZE = limits.max_frame (libzmq applies it per frame and drops a peer that
   exceeds it, before we ever see the data).
 
+* CURVE (tcp:// only, see `protocol.auth`): a bound socket given `auth=ServerAuth` authenticates every peer
+  against its allow-list; a connecting one given `auth=ClientAuth` proves its key to the server. On a secured
+  ROUTER, `recv_routed` also refuses a message whose routing id is not one the sender's key may claim
+  (ProtocolError "unauthenticated", counted on the allow-list), so the identity a service sees is authenticated.
+
 The factories take either a `zmq.Context` or a `zmq.asyncio.Context` and return that context's socket kind.
 A socket belongs to the task or thread that made it. Sync helpers (`send_msg`, `recv_msg`, `recv_routed`)
 work on sync sockets, the `a*` coroutines on asyncio sockets; all receive with copy=False so buffer frames
@@ -17,11 +22,21 @@ work on sync sockets, the `a*` coroutines on asyncio sockets; all receive with c
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import zmq
 
+from deepinfer.protocol.auth import (
+    AllowList,
+    ClientAuth,
+    ServerAuth,
+    identity_allowed,
+    secure_client,
+    secure_server,
+    sender_rule,
+)
 from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.framing import decode_frames, encode_frames
 from deepinfer.protocol.limits import DEFAULT_LIMITS, Limits
@@ -38,12 +53,23 @@ def _new(ctx: zmq.Context, kind: int, hwm: int, limits: Limits) -> Any:
     return sock
 
 
-def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None) -> Any:
-    """Bind or connect (exactly one); closes the socket if that fails so no half-made socket leaks."""
+def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None,
+            auth: ServerAuth | ClientAuth | None = None) -> Any:
+    """Secure (with `auth`: ServerAuth to bind, ClientAuth to connect), then bind or connect (exactly one);
+    closes the socket if that fails so no half-made socket leaks."""
     if (bind is None) == (connect is None):
         sock.close()
         raise ValueError("give exactly one of bind= or connect=")
     try:
+        if isinstance(auth, ServerAuth):
+            if bind is None:
+                raise ValueError("ServerAuth secures a bound socket")
+            secure_server(sock, auth)
+            _ALLOW_LISTS[sock] = auth.allow
+        elif isinstance(auth, ClientAuth):
+            if connect is None:
+                raise ValueError("ClientAuth secures a connecting socket")
+            secure_client(sock, auth)
         if bind is not None:
             sock.bind(bind)
         else:
@@ -55,12 +81,14 @@ def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None) ->
     return sock
 
 
-def make_router(ctx: zmq.Context, bind: str, *, hwm: int = DEFAULT_HWM, limits: Limits = DEFAULT_LIMITS) -> Any:
-    """The bound side of an RPC edge. Sends need the peer's identity; see `recv_routed`."""
+def make_router(ctx: zmq.Context, bind: str, *, hwm: int = DEFAULT_HWM, limits: Limits = DEFAULT_LIMITS,
+                auth: ServerAuth | None = None) -> Any:
+    """The bound side of an RPC edge. Sends need the peer's identity; see `recv_routed`. Secured (`auth`),
+    handover is off: a routing id is checked per message, so no other key may take over a connected one's."""
     sock = _new(ctx, zmq.ROUTER, hwm, limits)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    return _attach(sock, bind, None)
+    return _attach(sock, bind, None, auth)
 
 
 def make_dealer(
@@ -70,6 +98,7 @@ def make_dealer(
     *,
     hwm: int = DEFAULT_HWM,
     limits: Limits = DEFAULT_LIMITS,
+    auth: ClientAuth | None = None,
 ) -> Any:
     """The connecting side of an RPC edge, known to the ROUTER by `identity` (the instance name)."""
     ident = identity.encode() if isinstance(identity, str) else bytes(identity)
@@ -78,6 +107,8 @@ def make_dealer(
         raise ValueError(f"identity must be 1..255 bytes not starting with \\x00, got {ident!r}")
     sock = _new(ctx, zmq.DEALER, hwm, limits)
     sock.setsockopt(zmq.ROUTING_ID, ident)
+    if auth is not None:  # also when connecting later (connect=[]): the options must precede the connect
+        secure_client(sock, auth)
     return _attach(sock, None, connect)
 
 
@@ -88,8 +119,9 @@ def make_push(
     connect: str | Sequence[str] | None = None,
     hwm: int = DEFAULT_HWM,
     limits: Limits = DEFAULT_LIMITS,
+    auth: ServerAuth | ClientAuth | None = None,
 ) -> Any:
-    return _attach(_new(ctx, zmq.PUSH, hwm, limits), bind, connect)
+    return _attach(_new(ctx, zmq.PUSH, hwm, limits), bind, connect, auth)
 
 
 def make_pull(
@@ -99,8 +131,9 @@ def make_pull(
     connect: str | Sequence[str] | None = None,
     hwm: int = DEFAULT_HWM,
     limits: Limits = DEFAULT_LIMITS,
+    auth: ServerAuth | ClientAuth | None = None,
 ) -> Any:
-    return _attach(_new(ctx, zmq.PULL, hwm, limits), bind, connect)
+    return _attach(_new(ctx, zmq.PULL, hwm, limits), bind, connect, auth)
 
 
 def make_pub(
@@ -141,8 +174,21 @@ def _frames(msg: Any, identity: bytes | None, limits: Limits) -> list:
     return frames
 
 
-def _routed(frames: list, limits: Limits) -> tuple[bytes, Any]:
+# The allow-list of each secured bound socket, for the per-message routing-id check (weak: closing and dropping
+# a socket forgets it).
+_ALLOW_LISTS: weakref.WeakKeyDictionary[Any, AllowList] = weakref.WeakKeyDictionary()
+
+
+def _routed(sock: Any, frames: list, limits: Limits) -> tuple[bytes, Any]:
     identity = frames[0].bytes
+    allow = _ALLOW_LISTS.get(sock)
+    if allow is not None:
+        rule = sender_rule(frames[-1])
+        if rule is None or not identity_allowed(rule, identity):
+            allow.refuse("routing id not owned by the sender's key", identity=identity.decode(errors="replace"),
+                         key_owner=rule)
+            # No `peer`: nothing is sent back to an identity the sender does not own.
+            raise ProtocolError("unauthenticated", f"routing id {identity!r} is not the sender's ({rule})")
     try:
         return identity, decode_frames(frames[1:], limits)
     except ProtocolError as e:
@@ -179,14 +225,15 @@ def recv_msg(sock: zmq.Socket, *, flags: int = 0, limits: Limits = DEFAULT_LIMIT
 
 def recv_routed(sock: zmq.Socket, *, flags: int = 0, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, Any]:
     """Receive (sender identity, message) on a ROUTER; a ProtocolError carries the sender in `.peer`."""
-    return _routed(sock.recv_multipart(flags=flags, copy=False), limits)
+    return _routed(sock, sock.recv_multipart(flags=flags, copy=False), limits)
 
 
 async def asend_msg(
-    sock: Any, msg: Any, identity: bytes | None = None, *, track: bool = False, limits: Limits = DEFAULT_LIMITS
+    sock: Any, msg: Any, identity: bytes | None = None, *, flags: int = 0, track: bool = False,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> zmq.MessageTracker | None:
-    """`send_msg` for a zmq.asyncio socket."""
-    return await sock.send_multipart(_frames(msg, identity, limits), copy=False, track=track)
+    """`send_msg` for a zmq.asyncio socket (with flags=zmq.NOBLOCK a full queue raises zmq.Again at once)."""
+    return await sock.send_multipart(_frames(msg, identity, limits), flags=flags, copy=False, track=track)
 
 
 async def arecv_msg(sock: Any, *, limits: Limits = DEFAULT_LIMITS) -> Any:
@@ -197,4 +244,4 @@ async def arecv_msg(sock: Any, *, limits: Limits = DEFAULT_LIMITS) -> Any:
 
 async def arecv_routed(sock: Any, *, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, Any]:
     """`recv_routed` for a zmq.asyncio socket."""
-    return _routed(await sock.recv_multipart(copy=False), limits)
+    return _routed(sock, await sock.recv_multipart(copy=False), limits)

@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.protocol import messages as m
+from deepinfer.protocol.auth import NO_AUTH, ServiceAuth
 from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.handshake import SAY_HELLO
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
@@ -43,8 +44,9 @@ class Service:
 
     def __init__(self, instance: str, backend: str, ctx: zmq.asyncio.Context | None = None,
                  heartbeat_s: float = 0.5, model_fingerprint: str | None = None,
-                 block_hash_scheme: str | None = None) -> None:
+                 block_hash_scheme: str | None = None, auth: ServiceAuth = NO_AUTH) -> None:
         self.instance = instance
+        self.auth = auth  # CURVE keys and allow-lists for its tcp:// sockets (NO_AUTH: none)
         self.backend = backend
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.heartbeat_s = heartbeat_s
@@ -117,7 +119,8 @@ class Service:
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
         """Connect, handshake, serve until `stop()`; then close every socket."""
-        self.router = self.socket(make_dealer(self.ctx, self.backend, self.instance.encode()))
+        self.router = self.socket(make_dealer(self.ctx, self.backend, self.instance.encode(),
+                                              auth=self.auth.for_connect(self.backend, "router")))
         try:
             if not await self._unless_stopped(self.handshake()):
                 return  # stopped (SIGTERM) before the router answered: nothing to drain

@@ -24,6 +24,7 @@ import torch
 
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.protocol import messages as m
+from deepinfer.protocol.auth import ClientAuth
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
 from deepinfer.services.engine_thread import EngineThread
 
@@ -48,11 +49,12 @@ class CacheClientStats:
 
 
 class CacheClient:
-    def __init__(self, instance: str, endpoint: str, ctx: Any, engine: LLMEngine, thread: EngineThread) -> None:
+    def __init__(self, instance: str, endpoint: str, ctx: Any, engine: LLMEngine, thread: EngineThread,
+                 auth: ClientAuth | None = None) -> None:
         self.instance = instance
         self.engine = engine
         self.thread = thread
-        self.sock = make_dealer(ctx, endpoint, instance.encode())
+        self.sock = make_dealer(ctx, endpoint, instance.encode(), auth=auth)
         self.up = True
         self.stats = CacheClientStats()
         self.log = structlog.get_logger("deepinfer").bind(service="cache-client", instance=instance)

@@ -142,7 +142,7 @@ class KvCacheService(Service):
             self.log.error("disk tier unusable: serving from DRAM only", error=self.store.disk_error)
         else:
             self.log.info("disk tier opened", report=str(report), namespace=self.namespace.id[:12])
-        self.sock = self.socket(make_router(self.ctx, self.endpoint))
+        self.sock = self.socket(make_router(self.ctx, self.endpoint, auth=self.auth.for_bind(self.endpoint, "cache")))
         await self._publish_snapshot()
 
     async def on_stop(self) -> None:

@@ -14,6 +14,7 @@ shared, and the router's prefix index would compare unrelated hashes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import secrets
 import time
@@ -24,8 +25,10 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.protocol import messages as m
+from deepinfer.protocol.auth import NO_AUTH, ServiceAuth
 from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.handshake import SAY_HELLO, check_hello
+from deepinfer.protocol.limits import CLIENT_LIMITS
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
@@ -36,6 +39,7 @@ TICK_S = 0.1
 SUPERVISOR_PREFIX = "supervisor"  # the backend identities a supervisor's exit notes come from
 REHELLO_ASK_S = 1.0
 MAX_ASKED = 4096
+MAX_BACKLOG = 4096  # messages kept for one slow client, in order; past that they are dropped
 # The field naming the instance a message speaks for: it must be the sender's own identity.
 SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
                                m.KvEvents: "publisher"}
@@ -73,10 +77,11 @@ class RouterService:
     role = "router"
 
     def __init__(self, instance: str, frontend: str, backend: str, ctx: zmq.asyncio.Context,
-                 config: RouterConfig | None = None) -> None:
+                 config: RouterConfig | None = None, auth: ServiceAuth = NO_AUTH) -> None:
         self.instance = instance
         self.frontend_ep, self.backend_ep = frontend, backend
         self.ctx = ctx
+        self.auth = auth  # CURVE on tcp:// (frontend: tenant keys only; backend: service keys + the supervisor)
         # Request ids must not repeat across router restarts: prefix them with this incarnation.
         config = dataclasses.replace(config or RouterConfig(), id_prefix=f"{secrets.token_hex(3)}-")
         self.core = RouterCore(config)
@@ -89,6 +94,7 @@ class RouterService:
         self.greeted: set[bytes] = set()  # backend identities welcomed by this incarnation
         self._asked: dict[bytes, float] = {}  # identities asked for a Hello, and when (monotonic)
         self.forged = 0
+        self._backlog: dict[bytes, collections.deque[Any]] = {}  # slow clients: what they are still owed
         self._drain_task: asyncio.Future[None] | None = None
 
     def stop(self) -> None:
@@ -112,8 +118,9 @@ class RouterService:
             self.stop()
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
-        self.frontend = make_router(self.ctx, self.frontend_ep)
-        self.backend = make_router(self.ctx, self.backend_ep)
+        self.frontend = make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,
+                                    auth=self.auth.for_bind(self.frontend_ep, "frontend"))
+        self.backend = make_router(self.ctx, self.backend_ep, auth=self.auth.for_bind(self.backend_ep, "backend"))
         try:
             self.log.info("serving", frontend=self.frontend_ep, backend=self.backend_ep)
             if ready is not None:
@@ -131,32 +138,65 @@ class RouterService:
     # -- sending ----------------------------------------------------------------------------
 
     async def _send(self, outbound: list[Outbound]) -> None:
+        """Never waits on a peer (NOBLOCK): one slow reader must not hold up the mesh."""
         for o in outbound:
             if o.to_client:
-                try:
-                    await asend_msg(self.frontend, o.msg, o.dest)
-                except zmq.ZMQError as exc:  # the client is gone: abort what it had in flight
-                    self.log.info("client unreachable", error=str(exc))
-                    await self._send(self.core.on_client_gone(o.dest, time.time()))
+                await self._to_client(o.dest, o.msg)  # type: ignore[arg-type]
             else:
                 try:
-                    await asend_msg(self.backend, o.msg, o.dest.encode())
+                    await asend_msg(self.backend, o.msg, o.dest.encode(), flags=zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # liveness (missed heartbeats) will fail its requests
-                    self.log.warning("service unreachable", dest=o.dest, error=str(exc))
+                    self.log.warning("service unreachable", dest=o.dest, error=str(exc) or "queue full")
+
+    async def _to_client(self, client: bytes, msg: Any) -> None:
+        """A client whose queue is full reads too slowly: its requests end now with an explicit error, kept
+        (with anything else still owed to it) in a bounded backlog that the tick delivers as it reads."""
+        backlog = self._backlog.get(client)
+        if backlog is not None:
+            if len(backlog) < MAX_BACKLOG:
+                backlog.append(msg)
+            return
+        try:
+            await asend_msg(self.frontend, msg, client, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.log.warning("client too slow: ending its requests", client=client.hex())
+            self._backlog[client] = collections.deque([msg])
+            await self._send(self.core.on_client_slow(client, self._now()))
+        except zmq.ZMQError as exc:  # the client is gone: abort what it had in flight
+            self.log.info("client unreachable", error=str(exc))
+            self._backlog.pop(client, None)
+            await self._send(self.core.on_client_gone(client, self._now()))
+
+    async def _flush_backlogs(self) -> None:
+        for client, backlog in list(self._backlog.items()):
+            try:
+                while backlog:
+                    await asend_msg(self.frontend, backlog[0], client, flags=zmq.NOBLOCK)
+                    backlog.popleft()
+                del self._backlog[client]
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:  # gone: what it was owed goes with it
+                del self._backlog[client]
+
+    @staticmethod
+    def _now() -> float:
+        # Every deadline and liveness decision runs on this clock: a wall-clock step changes none of them.
+        return time.monotonic()
 
     # -- loops ------------------------------------------------------------------------------
 
     async def _client_loop(self) -> None:
         while True:
             try:
-                client, msg = await arecv_routed(self.frontend)
+                client, msg = await arecv_routed(self.frontend, limits=CLIENT_LIMITS)
             except ProtocolError as exc:
                 self.malformed += 1
                 self.log.warning("malformed client message", code=exc.code, detail=exc.detail)
                 if exc.peer is not None:
                     await self._send([Outbound(exc.peer, m.ErrorReply("", "bad_message", f"{exc.code}: {exc.detail}"))])
                 continue
-            now = time.time()
+            now = self._now()
             if isinstance(msg, m.Hello):
                 welcome = check_hello(msg, m.PROTOCOL_VERSION, None, None, service="router", instance=self.instance)
                 await self._send([Outbound(client, welcome)])
@@ -176,7 +216,7 @@ class RouterService:
                 self.malformed += 1
                 self.log.warning("malformed service message", code=exc.code, detail=exc.detail, peer=exc.peer)
                 continue
-            sender, now = ident.decode(errors="replace"), time.time()
+            sender, now = ident.decode(errors="replace"), self._now()
             if isinstance(msg, m.ServiceExited):
                 if sender.startswith(SUPERVISOR_PREFIX):
                     self.log.info("service exited", instance=msg.instance, pid=msg.pid, code=msg.returncode)
@@ -239,4 +279,5 @@ class RouterService:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            await self._send(self.core.tick(time.time()))
+            await self._send(self.core.tick(self._now()))
+            await self._flush_backlogs()

@@ -36,7 +36,8 @@ class TokenizerService(Service):
         self.pull: Any = None
 
     async def on_start(self) -> None:
-        self.pull = self.socket(make_pull(self.ctx, bind=self.detok_bind))
+        self.pull = self.socket(make_pull(self.ctx, bind=self.detok_bind,
+                                          auth=self.auth.for_bind(self.detok_bind, "detok")))
 
     def tasks(self) -> list[Any]:
         # The workers' PULL takes token batches only: a peer that can reach it controls nothing else.

@@ -90,16 +90,19 @@ class WorkerService(Service):
 
     async def on_start(self) -> None:
         for name, ep in self.tokenizer_endpoints.items():
-            self._pushes[name] = self.socket(make_push(self.ctx, connect=ep))
+            self._pushes[name] = self.socket(make_push(self.ctx, connect=ep, auth=self.auth.for_connect(ep, name)))
         if self.role in ("decode", "worker") and self.kv_bind:
-            self._kv_router = self.socket(make_router(self.ctx, self.kv_bind))
+            self._kv_router = self.socket(make_router(self.ctx, self.kv_bind,
+                                                      auth=self.auth.for_bind(self.kv_bind, "kv")))
         if self.role == "prefill":
             for name, ep in self.decode_peers.items():
-                self._kv_dealers[name] = self.socket(make_dealer(self.ctx, ep, self.instance.encode()))
+                self._kv_dealers[name] = self.socket(make_dealer(self.ctx, ep, self.instance.encode(),
+                                                                 auth=self.auth.for_connect(ep, name)))
         self._thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_outputs, self.instance)
         self._thread.start()
         if self.kvcache is not None:
-            self.cache = CacheClient(self.instance, self.kvcache[1], self.ctx, self.engine, self._thread)
+            self.cache = CacheClient(self.instance, self.kvcache[1], self.ctx, self.engine, self._thread,
+                                     auth=self.auth.for_connect(self.kvcache[1], self.kvcache[0]))
         if self.engine.config.enable_prefix_caching:
             await self._publish_snapshot()
 

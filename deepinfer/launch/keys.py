@@ -1,0 +1,118 @@
+"""CURVE keys for a topology: `deepinfer-launch keys DIR --topology F` makes them, `service_auth` reads what one
+service instance needs from them.
+
+Layout of DIR (0700; see `protocol.auth` for the file format)::
+
+    services/NAME.key, NAME.key_secret     one pair per service instance (router, tokenizers, workers, cache
+                                           daemons) and one for the supervisor (its exit notes to the router)
+    clients/client.key, client.key_secret  a first tenant key pair
+    clients/allowed                        the tenants' public keys the router's front accepts
+
+Service keys and tenant keys never mix: the router's front accepts only `clients/allowed`, every other socket
+only service keys. Who may connect where (each bound socket its own allow-list):
+
+    router frontend       tenants
+    router backend        tokenizers, workers, cache daemons (each bound to its instance name) + the supervisor
+    decode/worker kv      prefill workers
+    tokenizer detok       workers
+    cache daemon          the workers that name it
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from deepinfer.launch.topology import Topology
+from deepinfer.protocol.auth import (
+    CLIENT_KEY_NAME,
+    CLIENTS_ALLOWED,
+    CLIENTS_DIR,
+    NO_AUTH,
+    ROUTER_KEY_NAME,
+    SERVICES_DIR,
+    AllowList,
+    ClientAuth,
+    KeyPair,
+    ServiceAuth,
+    client_allow_list,
+    load_public_key,
+    read_client_keys,
+    secured,
+)
+
+ROUTER = ROUTER_KEY_NAME
+SUPERVISOR = "supervisor"  # its routing ids are `supervisor-<pid>` (see exit_notes)
+
+
+def key_owners(topology: Topology) -> list[str]:
+    """Every name that gets a service key pair."""
+    return [ROUTER, *(t.name for t in topology.tokenizers), *(w.name for w in topology.workers),
+            *(k.name for k in topology.kvcaches), SUPERVISOR]
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)  # an existing directory too: it holds secret keys
+    return path
+
+
+def make_keys(directory: str | os.PathLike[str], topology: Topology) -> list[Path]:
+    """Make the key pairs `topology` needs in `directory` that are not there yet (existing keys are kept, so a
+    grown topology only adds keys); returns the files written."""
+    root = _private_dir(Path(directory))
+    services, clients = _private_dir(root / SERVICES_DIR), _private_dir(root / CLIENTS_DIR)
+    written: list[Path] = []
+    for name in key_owners(topology):
+        if not (services / f"{name}.key_secret").exists():
+            written += KeyPair.generate().save(services, name)
+    if not (clients / f"{CLIENT_KEY_NAME}.key_secret").exists():
+        client = KeyPair.generate()
+        written += client.save(clients, CLIENT_KEY_NAME)
+        allowed = clients / CLIENTS_ALLOWED
+        with open(allowed, "a") as f:
+            f.write(f"{client.public.decode()} {CLIENT_KEY_NAME}\n")
+        written.append(allowed)
+    return written
+
+
+def service_auth(topology: Topology, role: str, name: str) -> ServiceAuth:
+    """What service `name` (role router, tokenizer, worker or kvcache) needs: its key pair, the public keys of
+    the servers it connects to, and the allow-list of each socket it binds. NO_AUTH without [security]."""
+    if topology.security is None:
+        return NO_AUTH
+    services = Path(topology.security.keys_dir) / SERVICES_DIR
+
+    def public(owner: str) -> bytes:
+        return load_public_key(services / f"{owner}.key")
+
+    def allow(socket_name: str, owners: list[str]) -> AllowList:
+        return AllowList(f"{name}/{socket_name}", {public(o): o for o in owners})
+
+    workers = [w.name for w in topology.workers]
+    servers = [ROUTER, *(t.name for t in topology.tokenizers), *(k.name for k in topology.kvcaches),
+               *(w.name for w in topology.workers if w.role in ("decode", "worker"))]
+    lists: dict[str, AllowList] = {}
+    if role == "router":
+        daemons = [k.name for k in topology.kvcaches]
+        backend = allow("backend", [t.name for t in topology.tokenizers] + workers + daemons)
+        backend.allow(public(SUPERVISOR), f"{SUPERVISOR}-*")
+        client_keys = topology.security.client_keys or Path(topology.security.keys_dir) / CLIENTS_DIR / CLIENTS_ALLOWED
+        lists = {"backend": backend, "frontend": client_allow_list(f"{name}/frontend", read_client_keys(client_keys))}
+    elif role == "tokenizer":
+        lists = {"detok": allow("detok", workers)}
+    elif role == "worker":
+        lists = {"kv": allow("kv", [w.name for w in topology.workers if w.role == "prefill"])}
+    elif role == "kvcache":
+        lists = {"cache": allow("cache", [w.name for w in topology.workers if w.kvcache == name])}
+    else:
+        raise ValueError(f"unknown role {role!r}")
+    return ServiceAuth(KeyPair.load(services / f"{name}.key_secret"), {s: public(s) for s in servers}, lists)
+
+
+def supervisor_auth(topology: Topology) -> ClientAuth | None:
+    """The supervisor's key for its exit notes to the router's backend, if the backend is secured."""
+    if topology.security is None or not secured(topology.backend):
+        return None
+    services = Path(topology.security.keys_dir) / SERVICES_DIR
+    return ClientAuth(KeyPair.load(services / f"{SUPERVISOR}.key_secret"), load_public_key(services / f"{ROUTER}.key"))
