@@ -39,6 +39,7 @@ TICK_S = 0.1
 SUPERVISOR_PREFIX = "supervisor"  # the backend identities a supervisor's exit notes come from
 REHELLO_ASK_S = 1.0
 MAX_ASKED = 4096
+STATE_LOG_S = 10.0  # how often the router logs the mesh's state
 MAX_BACKLOG = 4096  # messages kept for one slow client, in order; past that they are dropped
 # The field naming the instance a message speaks for: it must be the sender's own identity.
 SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
@@ -277,7 +278,20 @@ class RouterService:
             self.log.warning("refused", instance=hello.instance, reason=welcome.reason)
 
     async def _tick_loop(self) -> None:
+        logged = self._now()
         while True:
             await asyncio.sleep(TICK_S)
             await self._send(self.core.tick(self._now()))
             await self._flush_backlogs()
+            if self._now() - logged >= STATE_LOG_S:
+                logged = self._now()
+                self._log_state()
+
+    def _log_state(self) -> None:
+        """One line per period: what an operator (or bench/soak.py) watches for leaks and stalls."""
+        workers = {i.name: f"{i.load.free_blocks}/{i.load.total_blocks}" for i in self.core.table.instances.values()
+                   if i.load is not None and i.load.total_blocks}
+        self.log.info("mesh state", inflight=self.core.num_inflight, free_blocks=workers,
+                      live=sorted(i.name for i in self.core.table.instances.values() if i.alive),
+                      moves=self.core.metrics.moves, malformed=self.malformed, forged=self.forged,
+                      slow_clients=len(self._backlog))
