@@ -7,6 +7,7 @@ role's key is refused and counted, and requests are served as before. Bounded wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
@@ -14,8 +15,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+import torch
 import zmq
 import zmq.asyncio
 from click.testing import CliRunner
@@ -81,14 +82,14 @@ class Forger:
             sock.setsockopt(zmq.CURVE_SERVERKEY, server)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
-        sock.connect(endpoint)
-        send_msg(sock, msg, flags=zmq.NOBLOCK)
         self.sockets.append(sock)
+        sock.connect(endpoint)
+        # A PUSH queues nothing before a handshake that never succeeds: then the message cannot even leave.
+        with contextlib.suppress(zmq.Again):
+            send_msg(sock, msg, flags=zmq.NOBLOCK)
 
     def close(self) -> None:
-        for s in self.sockets:
-            s.close(linger=0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 # -- keys --------------------------------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def test_secured_mesh_serves_and_refuses_every_forgery(tmp_path, smollm2_path):
             worker, daemon = mesh.service("worker-0"), mesh.service("kvcache-0")
             public = {n: load_public_key(keys / "services" / f"{n}.key") for n in ("tokenizer-0", "worker-0",
                                                                                     "kvcache-0", "router")}
-            kv = np.zeros((1, 4), dtype=np.float32)
+            kv = torch.zeros((1, 4), dtype=torch.float32)
             transfer = m.KvTransfer("r-1", "lease", 1, [1, 2, 3], [], m.SamplingParamsWire(), 16, "x", kv,
                                     "tokenizer-0")
             store = m.CacheStore("r-1", "ns", [b"\x00" * 32], kv)
