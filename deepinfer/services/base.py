@@ -13,7 +13,7 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar
 
 import structlog
@@ -63,6 +63,7 @@ class Service:
         self.draining = False
         self._drain_task: asyncio.Future[None] | None = None
         self._rehello_at: float | None = None  # when we last said Hello to a restarted router, until welcomed
+        self._spawned: set[asyncio.Task[Any]] = set()
 
     # -- to override ------------------------------------------------------------------------
 
@@ -138,6 +139,8 @@ class Service:
                     raise t.exception()  # type: ignore[misc]
             await self.on_stop()
         finally:
+            for t in list(self._spawned):
+                t.cancel()
             for s in self._sockets:
                 s.close(linger=0)
             self.log.info("stopped")
@@ -159,6 +162,20 @@ class Service:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
+        """Run `coro` beside the loops. The task is kept (the event loop holds tasks only weakly, so a
+        fire-and-forget one can vanish mid-flight), its failure is logged, and it is cancelled at stop."""
+        task = asyncio.ensure_future(coro)
+        self._spawned.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._spawned.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.log.error("task failed", task=what, error=repr(t.exception()))
+
+        task.add_done_callback(done)
+        return task
 
     def idle(self) -> bool:
         """Nothing in flight: a draining service may stop. Subclasses holding requests override it."""

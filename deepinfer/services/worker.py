@@ -220,14 +220,14 @@ class WorkerService(Service):
             if track is None:
                 continue  # aborted meanwhile
             if out.handoff:
-                asyncio.ensure_future(self._handoff(out, track))
+                self.spawn(self._handoff(out, track), "handoff")
                 continue
             if track.job is not None and not track.prefill_reported and out.new_token_ids:
                 track.prefill_reported = True
-                asyncio.ensure_future(self.send_router(self._prefill_done(out, track)))
+                self.spawn(self.send_router(self._prefill_done(out, track)), "PrefillDone")
             if out.finish_reason is not None and out.finish_reason.value == "error":
                 self.tracks.pop(out.request_id, None)
-                asyncio.ensure_future(self.send_router(m.ErrorReply(out.request_id, "internal", out.error or "")))
+                self.spawn(self.send_router(m.ErrorReply(out.request_id, "internal", out.error or "")), "ErrorReply")
                 continue
             item = m.DetokenizeItem(
                 out.request_id, track.sent, list(out.new_token_ids), out.finished,
@@ -242,7 +242,7 @@ class WorkerService(Service):
                 if self.cache is not None:
                     self.cache.offer(out.request_id, out.block_hashes)
         for tok, items in batches.items():
-            asyncio.ensure_future(self._push(tok, m.DetokenizeBatch(self.instance, self.progress, items)))
+            self.spawn(self._push(tok, m.DetokenizeBatch(self.instance, self.progress, items)), "DetokenizeBatch")
 
     async def _push(self, tokenizer: str, batch: m.DetokenizeBatch) -> None:
         sock = self._pushes.get(tokenizer)

@@ -121,3 +121,30 @@ def test_a_refusal_other_than_say_hello_stops_the_service(tmp_path):
         ctx.destroy(linger=0)
 
     asyncio.run(run())
+
+
+def test_spawned_tasks_are_kept_logged_when_they_fail_and_cancelled_at_stop(tmp_path):
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        router, task = start_router(ctx, tmp_path)
+        svc = Recording("tok-c", f"ipc://{tmp_path}/back.sock", ctx, heartbeat_s=0.1)
+        svc_task = asyncio.ensure_future(svc.run())
+        await until(lambda: router.core.table.get("tok-c") is not None)
+
+        async def fail() -> None:
+            raise RuntimeError("boom")
+
+        failing = svc.spawn(fail(), "failing")
+        forever = svc.spawn(asyncio.sleep(3600), "sleeper")
+        await until(lambda: failing.done())
+        assert failing not in svc._spawned and forever in svc._spawned  # kept until done, then dropped
+        svc.stop()
+        await svc_task
+        await until(lambda: forever.done())
+        assert forever.cancelled()
+        await until(lambda: not svc._spawned)
+        router.stop()
+        await task
+        ctx.destroy(linger=0)
+
+    asyncio.run(run())
