@@ -229,6 +229,7 @@ class Service:
             if self._rehello_at is not None:
                 self.log.info("rejoined the restarted router")
                 self._rehello_at = None
+                await self._beat()  # placeable now, not at the next period: it carries the load
             return
         if welcome.reason != SAY_HELLO:
             self.log.error("the router refused this service", reason=welcome.reason)
