@@ -161,13 +161,14 @@ def test_router_backend_refuses_strangers_and_keys_claiming_other_instances(tmp_
         forger = Forger()
         try:
             other_service = service_keys(keys, "kvcache-0")
-            for msg, identity in ((beat, "tokenizer-0"), (hello, "tokenizer-1")):
+            for n, (msg, identity) in enumerate(((beat, "tokenizer-0"), (hello, "tokenizer-1")), start=1):
                 send = partial(forger.send, zmq.DEALER, topo.backend, msg)
                 await refused_once_more(backend, partial(send, identity=identity))  # no key
                 await refused_once_more(backend, partial(send, client, router_key, identity))  # a tenant's key
                 # A service's valid key (the cache daemon's) claiming another instance's routing id (one not
-                # connected now: libzmq itself drops a second connection under a connected one's, uncounted).
-                await refused_once_more(backend, partial(send, other_service, router_key, "tokenizer-1"))
+                # connected now: libzmq itself drops a second connection under a connected one's, uncounted; so
+                # each round claims a name no earlier forger may still be connected under).
+                await refused_once_more(backend, partial(send, other_service, router_key, f"tokenizer-{n}"))
             await asyncio.sleep(0.3)  # several of the real tokenizer's heartbeats pass meanwhile
             assert router.core.table.get("tokenizer-0").incarnation == incarnation
             assert b"tokenizer-1" not in router.greeted and "tokenizer-1" not in router.core.table.instances
