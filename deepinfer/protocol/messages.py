@@ -70,7 +70,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -332,6 +332,8 @@ class EncodeRequest:
     # A request moving off a lost worker: the output its client has seen. The detokenizer state is rebuilt
     # as if those tokens had streamed through here, and the block hashes cover prompt and output.
     resume_output_ids: list[int] | None = None
+    # The request's output budget: prompt plus max_tokens must fit the model's context (None: not checked).
+    max_tokens: int | None = None
 
 
 @message(0x21)

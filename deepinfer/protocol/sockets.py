@@ -2,7 +2,9 @@
 
 * RPC: DEALER (connects, identity = instance name) → ROUTER (binds). ROUTER_MANDATORY makes a send to an
   identity that is not connected raise EHOSTUNREACH instead of dropping the message silently;
-  ROUTER_HANDOVER lets a restarted peer reclaim its identity without waiting for the old connection to die.
+  ROUTER_HANDOVER is off: while a peer is connected no second connection can take its routing id (and the
+  replies meant for it); libzmq refuses the newcomer until the first connection ends, which a killed
+  process's does at once, and the newcomer's DEALER retries by itself.
 * pipelines: PUSH → PULL; broadcasts that may be lost: PUB → SUB (subscribe with `type_frame(Cls)` to get
   one message type). The long-lived side binds.
 * every socket: LINGER 0 (closing never blocks on unsent messages: request-level deadlines recover them),
@@ -84,10 +86,10 @@ def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None,
 def make_router(ctx: zmq.Context, bind: str, *, hwm: int = DEFAULT_HWM, limits: Limits = DEFAULT_LIMITS,
                 auth: ServerAuth | None = None) -> Any:
     """The bound side of an RPC edge. Sends need the peer's identity; see `recv_routed`. Secured (`auth`),
-    handover is off: a routing id is checked per message, so no other key may take over a connected one's."""
+    a routing id is also checked per message against the key that authenticated the connection."""
     sock = _new(ctx, zmq.ROUTER, hwm, limits)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     return _attach(sock, bind, None, auth)
 
 

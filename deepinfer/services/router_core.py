@@ -170,9 +170,8 @@ class RouterCore:
         self.queued_tokens += estimate
         self.table.hold(st.where, {tokenizer.name})
         self.metrics.admitted += 1
-        encode = EncodeRequest(
-            rid, req.prompt, req.messages, req.prompt_token_ids, cache_salt=salt, stop=list(req.params.stop)
-        )
+        encode = EncodeRequest(rid, req.prompt, req.messages, req.prompt_token_ids, cache_salt=salt,
+                               stop=list(req.params.stop), max_tokens=req.params.max_tokens)
         return [Outbound(tokenizer.name, encode)]
 
     def on_abort(self, client: ClientId, abort: AbortRequest, now: float) -> list[Outbound]:
@@ -497,12 +496,13 @@ class RouterCore:
             st.queued, st.queued_charge = True, len(st.job_tokens)
             self.queued_requests += 1
             self.queued_tokens += st.queued_charge
-        req, stop = st.req, list(st.req.params.stop)
+        req, stop, budget = st.req, list(st.req.params.stop), st.req.params.max_tokens
         if st.prompt_ids:
             encode = EncodeRequest(st.rid, prompt_token_ids=st.prompt_ids, cache_salt=st.cache_salt, stop=stop,
-                                   resume_output_ids=list(st.output_ids))
+                                   resume_output_ids=list(st.output_ids), max_tokens=budget)
         else:  # its encoding was lost with the tokenizer: start that over
-            encode = EncodeRequest(st.rid, req.prompt, req.messages, req.prompt_token_ids, st.cache_salt, stop)
+            encode = EncodeRequest(st.rid, req.prompt, req.messages, req.prompt_token_ids, st.cache_salt, stop,
+                                   max_tokens=budget)
         return [Outbound(tokenizer.name, encode)]
 
     def _end(

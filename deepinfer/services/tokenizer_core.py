@@ -131,6 +131,11 @@ class TokenizerCore:
                 f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
                 "and must leave room for at least one generated token"
             )
+        if req.max_tokens is not None and len(ids) + req.max_tokens > self.max_model_len:
+            raise _Invalid(
+                f"max_tokens {req.max_tokens} plus the prompt's {len(ids)} tokens exceed the model's context of "
+                f"{self.max_model_len} tokens: ask for at most {self.max_model_len - len(ids)}"
+            )
         return ids
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

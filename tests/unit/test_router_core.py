@@ -196,7 +196,8 @@ def test_tenant_salt_comes_from_the_api_key() -> None:
     strict = basic_mesh(tenants={"key-a": "salt-a"}, require_api_key=True)
     assert strict.generate(api_key="nope")[0].msg.code == "invalid_request"
     assert strict.generate()[0].msg.code == "invalid_request"
-    enc = strict.admit(api_key="key-a", prompt="hi", params=SamplingParamsWire(stop=["\n\n"]))
+    enc = strict.admit(api_key="key-a", prompt="hi", params=SamplingParamsWire(stop=["\n\n"], max_tokens=77))
+    assert enc.max_tokens == 77  # the tokenizer refuses a budget the context cannot hold
     assert (enc.cache_salt, enc.prompt, enc.stop) == ("salt-a", "hi", ["\n\n"])
 
 
@@ -806,6 +807,7 @@ def test_lost_decode_worker_moves_its_requests_and_the_stream_goes_on() -> None:
     assert dests(out, EncodeRequest) == ["tok0"]  # its tokenizer is alive: it continues the text
     assert enc.request_id != job.request_id and enc.prompt_token_ids == job.token_ids
     assert enc.resume_output_ids == [7, 8, 9]
+    assert enc.max_tokens == SamplingParamsWire().max_tokens  # the tokenizer checks prompt + budget again
     st_ = mesh.core.request_of(C1, "c1")
     assert st_.phase is Phase.TOKENIZING and st_.moves == 1 and mesh.core.request(job.request_id) is None
     # Late messages under the old id are stale.

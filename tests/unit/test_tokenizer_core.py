@@ -105,6 +105,15 @@ def test_the_longest_prompt_leaves_one_token_of_context(core: TokenizerCore) -> 
     assert isinstance(core.on_encode(EncodeRequest("r1", prompt_token_ids=list(range(63)))), EncodeResult)
 
 
+def test_max_tokens_must_fit_the_context_with_the_prompt(core: TokenizerCore) -> None:
+    fits = core.on_encode(EncodeRequest("r1", prompt_token_ids=list(range(40)), max_tokens=24))
+    assert isinstance(fits, EncodeResult)
+    over = core.on_encode(EncodeRequest("r2", prompt_token_ids=list(range(40)), max_tokens=25))
+    assert isinstance(over, ErrorReply) and over.code == "invalid_request"
+    assert "max_tokens 25" in over.message and "at most 24" in over.message
+    assert core.num_inflight == 1  # the refused request left no state
+
+
 def test_a_model_without_chat_template_refuses_messages(tok: Tokenizer) -> None:
     plain = Tokenizer(tok.backend, chat_template=None)
     res = TokenizerCore(plain, "tok0", 64).on_encode(EncodeRequest("r1", messages=MESSAGES))
