@@ -3,6 +3,11 @@
 `ModelConfig` is the architecture description every loader produces (from a Hugging Face
 config.json or from GGUF metadata) and every model consumes. `EngineConfig` holds the knobs of
 one engine instance (KV memory budget, batching limits).
+
+The `DEFAULT_*` constants are the one definition of each engine default: EngineConfig, the launcher's
+topology and command line, and the services' constructors all take them from here, so no two layers can
+disagree (the block size above all: it is part of the KV-cache namespace, and services that hash blocks
+differently refuse each other at the handshake).
 """
 
 from __future__ import annotations
@@ -13,6 +18,15 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
+DEFAULT_KV_CACHE_MB = 512  # a worker's device KV pool
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_DEVICE = "cpu"
+MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS = 1, 32  # bounds of num_speculative_tokens
 
 
 class ConfigError(ValueError):
@@ -114,15 +128,15 @@ class ModelConfig:
 class EngineConfig:
     """Limits of one engine instance."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     # Bytes of KV cache to preallocate; `num_kv_blocks` overrides it when set.
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_MB * 1024 * 1024
     num_kv_blocks: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # Context limit; None means the model's max_position_embeddings.
     max_model_len: int | None = None
-    device: str = "cpu"
+    device: str = DEFAULT_DEVICE
     num_threads: int | None = None
     # Use the compiled paged-attention kernel for decode rows when it builds; the torch path otherwise.
     use_native_kernels: bool = True
@@ -132,7 +146,7 @@ class EngineConfig:
     # draft) or "draft:PATH" (a smaller model sharing the tokenizer). See deepinfer.engine.spec.
     speculative: str | None = None
     # The most tokens proposed for one request in one step.
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     # Let the controller choose each request's k per step (0 = off) from measured costs and acceptance;
     # False: always propose up to num_speculative_tokens.
     adaptive_speculation: bool = True
@@ -145,8 +159,8 @@ class EngineConfig:
             raise ConfigError("block_size must be positive")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
-        if not 1 <= self.num_speculative_tokens <= 32:
-            raise ConfigError("num_speculative_tokens must be in [1, 32]")
+        if not MIN_SPECULATIVE_TOKENS <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be in [{MIN_SPECULATIVE_TOKENS}, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
         if self.speculative is not None:

@@ -43,6 +43,7 @@ import zmq.asyncio
 
 from deepinfer.cache.hashing import HASH_BYTES
 from deepinfer.cache.store import TieredStore
+from deepinfer.engine.config import DEFAULT_BLOCK_SIZE
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import cache_namespace, model_config_at
 from deepinfer.engine.tokenizer import Tokenizer
@@ -110,7 +111,8 @@ class KvCacheService(Service):
     role = "kvcache"
 
     def __init__(self, instance: str, backend: str, ctx: zmq.asyncio.Context, model: str, endpoint: str,
-                 directory: str | Path, host_mb: int, disk_mb: int, block_size: int = 16, io_threads: int = 4,
+                 directory: str | Path, host_mb: int, disk_mb: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 io_threads: int = 4,
                  max_fetches_in_flight: int = MAX_FETCHES_IN_FLIGHT,
                  max_stores_in_flight: int = MAX_STORES_IN_FLIGHT, **kw: Any) -> None:
         path = resolve_model(model)

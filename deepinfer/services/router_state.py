@@ -9,8 +9,10 @@ import math
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
+from deepinfer.engine.config import DEFAULT_BLOCK_SIZE
 from deepinfer.engine.request import InvalidRequestError
 from deepinfer.protocol.messages import (
     FinishReason,
@@ -103,6 +105,10 @@ class RouterRequest:
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """The router's settings (a topology's [router] table, see deepinfer.launch.topology). Frozen all the
+    way down: the per-tenant mappings are kept as read-only copies, so a config shared by the topology
+    tree and the running router cannot change under either."""
+
     max_queued_requests: int = 256
     max_queued_prompt_tokens: int = 64 * 1024
     heartbeat_timeout_s: float = 5.0
@@ -110,7 +116,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # when the client gives no timeout_s
     placement_timeout_s: float = 10.0  # how long an encoded request waits for a live worker
     max_moves: int = 3  # times a request may continue elsewhere after losing a worker before worker_lost
-    block_size: int = 16  # KV block size of the workers (tokens), for free-block placement
+    block_size: int = DEFAULT_BLOCK_SIZE  # KV block size of the workers (tokens), for free-block placement
     tenants: Mapping[str, str] = field(default_factory=dict)  # api_key → cache salt
     default_cache_salt: str | None = None
     require_api_key: bool = False
@@ -134,6 +140,8 @@ class RouterConfig:
     kv_resync_interval_s: float = 5.0  # least time between KvResyncs to one publisher awaiting a snapshot
 
     def __post_init__(self) -> None:
+        for name in ("tenants", "priority_floor", "max_inflight_per_tenant"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         rates = (self.prior_prefill_tokens_per_s, self.prior_host_fetch_s_per_token, self.prior_disk_fetch_s_per_token)

@@ -11,6 +11,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from deepinfer.engine.config import DEFAULT_BLOCK_SIZE
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import cache_namespace, model_config_at
 from deepinfer.engine.tokenizer import Tokenizer
@@ -24,7 +25,7 @@ class TokenizerService(Service):
     role = "tokenizer"
 
     def __init__(self, instance: str, backend: str, detok_bind: str, ctx: zmq.asyncio.Context, model: str,
-                 max_model_len: int | None = None, block_size: int = 16, **kw: Any) -> None:
+                 max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, **kw: Any) -> None:
         path = resolve_model(model)
         self.tokenizer = Tokenizer.load(path)
         config = model_config_at(path)
