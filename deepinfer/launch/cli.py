@@ -21,8 +21,19 @@ from typing import Any
 
 import click
 
-from deepinfer.engine.config import EngineConfig
-from deepinfer.launch.topology import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
+from deepinfer.engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_MB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+    MIN_SPECULATIVE_TOKENS,
+)
+
+# Every option default below is a named constant defined once (engine.config, launch.specs), the one the
+# topology and the services use too; the light specs module keeps `--help` from importing the mesh.
+from deepinfer.launch.specs import DEFAULT_DISK_CACHE_MB, DEFAULT_HOST_CACHE_MB, DEFAULT_MODEL
 
 
 def configure_logging(as_json: bool, level: str) -> None:
@@ -62,7 +73,7 @@ def fetch(name: str, cache_dir: Path | None) -> None:
 
 def _check_speculative(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """Refuse an unknown method while parsing, before any model loads."""
-    from deepinfer.launch.topology import speculative_problem
+    from deepinfer.launch.specs import speculative_problem
 
     problem = None if value is None else speculative_problem(value)
     if problem is not None:
@@ -78,7 +89,8 @@ def speculation_options(f):  # type: ignore[no-untyped-def]
                           "draft:PATH (a smaller model with the same tokenizer). Runs where decoding does: "
                           "on decode and co-located workers. Greedy output does not change. Default: off."),
         click.option("--num-speculative-tokens", type=click.IntRange(MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS),
-                     default=4, show_default=True, help="The most draft tokens proposed per request per step."),
+                     default=DEFAULT_NUM_SPECULATIVE_TOKENS, show_default=True,
+                     help="The most draft tokens proposed per request per step."),
         click.option("--no-adaptive-speculation", is_flag=True,
                      help="Always propose up to --num-speculative-tokens instead of letting the controller "
                           "choose each step's count from measured costs and acceptance."),
@@ -89,7 +101,7 @@ def speculation_options(f):  # type: ignore[no-untyped-def]
 
 
 def speculation(speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool) -> dict[str, Any]:
-    """The speculation options as EngineConfig / Topology.local / EmbeddedMesh keyword arguments."""
+    """The speculation options as Topology.local / EmbeddedMesh keyword arguments."""
     return dict(speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                 adaptive_speculation=not no_adaptive_speculation)
 
@@ -98,31 +110,19 @@ def engine_options(f):  # type: ignore[no-untyped-def]
     """Options shared by every command that builds an engine."""
     f = speculation_options(f)
     opts = [
-        click.option("--model", default="smollm2", show_default=True,
+        click.option("--model", default=DEFAULT_MODEL, show_default=True,
                      help="'smollm2' (fetched on first use), a Hugging Face directory or a .gguf file."),
-        click.option("--kv-cache-mb", type=int, default=512, show_default=True, help="KV cache memory budget."),
-        click.option("--block-size", type=int, default=16, show_default=True),
-        click.option("--max-num-seqs", type=int, default=128, show_default=True),
-        click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
+        click.option("--kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MB, show_default=True,
+                     help="KV cache memory budget."),
+        click.option("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, show_default=True),
+        click.option("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, show_default=True),
+        click.option("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, show_default=True,
                      help="Token budget of one step (longer prompts are prefilled in chunks)."),
         click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
-
-
-def build_engine_config(kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                        threads: int | None, speculative: str | None = None, num_speculative_tokens: int = 4,
-                        no_adaptive_speculation: bool = False) -> EngineConfig:
-    return EngineConfig(
-        block_size=block_size,
-        kv_cache_bytes=kv_cache_mb * 1024 * 1024,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        num_threads=threads,
-        **speculation(speculative, num_speculative_tokens, no_adaptive_speculation),
-    )
 
 
 def sampling_options(f):  # type: ignore[no-untyped-def]
@@ -157,16 +157,25 @@ def _params(max_tokens: int, temperature: float, top_p: float, top_k: int, min_p
     return params
 
 
+def mesh_options(threads: int | None, kv_cache_mb: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, speculative: str | None, num_speculative_tokens: int,
+                 no_adaptive_speculation: bool) -> dict[str, Any]:
+    """`engine_options` as Topology.local / EmbeddedMesh keyword arguments (the embedded mesh's workers)."""
+    return dict(threads=threads, kv_cache_mb=kv_cache_mb, block_size=block_size, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                **speculation(speculative, num_speculative_tokens, no_adaptive_speculation))
+
+
 @contextlib.contextmanager
-def _mesh_endpoint(endpoint: str | None, model: str, threads: int | None, kv_cache_mb: int,
-                   spec_kw: dict[str, Any]) -> Iterator[str]:
+def _mesh_endpoint(endpoint: str | None, model: str, options: dict[str, Any]) -> Iterator[str]:
+    """`endpoint`, else the endpoint of an embedded mesh built with `options` (see `mesh_options`)."""
     if endpoint:
         yield endpoint
         return
     from deepinfer.launch.mesh import EmbeddedMesh
 
     try:
-        mesh = EmbeddedMesh(model, threads=threads, kv_cache_mb=kv_cache_mb, **spec_kw)
+        mesh = EmbeddedMesh(model, **options)
         with mesh as ep:
             yield ep
     except (ValueError, FileNotFoundError) as exc:
@@ -195,8 +204,9 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
         raise click.UsageError("give --prompt TEXT or --prompts-file FILE")
     params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
     specs = [dict(messages=[{"role": "user", "content": t}]) if chat else dict(prompt=t) for t in texts]
-    spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)
-    with _mesh_endpoint(endpoint, model, threads, kv_cache_mb, spec_kw) as ep, Client(ep, api_key=api_key) as client:
+    options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
+                           num_speculative_tokens, no_adaptive_speculation)
+    with _mesh_endpoint(endpoint, model, options) as ep, Client(ep, api_key=api_key) as client:
         results = client.generate_many([{**spec, **params} for spec in specs])
     failed = False
     for r in results:
@@ -235,8 +245,9 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 
     params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)
-    with _mesh_endpoint(endpoint, model, threads, kv_cache_mb, spec_kw) as ep, Client(ep, api_key=api_key) as client:
+    options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
+                           num_speculative_tokens, no_adaptive_speculation)
+    with _mesh_endpoint(endpoint, model, options) as ep, Client(ep, api_key=api_key) as client:
         while True:
             try:
                 line = input("> ")
@@ -258,7 +269,7 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 
 
 @main.command()
-@click.option("--model", default="smollm2", show_default=True)
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--topology", type=click.Path(exists=True, path_type=Path), default=None,
               help="A topology file; otherwise one of each service on this host.")
 @click.option("--inproc", is_flag=True, help="Run every service as a task in this process.")
@@ -267,7 +278,7 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 @click.option("--decode", "num_decode", type=int, default=1, show_default=True)
 @click.option("--tokenizers", "num_tokenizers", type=int, default=1, show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads per worker (default: a share of the cores).")
-@click.option("--kv-cache-mb", type=int, default=512, show_default=True)
+@click.option("--kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MB, show_default=True)
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="Where ipc sockets, the topology and logs go (default: a new temporary directory, removed "
                    "at exit; in a directory given here only the sockets and generated topology are removed).")
@@ -275,8 +286,10 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
               help="Where each service's log goes, kept after exit (default: the run directory).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="The disk tier of the KV cache (default: $DEEPINFER_KVCACHE_DIR or ~/.cache/deepinfer/kvcache).")
-@click.option("--host-cache-mb", type=int, default=1024, show_default=True, help="DRAM tier of the KV cache.")
-@click.option("--disk-cache-mb", type=int, default=8192, show_default=True, help="Disk tier of the KV cache.")
+@click.option("--host-cache-mb", type=int, default=DEFAULT_HOST_CACHE_MB, show_default=True,
+              help="DRAM tier of the KV cache.")
+@click.option("--disk-cache-mb", type=int, default=DEFAULT_DISK_CACHE_MB, show_default=True,
+              help="Disk tier of the KV cache.")
 @click.option("--no-kvcache", is_flag=True, help="Run without a cache daemon (workers still reuse their own pool).")
 @click.option("--no-prefix-caching", is_flag=True, help="No KV reuse at all: every prompt is computed in full.")
 @speculation_options

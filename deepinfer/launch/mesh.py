@@ -16,19 +16,21 @@ from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from deepinfer.launch.keys import service_auth
 from deepinfer.launch.supervisor import watch_lifeline
 from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir
 from deepinfer.launch.tuning import tune_malloc
 from deepinfer.services.base import Service
 from deepinfer.services.kvcache import KvCacheService
-from deepinfer.services.router import RouterConfig, RouterService
+from deepinfer.services.router import RouterService
 from deepinfer.services.tokenizer import TokenizerService
 from deepinfer.services.worker import WorkerService
 
 
-def engine_config(w: WorkerSpec, block_size: int = 16) -> EngineConfig:
+def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE) -> EngineConfig:
+    """A worker's engine settings: its sub-tree of the topology, and the topology's block size (what
+    `build_service` passes; the default is the topology's own default, so they cannot differ)."""
     threads = w.threads or (int(os.environ["DEEPINFER_THREADS"]) if "DEEPINFER_THREADS" in os.environ else None)
     return EngineConfig(block_size=block_size, kv_cache_bytes=w.kv_cache_mb * 1024 * 1024,
                         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
@@ -38,10 +40,11 @@ def engine_config(w: WorkerSpec, block_size: int = 16) -> EngineConfig:
 
 
 def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Context) -> Service:
+    """Service `name` of `role`, built from its sub-tree of the topology and the settings every service
+    shares (model, backend, block size), passed explicitly: no constructor default stands in for them."""
     auth = service_auth(topology, role, name)  # CURVE keys for its tcp:// sockets; none without [security]
     if role == "router":
-        return RouterService("router", topology.frontend, topology.backend, ctx,
-                             RouterConfig(**topology.router_options), auth=auth)
+        return RouterService("router", topology.frontend, topology.backend, ctx, topology.router, auth=auth)
     if role == "tokenizer":
         spec = topology.tokenizer(name)
         return TokenizerService(spec.name, topology.backend, spec.detok, ctx, topology.model,
@@ -149,12 +152,10 @@ class EmbeddedMesh:
             Client(endpoint).generate("Hi")
     """
 
-    def __init__(self, model: str, disaggregated: bool = False, threads: int | None = None,
-                 kv_cache_mb: int = 512, speculative: str | None = None, num_speculative_tokens: int = 4,
-                 adaptive_speculation: bool = True) -> None:
-        topo = Topology.local(model, "inproc", disaggregated=disaggregated, threads=threads, kv_cache_mb=kv_cache_mb,
-                              speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                              adaptive_speculation=adaptive_speculation)
+    def __init__(self, model: str, disaggregated: bool = False, **options: Any) -> None:
+        """`options`: `Topology.local`'s worker and cache settings (threads, kv_cache_mb, block_size,
+        speculative, ...), whose defaults are the topology's."""
+        topo = Topology.local(model, "inproc", disaggregated=disaggregated, **options)
         self._tmp = tempfile.TemporaryDirectory(prefix="deepinfer-")
         self.topology = dataclasses.replace(topo, frontend=f"ipc://{self._tmp.name}/router-frontend.sock")
         self._loop = asyncio.new_event_loop()

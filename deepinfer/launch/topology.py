@@ -1,11 +1,18 @@
-"""Topology: which services run, where, and on which endpoints.
+"""Topology: which services run, where, on which endpoints, and with which settings: one frozen tree.
 
-Built from flags (`Topology.local`) or read from TOML (`Topology.load`)::
+Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_toml` writes it back::
 
     model = "smollm2"
+    block_size = 16                       # tokens per KV block, for every service (default 16)
     [router]
     frontend = "tcp://10.0.0.1:5550"      # clients connect here
     backend = "tcp://10.0.0.1:5551"       # every service connects here
+    heartbeat_timeout_s = 5.0             # any other key: a field of RouterConfig (services.router_state)
+    require_api_key = true
+    [router.tenants]                      # api_key → cache salt (an inline table works too)
+    "key-a" = "salt-a"
+    [router.max_inflight_per_tenant]      # likewise priority_floor
+    "key-a" = 64
     [[tokenizer]]
     name = "tokenizer-0"
     detok = "tcp://10.0.0.1:5560"         # decode workers push token batches here
@@ -15,6 +22,7 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`)::
     device = "cpu"
     threads = 1
     kv = "tcp://10.0.0.2:5570"            # decode/worker roles: where prefill workers send KV
+    kv_cache_mb = 512                     # also max_num_seqs, max_num_batched_tokens, prefix_caching
     kvcache = "kvcache-0"                 # the cache daemon on this worker's host (omit: none)
     speculative = "ngram"                 # speculative decoding: "ngram", "suffix", "self:L", "draft:PATH"
     num_speculative_tokens = 4            # the most draft tokens per request per step (1..32)
@@ -29,126 +37,90 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`)::
     keys_dir = "/etc/deepinfer/keys"      # from `deepinfer-launch keys DIR --topology F` (relative: to this file)
     client_keys = "/etc/deepinfer/clients.allowed"  # the tenants' public keys (default: DIR/clients/allowed)
 
+Every table is one frozen dataclass (TokenizerSpec, WorkerSpec, KvCacheSpec, SecuritySpec, RouterConfig),
+read by `tables.from_table`: an unknown key or a value of the wrong type is refused when the file is read,
+naming the file, the entry and the key. A key left out takes its default, and every default is defined once
+(deepinfer.engine.config's DEFAULT_*, the KvCacheSpec defaults here, RouterConfig's), so the file, the
+command line and the services cannot disagree.
+
 The long-lived side binds (router frontend/backend, tokenizer detok, decode kv, kvcache endpoint);
-everyone else connects. `block_size` (top level, default 16) must be the same for every service: it is
-part of the KV-cache namespace, and the handshake refuses a service that hashes blocks differently.
-Speculation runs where decoding does: on decode and co-located workers. A prefill worker stops after the
-first token and has nothing to speculate on; `Topology.local` sets the speculation keys on decoding workers only.
+everyone else connects. `block_size` must be the same for every service: it is part of the KV-cache
+namespace, and the handshake refuses a service that hashes blocks differently. So it is set once, at the
+top level; the router's copy is derived from it (`[router] block_size` is refused). Speculation runs where
+decoding does: on decode and co-located workers. A prefill worker stops after the first token and has
+nothing to speculate on; `Topology.local` sets the speculation keys on decoding workers only.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-ROLES = ("prefill", "decode", "worker")
-KVCACHE_DIR_ENV = "DEEPINFER_KVCACHE_DIR"
+from deepinfer.engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_MB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+)
+from deepinfer.launch.specs import (
+    DEFAULT_DISK_CACHE_MB,
+    DEFAULT_HOST_CACHE_MB,
+    DEFAULT_MODEL,
+    ROLES,
+    KvCacheSpec,
+    SecuritySpec,
+    TokenizerSpec,
+    WorkerSpec,
+    default_kvcache_dir,
+    speculative_problem,
+)
+from deepinfer.launch.tables import TopologyError, check_fields, from_table, toml_string, toml_table
+from deepinfer.services.router_state import RouterConfig
 
+# The sections are re-exported: the tree is read and built from this module.
+__all__ = ["DEFAULT_DISK_CACHE_MB", "DEFAULT_HOST_CACHE_MB", "DEFAULT_MODEL", "KvCacheSpec", "RouterConfig",
+           "SecuritySpec", "TokenizerSpec", "Topology", "TopologyError", "WorkerSpec", "default_kvcache_dir",
+           "speculative_problem"]
 
-def default_kvcache_dir() -> Path:
-    """`$DEEPINFER_KVCACHE_DIR`, else `kvcache/` in the user's cache directory."""
-    from deepinfer.engine.fetch import default_cache_dir
-
-    env = os.environ.get(KVCACHE_DIR_ENV)
-    return Path(env) if env else default_cache_dir() / "kvcache"
-
-
-class TopologyError(ValueError):
-    """A topology that cannot run; the message names the entry."""
-
-
-# EngineConfig's bounds on num_speculative_tokens, checked here so a bad topology fails when it is read.
-MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS = 1, 32
-
-
-def speculative_problem(method: str) -> str | None:
-    """Why `method` is not a speculative decoding method the engine knows, or None."""
-    from deepinfer.engine.config import ConfigError
-    from deepinfer.engine.spec.base import parse_speculative  # imports torch: only when a method is named
-
-    try:
-        parse_speculative(method)
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    name: str
-    role: str
-    kv: str  # the decode side's bound ROUTER endpoint (unused for pure prefill workers)
-    device: str = "cpu"
-    threads: int | None = None
-    kv_cache_mb: int = 512
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    kvcache: str | None = None  # name of the cache daemon this worker reads from and writes to
-    prefix_caching: bool = True  # keep freed full blocks addressable in the device pool
-    speculative: str | None = None  # speculative decoding method (EngineConfig.speculative); None: off
-    num_speculative_tokens: int = 4
-    adaptive_speculation: bool = True
-
-    def speculation_problem(self) -> str | None:
-        """What is wrong with this worker's speculation keys, naming the key, or None."""
-        k = self.num_speculative_tokens
-        if type(k) is not int or not MIN_SPECULATIVE_TOKENS <= k <= MAX_SPECULATIVE_TOKENS:  # TOML may give anything
-            bounds = f"[{MIN_SPECULATIVE_TOKENS}, {MAX_SPECULATIVE_TOKENS}]"
-            return f"num_speculative_tokens = {k!r}: must be an integer in {bounds}"
-        if not isinstance(self.adaptive_speculation, bool):
-            return f"adaptive_speculation = {self.adaptive_speculation!r}: must be true or false"
-        if self.speculative is None:
-            return None
-        if not isinstance(self.speculative, str):
-            return f"speculative = {self.speculative!r}: must be a string such as \"ngram\""
-        problem = speculative_problem(self.speculative)
-        return None if problem is None else f"speculative = {self.speculative!r}: {problem}"
-
-
-@dataclass(frozen=True)
-class KvCacheSpec:
-    """One cache daemon (one per host): a DRAM tier and a disk tier in `dir`."""
-
-    name: str
-    endpoint: str
-    dir: str | None = None  # None: default_kvcache_dir()
-    host_mb: int = 256
-    disk_mb: int = 2048
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    name: str
-    detok: str
-
-
-@dataclass(frozen=True)
-class SecuritySpec:
-    """Where the CURVE keys are (`deepinfer-launch keys`): `keys_dir/services/NAME.key` names each service's
-    public key, a host holds the `.key_secret` of its own services only; `client_keys` lists the tenants' public
-    keys (kept apart from the service keys: a tenant key never authenticates a service)."""
-
-    keys_dir: str
-    client_keys: str | None = None  # None: keys_dir/clients/allowed
+T = TypeVar("T")
+TOP_LEVEL_KEYS = ("model", "block_size", "router", "tokenizer", "worker", "kvcache", "security")
+# RouterConfig fields a [router] table may not set: they are derived, so they cannot disagree with their source.
+ROUTER_DERIVED = {"block_size": "set block_size at the top level: it is every service's, the router's included",
+                  "id_prefix": "the router chooses it, anew at every start"}
 
 
 @dataclass(frozen=True)
 class Topology:
+    """The whole mesh. Invariants, established at construction however it was made (file, flags, Python):
+    every field has its declared type, names are unique, references resolve, and `router.block_size ==
+    block_size` (the router's copy is derived here, never set on its own)."""
+
     model: str
     frontend: str
     backend: str
     tokenizers: tuple[TokenizerSpec, ...]
     workers: tuple[WorkerSpec, ...]
-    router_options: dict[str, Any] = field(default_factory=dict)
+    router: RouterConfig = field(default_factory=RouterConfig)
     kvcaches: tuple[KvCacheSpec, ...] = ()
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     security: SecuritySpec | None = None  # None: no CURVE (loopback or ipc:// only, as DESIGN §3 advises)
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        for where, spec in self._sections():
+            _within(where, lambda spec=spec: check_fields(spec))
+        if self.block_size <= 0:
+            raise TopologyError(f"block_size must be positive, got {self.block_size}")
+        if self.router.id_prefix:
+            raise TopologyError(f"router: id_prefix: {ROUTER_DERIVED['id_prefix']}")
+        if self.router.block_size != self.block_size:
+            object.__setattr__(self, "router", dataclasses.replace(self.router, block_size=self.block_size))
         names = [t.name for t in self.tokenizers] + [w.name for w in self.workers] + [k.name for k in self.kvcaches]
         if len(set(names)) != len(names):
             raise TopologyError(f"service names must be unique: {names}")
@@ -167,8 +139,12 @@ class Topology:
             problem = w.speculation_problem()
             if problem is not None:
                 raise TopologyError(f"worker {w.name}: {problem}")
-        if self.block_size <= 0:
-            raise TopologyError(f"block_size must be positive, got {self.block_size}")
+
+    def _sections(self) -> list[tuple[str, Any]]:
+        """Every sub-tree with the name its errors carry."""
+        return [("router", self.router), *((f"tokenizer {t.name}", t) for t in self.tokenizers),
+                *((f"worker {w.name}", w) for w in self.workers), *((f"kvcache {k.name}", k) for k in self.kvcaches),
+                *([("security", self.security)] if self.security is not None else [])]
 
     def worker(self, name: str) -> WorkerSpec:
         for w in self.workers:
@@ -191,10 +167,13 @@ class Topology:
     @classmethod
     def local(cls, model: str, transport: str, run_dir: Path | None = None, disaggregated: bool = True,
               num_prefill: int = 1, num_decode: int = 1, num_tokenizers: int = 1, threads: int | None = None,
-              kv_cache_mb: int = 512, kvcache: bool = True, cache_dir: str | os.PathLike[str] | None = None,
-              host_cache_mb: int = 256, disk_cache_mb: int = 2048, prefix_caching: bool = True,
-              speculative: str | None = None, num_speculative_tokens: int = 4,
-              adaptive_speculation: bool = True) -> Topology:
+              kv_cache_mb: int = DEFAULT_KV_CACHE_MB, kvcache: bool = True,
+              cache_dir: str | os.PathLike[str] | None = None, host_cache_mb: int = DEFAULT_HOST_CACHE_MB,
+              disk_cache_mb: int = DEFAULT_DISK_CACHE_MB, prefix_caching: bool = True,
+              speculative: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+              adaptive_speculation: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
+              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> Topology:
         """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`).
         With `kvcache`, one cache daemon (disk tier in `cache_dir`, default `default_kvcache_dir()`)
         serves every worker; `prefix_caching=False` also turns off reuse inside each worker. The
@@ -209,7 +188,8 @@ class Topology:
             raise TopologyError(f"unknown local transport {transport!r}")
         daemons = (KvCacheSpec("kvcache-0", ep("kvcache-0"), None if cache_dir is None else str(cache_dir),
                                host_cache_mb, disk_cache_mb),) if kvcache else ()
-        common: dict[str, Any] = dict(threads=threads, kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching,
+        common: dict[str, Any] = dict(threads=threads, kv_cache_mb=kv_cache_mb, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
                                       kvcache="kvcache-0" if kvcache else None)
         decoding: dict[str, Any] = dict(common, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                                         adaptive_speculation=adaptive_speculation)
@@ -222,71 +202,81 @@ class Topology:
         else:
             workers.append(WorkerSpec("worker-0", "worker", ep("worker-0-kv"), **decoding))
         tokenizers = tuple(TokenizerSpec(f"tokenizer-{i}", ep(f"tokenizer-{i}-detok")) for i in range(num_tokenizers))
-        return cls(model, ep("router-frontend"), ep("router-backend"), tokenizers, tuple(workers), kvcaches=daemons)
+        return cls(model, ep("router-frontend"), ep("router-backend"), tokenizers, tuple(workers), kvcaches=daemons,
+                   block_size=block_size)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Topology:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        """Read a topology file; TopologyError names the file, the entry and the key of anything wrong."""
         try:
-            router = data["router"]
-            return cls(
-                model=str(data.get("model", "smollm2")),
-                frontend=router["frontend"],
-                backend=router["backend"],
-                tokenizers=tuple(TokenizerSpec(t["name"], t["detok"]) for t in data.get("tokenizer", [])),
-                workers=tuple(WorkerSpec(**w) for w in data.get("worker", [])),
-                router_options={k: v for k, v in router.items() if k not in ("frontend", "backend")},
-                kvcaches=tuple(KvCacheSpec(**k) for k in data.get("kvcache", [])),
-                block_size=int(data.get("block_size", 16)),
-                security=_security(data.get("security"), Path(path).parent),
-            )
-        except (KeyError, TypeError) as exc:
-            raise TopologyError(f"{path}: malformed topology ({exc})") from exc
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+            return _within(str(path), lambda: _from_document(data, Path(path).parent))
+        except tomllib.TOMLDecodeError as exc:
+            raise TopologyError(f"{path}: not valid TOML ({exc})") from exc
 
     def to_toml(self) -> str:
-        lines = [f'model = "{self.model}"', f"block_size = {self.block_size}", "", "[router]",
-                 f'frontend = "{self.frontend}"', f'backend = "{self.backend}"']
-        lines += [f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in self.router_options.items()]
+        """The topology as a file `load` reads back to an equal Topology (security paths as given: `load`
+        makes relative ones absolute against the file's directory)."""
+        lines = [f"model = {toml_string(self.model)}", f"block_size = {self.block_size}"]
+        lines += toml_table("router", self.router, skip=tuple(ROUTER_DERIVED),
+                            first={"frontend": self.frontend, "backend": self.backend})
         for t in self.tokenizers:
-            lines += ["", "[[tokenizer]]", f'name = "{t.name}"', f'detok = "{t.detok}"']
+            lines += toml_table("tokenizer", t, array=True)
         for w in self.workers:
-            lines += ["", "[[worker]]", f'name = "{w.name}"', f'role = "{w.role}"', f'kv = "{w.kv}"',
-                      f'device = "{w.device}"', f"kv_cache_mb = {w.kv_cache_mb}",
-                      f"max_num_seqs = {w.max_num_seqs}", f"max_num_batched_tokens = {w.max_num_batched_tokens}"]
-            if w.threads is not None:
-                lines.append(f"threads = {w.threads}")
-            if w.kvcache is not None:
-                lines.append(f'kvcache = "{w.kvcache}"')
-            if not w.prefix_caching:
-                lines.append("prefix_caching = false")
-            lines += _speculation_toml(w)
+            lines += toml_table("worker", w, array=True)
         for k in self.kvcaches:
-            lines += ["", "[[kvcache]]", f'name = "{k.name}"', f'endpoint = "{k.endpoint}"',
-                      f"host_mb = {k.host_mb}", f"disk_mb = {k.disk_mb}"]
-            if k.dir is not None:
-                lines.append(f"dir = {json.dumps(k.dir)}")
+            lines += toml_table("kvcache", k, array=True)
         if self.security is not None:
-            lines += ["", "[security]", f"keys_dir = {json.dumps(self.security.keys_dir)}"]
-            if self.security.client_keys is not None:
-                lines.append(f"client_keys = {json.dumps(self.security.client_keys)}")
+            lines += toml_table("security", self.security)
         return "\n".join(lines) + "\n"
 
 
-def _security(table: dict[str, Any] | None, base: Path) -> SecuritySpec | None:
+def _within(where: str, build: Callable[[], T]) -> T:
+    """build(), its TopologyError prefixed with `where` (the file, the entry)."""
+    try:
+        return build()
+    except TopologyError as exc:
+        raise TopologyError(f"{where}: {exc}") from exc
+
+
+def _from_document(data: dict[str, Any], base: Path) -> Topology:
+    """The tree from a parsed file; relative security paths are made absolute against `base`."""
+    unknown = [k for k in data if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise TopologyError(f"unknown top-level key {unknown[0]!r} (known: {', '.join(TOP_LEVEL_KEYS)})")
+    router = data.get("router")
+    if not isinstance(router, Mapping) or not {"frontend", "backend"} <= router.keys():
+        raise TopologyError("malformed topology: it needs a [router] table with frontend and backend")
+    options = {k: v for k, v in router.items() if k not in ("frontend", "backend")}
+    return Topology(
+        model=data.get("model", DEFAULT_MODEL),
+        frontend=router["frontend"],
+        backend=router["backend"],
+        tokenizers=_entries(TokenizerSpec, data, "tokenizer"),
+        workers=_entries(WorkerSpec, data, "worker"),
+        router=_within("router", lambda: from_table(RouterConfig, options, refused=ROUTER_DERIVED)),
+        kvcaches=_entries(KvCacheSpec, data, "kvcache"),
+        block_size=data.get("block_size", DEFAULT_BLOCK_SIZE),
+        security=None if "security" not in data else _within("security", lambda: _security(data["security"], base)),
+    )
+
+
+def _entries(cls: type[T], data: dict[str, Any], key: str) -> tuple[T, ...]:
+    """An array of tables ([[key]]), each entry's errors prefixed with its name."""
+    tables = data.get(key, [])
+    if not isinstance(tables, list):
+        raise TopologyError(f"{key}: must be an array of tables ([[{key}]])")
+    entries = []
+    for i, table in enumerate(tables):
+        name = table.get("name") if isinstance(table, Mapping) else None
+        where = f"{key} {name}" if isinstance(name, str) else f"{key} #{i + 1}"
+        entries.append(_within(where, lambda table=table: from_table(cls, table)))
+    return tuple(entries)
+
+
+def _security(table: Any, base: Path) -> SecuritySpec:
     """The [security] table, its paths made absolute against the topology file's directory."""
-    if table is None:
-        return None
-    spec = SecuritySpec(**table)
+    spec = from_table(SecuritySpec, table)
     client_keys = None if spec.client_keys is None else str(base / spec.client_keys)
     return SecuritySpec(str(base / spec.keys_dir), client_keys)
-
-
-def _speculation_toml(w: WorkerSpec) -> list[str]:
-    """A worker's speculation keys that differ from the defaults."""
-    lines = [] if w.speculative is None else [f"speculative = {json.dumps(w.speculative)}"]
-    if w.num_speculative_tokens != WorkerSpec.num_speculative_tokens:
-        lines.append(f"num_speculative_tokens = {w.num_speculative_tokens}")
-    if not w.adaptive_speculation:
-        lines.append("adaptive_speculation = false")
-    return lines

@@ -16,7 +16,7 @@ from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.mesh import InprocMesh
-from deepinfer.launch.topology import Topology
+from deepinfer.launch.topology import RouterConfig, Topology
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient
 
@@ -47,7 +47,8 @@ def reference(engine: LLMEngine, messages: list[dict[str, str]]) -> tuple[list[i
 def topology(path, cache_dir, disaggregated: bool = False, host_mb: int = 64, **router) -> Topology:
     topo = Topology.local(str(path), "inproc", disaggregated=disaggregated, threads=1, kv_cache_mb=64,
                           cache_dir=cache_dir, host_cache_mb=host_mb, disk_cache_mb=256)
-    return Topology(topo.model, topo.frontend, topo.backend, topo.tokenizers, topo.workers, router, topo.kvcaches)
+    return Topology(topo.model, topo.frontend, topo.backend, topo.tokenizers, topo.workers, RouterConfig(**router),
+                    topo.kvcaches)
 
 
 def workers(mesh: InprocMesh) -> list:

@@ -22,7 +22,7 @@ import pytest
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
-from deepinfer.launch.topology import Topology
+from deepinfer.launch.topology import RouterConfig, Topology
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient, Client, RouterLostError
 from tests.integration.supervised import supervised_mesh
@@ -54,7 +54,7 @@ def prompts_and_reference(smollm2_path):
 def mesh(smollm2_path, tmp_path):
     topo = Topology.local(str(smollm2_path), "ipc", tmp_path, disaggregated=True, num_decode=2, num_tokenizers=2,
                           threads=1, kv_cache_mb=64)
-    topo = dataclasses.replace(topo, router_options={"heartbeat_timeout_s": 1.5})
+    topo = dataclasses.replace(topo, router=RouterConfig(heartbeat_timeout_s=1.5))
     with supervised_mesh(topo, tmp_path) as sup:
         yield sup
 

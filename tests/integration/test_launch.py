@@ -54,7 +54,7 @@ dir = "/mnt/nvme/kv"
 disk_mb = 100000
 """)
     topo = Topology.load(path)
-    assert topo.router_options == {"heartbeat_timeout_s": 3.0}
+    assert topo.router.heartbeat_timeout_s == 3.0 and topo.router.block_size == topo.block_size
     assert topo.worker("d0").threads == 8 and topo.tokenizer("tok-a").detok.startswith("tcp://")
     assert topo.worker("d0").kvcache == "kv-b" and topo.worker("p0").kvcache is None
     assert topo.kvcache("kv-b").dir == "/mnt/nvme/kv" and topo.kvcache("kv-b").disk_mb == 100000

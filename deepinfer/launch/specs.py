@@ -1,0 +1,100 @@
+"""The topology's sections, one frozen dataclass per table of the file (see deepinfer.launch.topology):
+tokenizers, workers, cache daemons, security. A key left out takes the default declared here, itself taken
+from deepinfer.engine.config's DEFAULT_* where the engine has the same setting, so a worker's settings and
+its engine's cannot drift apart."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepinfer.engine.config import (
+    DEFAULT_DEVICE,
+    DEFAULT_KV_CACHE_MB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+    MIN_SPECULATIVE_TOKENS,
+)
+
+ROLES = ("prefill", "decode", "worker")
+KVCACHE_DIR_ENV = "DEEPINFER_KVCACHE_DIR"
+DEFAULT_MODEL = "smollm2"  # fetched on first use
+DEFAULT_HOST_CACHE_MB, DEFAULT_DISK_CACHE_MB = 1024, 8192  # a cache daemon's DRAM and disk tiers
+
+
+def default_kvcache_dir() -> Path:
+    """`$DEEPINFER_KVCACHE_DIR`, else `kvcache/` in the user's cache directory."""
+    from deepinfer.engine.fetch import default_cache_dir
+
+    env = os.environ.get(KVCACHE_DIR_ENV)
+    return Path(env) if env else default_cache_dir() / "kvcache"
+
+
+def speculative_problem(method: str) -> str | None:
+    """Why `method` is not a speculative decoding method the engine knows, or None."""
+    from deepinfer.engine.config import ConfigError
+    from deepinfer.engine.spec.base import parse_speculative  # imports torch: only when a method is named
+
+    try:
+        parse_speculative(method)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker: its engine's settings default to EngineConfig's (the same DEFAULT_* constants)."""
+
+    name: str
+    role: str
+    kv: str  # the decode side's bound ROUTER endpoint (unused for pure prefill workers)
+    device: str = DEFAULT_DEVICE
+    threads: int | None = None
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    kvcache: str | None = None  # name of the cache daemon this worker reads from and writes to
+    prefix_caching: bool = True  # keep freed full blocks addressable in the device pool
+    speculative: str | None = None  # speculative decoding method (EngineConfig.speculative); None: off
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    adaptive_speculation: bool = True
+
+    def speculation_problem(self) -> str | None:
+        """What is wrong with this worker's speculation keys, naming the key, or None (types already checked)."""
+        k = self.num_speculative_tokens
+        if not MIN_SPECULATIVE_TOKENS <= k <= MAX_SPECULATIVE_TOKENS:
+            return f"num_speculative_tokens = {k!r}: must be an integer in [{MIN_SPECULATIVE_TOKENS}, " \
+                   f"{MAX_SPECULATIVE_TOKENS}]"
+        problem = None if self.speculative is None else speculative_problem(self.speculative)
+        return None if problem is None else f"speculative = {self.speculative!r}: {problem}"
+
+
+@dataclass(frozen=True)
+class KvCacheSpec:
+    """One cache daemon (one per host): a DRAM tier and a disk tier in `dir`."""
+
+    name: str
+    endpoint: str
+    dir: str | None = None  # None: default_kvcache_dir()
+    host_mb: int = DEFAULT_HOST_CACHE_MB
+    disk_mb: int = DEFAULT_DISK_CACHE_MB
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    name: str
+    detok: str
+
+
+@dataclass(frozen=True)
+class SecuritySpec:
+    """Where the CURVE keys are (`deepinfer-launch keys`): `keys_dir/services/NAME.key` names each service's
+    public key, a host holds the `.key_secret` of its own services only; `client_keys` lists the tenants' public
+    keys (kept apart from the service keys: a tenant key never authenticates a service)."""
+
+    keys_dir: str
+    client_keys: str | None = None  # None: keys_dir/clients/allowed

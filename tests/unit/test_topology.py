@@ -1,0 +1,256 @@
+"""The topology tree: defaults defined once, every table checked when read, a file written by `to_toml`
+read back to an equal tree."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deepinfer.launch.cli import mesh_options
+from deepinfer.launch.topology import (
+    ROUTER_DERIVED,
+    KvCacheSpec,
+    RouterConfig,
+    SecuritySpec,
+    TokenizerSpec,
+    Topology,
+    TopologyError,
+    WorkerSpec,
+)
+
+MINIMAL = """
+[router]
+frontend = "tcp://10.0.0.1:5550"
+backend = "tcp://10.0.0.1:5551"
+[[tokenizer]]
+name = "tok"
+detok = "tcp://10.0.0.1:5560"
+[[worker]]
+name = "w"
+role = "worker"
+kv = "tcp://10.0.0.2:5570"
+"""
+
+
+def load(tmp_path: Path, text: str) -> Topology:
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    return Topology.load(path)
+
+
+# -- defaults, defined once ---------------------------------------------------------------------------------
+
+# Run in a fresh interpreter: deepinfer.engine.config is executed from its source with new constants before
+# anything imports it; every layer must then default to the new values, EngineConfig's fields included.
+CHANGED_DEFAULTS = textwrap.dedent("""
+    import importlib.util, inspect, re, sys, tempfile, pathlib
+    import deepinfer.engine
+
+    CHANGED = dict(DEFAULT_BLOCK_SIZE=24, DEFAULT_KV_CACHE_MB=100, DEFAULT_MAX_NUM_SEQS=7,
+                   DEFAULT_MAX_NUM_BATCHED_TOKENS=999, DEFAULT_NUM_SPECULATIVE_TOKENS=5, DEFAULT_DEVICE="meta")
+    path = pathlib.Path(deepinfer.engine.__file__).with_name("config.py")
+    source = path.read_text()
+    for name, value in CHANGED.items():
+        source, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", source, flags=re.M)
+        assert n == 1, name
+    spec = importlib.util.spec_from_loader("deepinfer.engine.config", loader=None, origin=str(path))
+    config = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = config
+    exec(compile(source, str(path), "exec"), config.__dict__)
+    deepinfer.engine.config = config
+
+    from deepinfer.launch import cli
+    from deepinfer.launch.mesh import engine_config
+    from deepinfer.launch.topology import RouterConfig, Topology, WorkerSpec
+    from deepinfer.services.kvcache import KvCacheService
+    from deepinfer.services.tokenizer import TokenizerService
+
+    def worker_view(w):
+        return (w.kv_cache_mb, w.max_num_seqs, w.max_num_batched_tokens, w.num_speculative_tokens, w.device)
+
+    expected = (100, 7, 999, 5, "meta")
+    e = config.EngineConfig()
+    assert (e.block_size, e.kv_cache_bytes >> 20, e.max_num_seqs, e.max_num_batched_tokens,
+            e.num_speculative_tokens, e.device) == (24, *expected[:2], 999, 5, "meta"), e
+    assert worker_view(WorkerSpec("w", "worker", "k")) == expected
+    local = Topology.local("m", "inproc")
+    assert local.block_size == local.router.block_size == RouterConfig().block_size == 24
+    assert worker_view(local.workers[0]) == expected
+    f = pathlib.Path(tempfile.mkdtemp()) / "t.toml"
+    f.write_text(sys.argv[1])
+    loaded = Topology.load(f)
+    assert loaded.block_size == loaded.router.block_size == 24 and worker_view(loaded.workers[0]) == expected
+    built = engine_config(loaded.workers[0])
+    assert (built.block_size, built.kv_cache_bytes >> 20, built.max_num_seqs) == (24, 100, 7)
+    for command in (cli.generate, cli.chat):
+        options = {p.name: p.default for p in command.params}
+        assert (options["block_size"], options["kv_cache_mb"], options["max_num_seqs"],
+                options["max_num_batched_tokens"], options["num_speculative_tokens"]) == (24, 100, 7, 999, 5)
+    options = {p.name: p.default for p in cli.up.params}
+    assert (options["kv_cache_mb"], options["num_speculative_tokens"]) == (100, 5)
+    for service in (TokenizerService, KvCacheService):
+        assert inspect.signature(service.__init__).parameters["block_size"].default == 24, service
+    print("every layer follows")
+""")
+
+
+def test_changing_one_default_constant_changes_every_layer():
+    out = subprocess.run([sys.executable, "-c", CHANGED_DEFAULTS, MINIMAL], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "every layer follows" in out.stdout, out.stderr
+
+
+def test_router_block_size_is_derived_from_the_topology(tmp_path):
+    topo = load(tmp_path, "block_size = 32\n" + MINIMAL)
+    assert topo.block_size == topo.router.block_size == 32
+    python_built = Topology("m", "a", "b", topo.tokenizers, topo.workers, RouterConfig(max_moves=1), block_size=8)
+    assert python_built.router.block_size == 8 and python_built.router.max_moves == 1
+
+
+def test_cli_engine_options_reach_the_embedded_mesh_topology():
+    options = mesh_options(threads=2, kv_cache_mb=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=512,
+                           speculative=None, num_speculative_tokens=3, no_adaptive_speculation=True)
+    topo = Topology.local("m", "inproc", disaggregated=False, **options)
+    w = topo.workers[0]
+    assert topo.block_size == topo.router.block_size == 32
+    assert (w.threads, w.kv_cache_mb, w.max_num_seqs, w.max_num_batched_tokens) == (2, 64, 4, 512)
+    assert (w.num_speculative_tokens, w.adaptive_speculation) == (3, False)
+
+
+# -- every table checked when read ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, match", [
+    ("heartbeat_timeout = 3.0", "router: unknown key 'heartbeat_timeout'"),
+    ("block_size = 32", "router: block_size: set block_size at the top level"),
+    ('id_prefix = "x-"', "router: id_prefix: the router chooses it"),
+])
+def test_unknown_or_derived_router_keys_are_refused_naming_the_key_and_file(tmp_path, extra, match):
+    text = MINIMAL.replace('backend = "tcp://10.0.0.1:5551"\n', f'backend = "tcp://10.0.0.1:5551"\n{extra}\n')
+    with pytest.raises(TopologyError, match=match) as info:
+        load(tmp_path, text)
+    assert str(info.value).startswith(f"{tmp_path / 't.toml'}: ")
+
+
+@pytest.mark.parametrize("text, match", [
+    ("block_sise = 32\n" + MINIMAL, "unknown top-level key 'block_sise'"),
+    (MINIMAL + "kv_cache_gb = 1\n", "worker w: unknown key 'kv_cache_gb'"),
+    (MINIMAL.replace('detok = "tcp://10.0.0.1:5560"', 'detok = "x"\nport = 1'), "tokenizer tok: unknown key 'port'"),
+    (MINIMAL + '[[kvcache]]\nname = "kv"\nendpoint = "e"\nhost = 1\n', "kvcache kv: unknown key 'host'"),
+    (MINIMAL + '[security]\nkeys = "k"\n', "security: unknown key 'keys'"),
+    (MINIMAL.replace('role = "worker"\n', ""), "worker w: missing key 'role'"),
+])
+def test_unknown_keys_anywhere_are_refused(tmp_path, text, match):
+    with pytest.raises(TopologyError, match=match):
+        load(tmp_path, text)
+
+
+@pytest.mark.parametrize("top, router, worker, match", [
+    ('block_size = "16"', "", "", "block_size = '16': must be an integer"),
+    ("model = 3", "", "", "model = 3: must be a string"),
+    ("", "max_moves = 1.5", "", "router: max_moves = 1.5: must be an integer"),
+    ("", "require_api_key = 1", "", "router: require_api_key = 1: must be true or false"),
+    ("", 'heartbeat_timeout_s = "5"', "", "router: heartbeat_timeout_s = '5': must be a number"),
+    ("", 'tenants = {"a" = 1}', "", "router: tenants = {'a': 1}: must be a table with a string as each value"),
+    ("", 'priority_floor = {"a" = "high"}', "", "router: priority_floor = .*: must be a table with an integer"),
+    ("", 'tenants = "a"', "", "router: tenants = 'a': must be a table"),
+    ("", 'placement = "random"', "", "router: placement must be one of"),  # RouterConfig's own check
+    ("", "", "threads = 1.5", "worker w: threads = 1.5: must be an integer"),
+    ("", "", 'kv_cache_mb = "1G"', "worker w: kv_cache_mb = '1G': must be an integer"),
+    ("", "", "prefix_caching = 0", "worker w: prefix_caching = 0: must be true or false"),
+])
+def test_a_value_of_the_wrong_type_is_refused_at_load(tmp_path, top, router, worker, match):
+    text = top + "\n" + MINIMAL.replace('backend = "tcp://10.0.0.1:5551"\n',
+                                        f'backend = "tcp://10.0.0.1:5551"\n{router}\n') + worker + "\n"
+    with pytest.raises(TopologyError, match=match):
+        load(tmp_path, text)
+
+
+def test_an_integer_where_a_number_is_wanted_is_taken_as_a_float(tmp_path):
+    topo = load(tmp_path, MINIMAL.replace('5551"\n', '5551"\nheartbeat_timeout_s = 3\n', 1))
+    assert topo.router.heartbeat_timeout_s == 3.0 and isinstance(topo.router.heartbeat_timeout_s, float)
+
+
+def test_a_tree_built_in_python_is_checked_too(tmp_path):
+    base = load(tmp_path, MINIMAL)
+    with pytest.raises(TopologyError, match="block_size = '16': must be an integer"):
+        dataclasses.replace(base, block_size="16")
+    bad_worker = dataclasses.replace(base.workers[0], kv_cache_mb="512")
+    with pytest.raises(TopologyError, match="worker w: kv_cache_mb = '512'"):
+        dataclasses.replace(base, workers=(bad_worker,))
+    with pytest.raises(TopologyError, match="router: id_prefix"):
+        dataclasses.replace(base, router=RouterConfig(id_prefix="x-"))
+
+
+def test_the_tree_is_frozen_all_the_way_down(tmp_path):
+    topo = load(tmp_path, MINIMAL.replace('5551"\n', '5551"\ntenants = {"key-a" = "salt-a"}\n', 1))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        topo.block_size = 32  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        topo.router.tenants["key-b"] = "salt-b"  # type: ignore[index]
+    assert dict(topo.router.tenants) == {"key-a": "salt-a"}
+
+
+# -- round trip ------------------------------------------------------------------------------------------------
+
+def every_field(tmp_path: Path) -> Topology:
+    """A topology where every field of every section differs from its default (checked), so `to_toml`
+    has to write each one: a field added without a TOML form fails the round trip."""
+    router: dict[str, Any] = dict(
+        max_queued_requests=17, max_queued_prompt_tokens=1000, heartbeat_timeout_s=2.5, progress_timeout_s=30.0,
+        request_timeout_s=99.5, placement_timeout_s=3.25, max_moves=1,
+        tenants={"key-a": "salt-a", "key with spaces/ü": 'salt "quoted" \\ and\ttab'}, default_cache_salt="public",
+        require_api_key=True, priority_floor={"key-a": -10, "": 5}, default_priority_floor=2,
+        max_inflight_per_tenant={"key-a": 64, "": 1}, default_max_inflight_per_tenant=8, retry_after_s=0.5,
+        max_ttft_samples=10, placement="least_loaded", prior_prefill_tokens_per_s=1e3,
+        prior_host_fetch_s_per_token=1e-6, prior_disk_fetch_s_per_token=3e-5, estimate_alpha=0.5,
+        kv_resync_interval_s=1.0)
+    worker: dict[str, Any] = dict(device="cuda:1", threads=3, kv_cache_mb=64, max_num_seqs=8,
+                                  max_num_batched_tokens=256, kvcache="kv-0", prefix_caching=False,
+                                  speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False)
+    kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
+    security = dict(client_keys=str(tmp_path / "clients.allowed"))
+    sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv"}),
+                (KvCacheSpec, kvcache, {"name", "endpoint"}), (SecuritySpec, security, {"keys_dir"}))
+    for cls, values, elsewhere in sections:  # `elsewhere`: required (given below) or derived
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        assert set(values) == set(fields) - elsewhere, cls  # every other field is exercised
+        assert all(values[k] != fields[k].default for k in values if fields[k].default is not dataclasses.MISSING)
+    return Topology(
+        model='/models/a "quoted" model', frontend="tcp://10.0.0.1:5550", backend="tcp://10.0.0.1:5551",
+        tokenizers=(TokenizerSpec("tok-0", "tcp://10.0.0.1:5560"), TokenizerSpec("tok-1", "tcp://10.0.0.1:5561")),
+        workers=(WorkerSpec("prefill-0", "prefill", "tcp://10.0.0.2:5570", kvcache="kv-0"),
+                 WorkerSpec("decode-0", "decode", "tcp://10.0.0.3:5570", **worker)),
+        router=RouterConfig(**router),
+        kvcaches=(KvCacheSpec("kv-0", "tcp://10.0.0.2:5580", **kvcache),),
+        block_size=32,
+        security=SecuritySpec(str(tmp_path / "keys"), **security),
+    )
+
+
+def test_every_field_round_trips_through_toml(tmp_path):
+    topo = every_field(tmp_path)
+    again = load(tmp_path, topo.to_toml())
+    assert again == topo
+    assert again.router.tenants["key with spaces/ü"] == 'salt "quoted" \\ and\ttab'
+    assert load(tmp_path, again.to_toml()) == topo  # and the written form is stable
+    assert "[router.tenants]" in topo.to_toml() and "[router.max_inflight_per_tenant]" in topo.to_toml()
+
+
+def test_the_older_inline_table_form_still_reads(tmp_path):
+    text = MINIMAL.replace('5551"\n', '5551"\ntenants = {"key-a" = "salt-a"}\npriority_floor = {"key-a" = -10}\n', 1)
+    topo = load(tmp_path, text)
+    assert dict(topo.router.tenants) == {"key-a": "salt-a"} and dict(topo.router.priority_floor) == {"key-a": -10}
+    assert load(tmp_path, topo.to_toml()) == topo
+
+
+def test_defaults_round_trip_and_a_value_toml_cannot_hold_is_refused(tmp_path):
+    topo = Topology.local("smollm2", "ipc", tmp_path)
+    assert load(tmp_path, topo.to_toml()) == topo
+    with pytest.raises(TopologyError, match="progress_timeout_s = None cannot be written"):
+        dataclasses.replace(topo, router=RouterConfig(progress_timeout_s=None)).to_toml()
