@@ -50,7 +50,7 @@ from bench.trace import (
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import model_config_at
 from deepinfer.launch.mesh import InprocMesh
-from deepinfer.launch.topology import Topology
+from deepinfer.launch.topology import RouterConfig, Topology
 from deepinfer.protocol.client import AsyncClient, MeshError
 
 DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"
@@ -93,7 +93,7 @@ def mesh_topology(s: MeshSettings, arm: Arm, run_dir: Path) -> Topology:
                           kv_cache_mb=s.kv_cache_mb, kvcache=arm.cache, prefix_caching=arm.cache,
                           cache_dir=run_dir / "kvcache", host_cache_mb=s.host_cache_mb,
                           disk_cache_mb=s.disk_cache_mb)
-    return dataclasses.replace(topo, router_options={**s.router_options, **arm.router_options})
+    return dataclasses.replace(topo, router=RouterConfig(**{**s.router_options, **arm.router_options}))
 
 
 # -- running one arm ------------------------------------------------------------------------------------------
