@@ -2,9 +2,11 @@
 
 * RPC: DEALER (connects, identity = instance name) → ROUTER (binds). ROUTER_MANDATORY makes a send to an
   identity that is not connected raise EHOSTUNREACH instead of dropping the message silently;
-  ROUTER_HANDOVER is off: while a peer is connected no second connection can take its routing id (and the
-  replies meant for it); libzmq refuses the newcomer until the first connection ends, which a killed
-  process's does at once, and the newcomer's DEALER retries by itself.
+  ROUTER_HANDOVER: on ipc:// and inproc:// (peers are this user's processes) a restarted peer takes its
+  routing id over at once. On a CURVE-secured ROUTER it is off, so no other key can take a connected peer's
+  id (and the replies meant for it); the price is that libzmq parks a newcomer whose id is still held, unread,
+  until it reconnects — a service whose old connection outlives it (a crashed host, a half-open TCP) times out
+  its handshake and is restarted.
 * pipelines: PUSH → PULL; broadcasts that may be lost: PUB → SUB (subscribe with `type_frame(Cls)` to get
   one message type). The long-lived side binds.
 * every socket: LINGER 0 (closing never blocks on unsent messages: request-level deadlines recover them),
@@ -86,10 +88,10 @@ def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None,
 def make_router(ctx: zmq.Context, bind: str, *, hwm: int = DEFAULT_HWM, limits: Limits = DEFAULT_LIMITS,
                 auth: ServerAuth | None = None) -> Any:
     """The bound side of an RPC edge. Sends need the peer's identity; see `recv_routed`. Secured (`auth`),
-    a routing id is also checked per message against the key that authenticated the connection."""
+    handover is off and a routing id is also checked per message against the key that authenticated it."""
     sock = _new(ctx, zmq.ROUTER, hwm, limits)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # secure_server turns it off
     return _attach(sock, bind, None, auth)
 
 
