@@ -1,10 +1,12 @@
-"""What every mesh service shares: an identity, a DEALER to the router's backend opened with a
-Hello/Welcome handshake, heartbeats that carry a progress counter, structlog bound to the service,
-and a receive loop that dispatches by message type.
+"""The two layers every service is built from.
 
-A subclass provides `handlers()` (message class → coroutine), `heartbeat_fields()` and optionally
-`tasks()` (extra coroutines such as a second socket's receive loop). Handlers never raise into the loop:
-a failing handler is logged and counted, and the service keeps serving.
+`BaseService` is a service's life in one process: open its sockets, serve with its loops until `stop()`,
+close the sockets. Every service derives from it, the router included.
+
+`Service` adds membership of the mesh: a DEALER to the router's backend opened with a Hello/Welcome
+handshake (said again when the router restarts), heartbeats that carry a progress counter, and a receive
+loop that dispatches the router's messages by type. The tokenizer, the workers and the cache daemon are
+`Service`s.
 """
 
 from __future__ import annotations
@@ -26,65 +28,77 @@ from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.handshake import SAY_HELLO
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
 
-Handler = Callable[[Any], Awaitable[None]]
+# A message handler: called with what the receive function returned (the message, or peer and message).
+Handler = Callable[..., Awaitable[None]]
 
 DRAIN_TIMEOUT_S = 60.0  # a draining service stops after this even with work in flight (units wait longer)
+DRAIN_POLL_S = 0.05  # how often a draining service asks idle()
 # The most a send on the way out waits: with the router gone the DEALER's queue fills (SNDHWM), and a plain
 # send would then wait for it forever.
 SHUTDOWN_SEND_S = 1.0
 REHELLO_INTERVAL_S = 1.0  # least time between Hellos to a restarted router that has not answered yet
 
 
-class HandshakeRefused(RuntimeError):
-    """The router refused this service's Hello; the message carries the router's reason."""
+class BaseService:
+    """The lifecycle every service shares: `run()` opens, serves until `stop()`, and closes.
 
+    A subclass provides:
+    * `open()`: opens its sockets, each registered with `socket()`, and whatever must precede serving;
+      returns False if stopped before it could serve. `run(ready)` sets `ready` once it returned True.
+    * `tasks()`: the coroutines it serves with (receive loops, timers). A receive loop is usually
+      `dispatch_forever(sock, recv, table)`, its handler table mapping a message type to a coroutine.
+    * `idle()`: nothing in flight, so a draining service may stop now.
+    * optionally `on_drain()` (announce the drain; bounded) and `on_stop()` (take down what `open()`
+      started besides sockets).
 
-class Service:
+    Invariants:
+    * `drain()` sets `draining` (the subclass refuses new work while it is set) and ends in `stop()` once
+      idle, or at its deadline whatever the peers do.
+    * Handlers never raise into the loop: a failing handler is logged and the service keeps serving; a
+      malformed message is counted (`malformed`), logged and skipped.
+    * A task from `spawn()` is kept until done (the event loop holds tasks only weakly, so a fire-and-
+      forget one could vanish mid-flight), its failure logged, and it is cancelled at stop.
+    * A loop that raises ends `run()` with that exception; one that returns ends `run()` too.
+    * However `run()` ends, once `open()` began: spawned tasks are cancelled and every registered socket is
+      closed with linger 0 (a message nobody will read cannot hold the exit).
+    """
+
     role: ClassVar[str] = "service"
 
-    def __init__(self, instance: str, backend: str, ctx: zmq.asyncio.Context | None = None,
-                 heartbeat_s: float = 0.5, model_fingerprint: str | None = None,
-                 block_hash_scheme: str | None = None, auth: ServiceAuth = NO_AUTH) -> None:
+    def __init__(self, instance: str, ctx: zmq.asyncio.Context | None = None, auth: ServiceAuth = NO_AUTH) -> None:
         self.instance = instance
-        self.auth = auth  # CURVE keys and allow-lists for its tcp:// sockets (NO_AUTH: none)
-        self.backend = backend
         self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.heartbeat_s = heartbeat_s
-        self.model_fingerprint = model_fingerprint
-        self.block_hash_scheme = block_hash_scheme
-        self.incarnation = secrets.token_hex(6)
-        self.progress = 0  # subclasses advance it when they do work (engine steps, messages handled)
-        self.malformed = 0
+        self.auth = auth  # CURVE keys and allow-lists for its tcp:// sockets (NO_AUTH: none)
         self.log = structlog.get_logger("deepinfer").bind(service=self.role, instance=instance, pid=os.getpid())
-        self.router: Any = None
-        self._seq = 0
+        self.malformed = 0
+        self.draining = False
         self._stopping = asyncio.Event()
         self._sockets: list[Any] = []
-        self.draining = False
-        self._drain_task: asyncio.Future[None] | None = None
-        self._rehello_at: float | None = None  # when we last said Hello to a restarted router, until welcomed
         self._spawned: set[asyncio.Task[Any]] = set()
 
     # -- to override ------------------------------------------------------------------------
 
-    def handlers(self) -> dict[type, Handler]:
-        return {}
-
-    def heartbeat_fields(self) -> dict[str, Any]:
-        return {}
+    async def open(self) -> bool:
+        """Open and register the sockets; False if stopped before serving could begin."""
+        return True
 
     def tasks(self) -> list[Awaitable[None]]:
         return []
 
-    def capabilities(self) -> dict[str, str]:
-        """Extra Hello capabilities (the incarnation is always sent), e.g. which cache daemon a worker uses."""
-        return {}
+    def loops(self) -> list[Awaitable[None]]:
+        """Everything `run()` serves with. A layer between this class and a concrete service (`Service`)
+        adds its own loops here, leaving `tasks()` to the concrete service."""
+        return self.tasks()
 
-    async def on_start(self) -> None:
-        """After the handshake, before serving."""
+    def idle(self) -> bool:
+        """Nothing in flight: a draining service may stop. Subclasses holding requests override it."""
+        return True
+
+    async def on_drain(self, timeout_s: float) -> None:
+        """When a drain begins, before waiting for idle(): e.g. tell peers. Cut off after `timeout_s`."""
 
     async def on_stop(self) -> None:
-        """After the loops stop, before sockets close."""
+        """After serving ends (also by a loop's failure), before the sockets close."""
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -93,57 +107,35 @@ class Service:
         self._sockets.append(sock)
         return sock
 
-    def hello(self) -> m.Hello:
-        # The pid lets a supervisor's exit note (ServiceExited) name this very process.
-        caps = {**self.capabilities(), "incarnation": self.incarnation, "pid": str(os.getpid())}
-        return m.Hello(m.PROTOCOL_VERSION, self.role, self.instance, self.model_fingerprint,
-                       self.block_hash_scheme, caps)
-
-    async def on_router_restart(self) -> None:
-        """The router restarted: every request this service holds was the old router's, whose clients got
-        an error from their side. Subclasses holding requests drop them all here (before the new Hello)."""
-
-    async def handshake(self, timeout_s: float = 30.0) -> m.Welcome:
-        """Say Hello until the router answers; raise HandshakeRefused with its reason if it refuses."""
-        hello = self.hello()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            await asend_msg(self.router, hello)
-            if await self.router.poll(timeout=500):
-                reply = await arecv_msg(self.router)
-                if isinstance(reply, m.Welcome):
-                    if not reply.accepted:
-                        raise HandshakeRefused(f"router refused {self.instance}: {reply.reason}")
-                    return reply
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.instance}: no Welcome from the router at {self.backend} in {timeout_s}s")
-
     async def run(self, ready: asyncio.Event | None = None) -> None:
-        """Connect, handshake, serve until `stop()`; then close every socket."""
-        self.router = self.socket(make_dealer(self.ctx, self.backend, self.instance.encode(),
-                                              auth=self.auth.for_connect(self.backend, "router")))
+        """Open, serve until `stop()` or a loop ends, then close every socket."""
         try:
-            if not await self._unless_stopped(self.handshake()):
-                return  # stopped (SIGTERM) before the router answered: nothing to drain
-            await self.on_start()
+            if not await self.open():
+                return  # stopped before serving: nothing started, nothing to drain
             self.log.info("serving")
             if ready is not None:
                 ready.set()
-            loops = [asyncio.ensure_future(c) for c in (self._recv_loop(), self._heartbeat_loop(), *self.tasks())]
-            stop = asyncio.ensure_future(self._stopping.wait())
-            done, _ = await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
-            for t in loops + [stop]:
-                t.cancel()
-            for t in done:
-                if t is not stop and not t.cancelled() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
-            await self.on_stop()
+            try:
+                await self._serve()
+            finally:
+                await self.on_stop()
         finally:
             for t in list(self._spawned):
                 t.cancel()
             for s in self._sockets:
                 s.close(linger=0)
             self.log.info("stopped")
+
+    async def _serve(self) -> None:
+        """Run the loops until `stop()` or one of them ends; re-raise a loop's failure."""
+        loops = [asyncio.ensure_future(c) for c in self.loops()]
+        stop = asyncio.ensure_future(self._stopping.wait())
+        done, _ = await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
+        for t in [*loops, stop]:
+            t.cancel()
+        for t in done:
+            if t is not stop and not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
 
     async def _unless_stopped(self, step: Awaitable[Any]) -> bool:
         """Await `step` unless `stop()` comes first (then cancel it); False if stopped."""
@@ -164,8 +156,7 @@ class Service:
         self._stopping.set()
 
     def spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
-        """Run `coro` beside the loops. The task is kept (the event loop holds tasks only weakly, so a
-        fire-and-forget one can vanish mid-flight), its failure is logged, and it is cancelled at stop."""
+        """Run `coro` beside the loops: kept until done, its failure logged, cancelled at stop."""
         task = asyncio.ensure_future(coro)
         self._spawned.add(task)
 
@@ -177,31 +168,142 @@ class Service:
         task.add_done_callback(done)
         return task
 
-    def idle(self) -> bool:
-        """Nothing in flight: a draining service may stop. Subclasses holding requests override it."""
-        return True
-
     def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        """Take no new work (heartbeats say `draining`, so the router stops placing here), finish what is in
-        flight, then stop — or stop anyway after `timeout_s`, whether or not the router is still there."""
+        """Take no new work, finish what is in flight, then stop — or stop anyway after `timeout_s`."""
         if not self.draining:
             self.draining = True
-            self._drain_task = asyncio.ensure_future(self._drain(timeout_s))
+            self.spawn(self._drain(timeout_s), "drain")
 
     async def _drain(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         self.log.info("draining", timeout_s=timeout_s)
         try:
-            # Tell the router now, not at the next period; bounded, as the router may be gone.
-            await self._beat(timeout_s=min(SHUTDOWN_SEND_S, timeout_s))
+            await asyncio.wait_for(self.on_drain(timeout_s), timeout_s)  # bounded whatever the hook does
             while not self.idle() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(DRAIN_POLL_S)
         except Exception:
             self.log.exception("drain failed; stopping now")
         finally:  # invariant: a drain ends in stop() by its deadline
             self.stop()
 
-    # -- loops ------------------------------------------------------------------------------
+    # -- receiving --------------------------------------------------------------------------
+
+    async def dispatch_forever(self, sock: Any, recv: Callable[[Any], Awaitable[Any]], table: dict[type, Handler],
+                               *, otherwise: Handler | None = None,
+                               on_malformed: Callable[[ProtocolError], Awaitable[None]] | None = None) -> None:
+        """Receive from `sock` forever and run the handler for each message's type: `table`'s, else
+        `otherwise` (default: log it as unexpected). A malformed message is counted, logged, then given to
+        `on_malformed` (e.g. to answer it)."""
+        while True:
+            try:
+                msg = await recv(sock)
+            except ProtocolError as exc:
+                self.malformed += 1
+                self.log.warning("malformed message", code=exc.code, detail=exc.detail, peer=exc.peer)
+                if on_malformed is not None:
+                    await self._handle(on_malformed, (exc,), "malformed")
+                continue
+            args = msg if isinstance(msg, tuple) else (msg,)
+            name = type(args[-1]).__name__
+            handler = table.get(type(args[-1]), otherwise)
+            if handler is None:
+                self.log.warning("unexpected message", type=name)
+                continue
+            await self._handle(handler, args, name)
+
+    async def _handle(self, handler: Handler, args: tuple[Any, ...], name: str) -> None:
+        try:
+            await handler(*args)
+        except Exception:  # a handler bug must not take the service down
+            self.log.exception("handler failed", type=name)
+
+
+class HandshakeRefused(RuntimeError):
+    """The router refused this service's Hello; the message carries the router's reason."""
+
+
+class Service(BaseService):
+    """A member of the mesh, connected to the router's backend.
+
+    A subclass provides `handlers()` (the router's messages: type → coroutine), `heartbeat_fields()`,
+    optionally `tasks()` (extra loops such as a second socket's receive loop), `on_start()` (open those
+    sockets, after the handshake) and `on_router_restart()`. Its drain first sends a heartbeat saying
+    `draining` (so the router stops placing here), bounded as the router may be gone.
+    """
+
+    def __init__(self, instance: str, backend: str, ctx: zmq.asyncio.Context | None = None,
+                 heartbeat_s: float = 0.5, model_fingerprint: str | None = None,
+                 block_hash_scheme: str | None = None, auth: ServiceAuth = NO_AUTH) -> None:
+        super().__init__(instance, ctx, auth)
+        self.backend = backend
+        self.heartbeat_s = heartbeat_s
+        self.model_fingerprint = model_fingerprint
+        self.block_hash_scheme = block_hash_scheme
+        self.incarnation = secrets.token_hex(6)
+        self.progress = 0  # subclasses advance it when they do work (engine steps, messages handled)
+        self.router: Any = None
+        self._seq = 0
+        self._rehello_at: float | None = None  # when we last said Hello to a restarted router, until welcomed
+
+    # -- to override ------------------------------------------------------------------------
+
+    def handlers(self) -> dict[type, Handler]:
+        return {}
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {}
+
+    def capabilities(self) -> dict[str, str]:
+        """Extra Hello capabilities (the incarnation is always sent), e.g. which cache daemon a worker uses."""
+        return {}
+
+    async def on_start(self) -> None:
+        """After the handshake, before serving."""
+
+    async def on_router_restart(self) -> None:
+        """The router restarted: every request this service holds was the old router's, whose clients got
+        an error from their side. Subclasses holding requests drop them all here (before the new Hello)."""
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def open(self) -> bool:
+        """Connect, handshake (unless stopped first), then `on_start()`."""
+        self.router = self.socket(make_dealer(self.ctx, self.backend, self.instance.encode(),
+                                              auth=self.auth.for_connect(self.backend, "router")))
+        if not await self._unless_stopped(self.handshake()):
+            return False  # stopped (SIGTERM) before the router answered
+        await self.on_start()
+        return True
+
+    def loops(self) -> list[Awaitable[None]]:
+        return [self._recv_loop(), self._heartbeat_loop(), *self.tasks()]
+
+    async def on_drain(self, timeout_s: float) -> None:
+        # Tell the router now, not at the next period; bounded, as the router may be gone.
+        await self._beat(timeout_s=min(SHUTDOWN_SEND_S, timeout_s))
+
+    def hello(self) -> m.Hello:
+        # The pid lets a supervisor's exit note (ServiceExited) name this very process.
+        caps = {**self.capabilities(), "incarnation": self.incarnation, "pid": str(os.getpid())}
+        return m.Hello(m.PROTOCOL_VERSION, self.role, self.instance, self.model_fingerprint,
+                       self.block_hash_scheme, caps)
+
+    async def handshake(self, timeout_s: float = 30.0) -> m.Welcome:
+        """Say Hello until the router answers; raise HandshakeRefused with its reason if it refuses."""
+        hello = self.hello()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await asend_msg(self.router, hello)
+            if await self.router.poll(timeout=500):
+                reply = await arecv_msg(self.router)
+                if isinstance(reply, m.Welcome):
+                    if not reply.accepted:
+                        raise HandshakeRefused(f"router refused {self.instance}: {reply.reason}")
+                    return reply
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.instance}: no Welcome from the router at {self.backend} in {timeout_s}s")
+
+    # -- the router ---------------------------------------------------------------------------
 
     async def send_router(self, msg: Any) -> None:
         await asend_msg(self.router, msg)
@@ -243,28 +345,6 @@ class Service:
             return  # a Hello is on its way: the router asks once per message it drops meanwhile
         self._rehello_at = now
         await self.send_router(self.hello())
-
-    async def dispatch_forever(self, sock: Any, recv: Callable[[Any], Awaitable[Any]],
-                               table: dict[type, Handler] | None = None) -> None:
-        """Receive from `sock` and run the handler for each message's type (`table`, default `handlers()`),
-        forever."""
-        table = self.handlers() if table is None else table
-        while True:
-            try:
-                msg = await recv(sock)
-            except ProtocolError as exc:
-                self.malformed += 1
-                self.log.warning("malformed message", code=exc.code, detail=exc.detail, peer=exc.peer)
-                continue
-            args = msg if isinstance(msg, tuple) else (msg,)
-            handler = table.get(type(args[-1]))
-            if handler is None:
-                self.log.warning("unexpected message", type=type(args[-1]).__name__)
-                continue
-            try:
-                await handler(*args)
-            except Exception:  # a handler bug must not take the service down
-                self.log.exception("handler failed", type=type(args[-1]).__name__)
 
     async def _beat(self, timeout_s: float | None = None) -> None:
         """Send a heartbeat; with `timeout_s`, give up after that long (see `send_router_within`)."""
