@@ -18,9 +18,9 @@ import collections
 import dataclasses
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import structlog
 import zmq
 import zmq.asyncio
 
@@ -30,7 +30,7 @@ from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.handshake import SAY_HELLO, check_hello
 from deepinfer.protocol.limits import CLIENT_LIMITS
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
-from deepinfer.services.base import DRAIN_TIMEOUT_S
+from deepinfer.services.base import DRAIN_TIMEOUT_S, BaseService, Handler
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
 
 __all__ = ["MeshPins", "RouterConfig", "RouterService"]
@@ -44,6 +44,11 @@ MAX_BACKLOG = 4096  # messages kept for one slow client, in order; past that the
 # The field naming the instance a message speaks for: it must be the sender's own identity.
 SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
                                m.KvEvents: "publisher"}
+
+
+async def recv_client(sock: Any) -> tuple[bytes, Any]:
+    """The next client message, under the client limits (tighter than the services')."""
+    return await arecv_routed(sock, limits=CLIENT_LIMITS)
 
 
 class MeshPins:
@@ -74,67 +79,56 @@ class MeshPins:
         return welcome
 
 
-class RouterService:
+class RouterService(BaseService):
+    """The mesh's front door (see the module's docstring). Serves with three loops: clients, services, and
+    the core's timer. Idle when no request is in flight; draining refuses new requests."""
+
     role = "router"
 
     def __init__(self, instance: str, frontend: str, backend: str, ctx: zmq.asyncio.Context,
                  config: RouterConfig | None = None, auth: ServiceAuth = NO_AUTH) -> None:
-        self.instance = instance
+        # auth: CURVE on tcp:// (frontend: tenant keys only; backend: service keys + the supervisor)
+        super().__init__(instance, ctx, auth)
         self.frontend_ep, self.backend_ep = frontend, backend
-        self.ctx = ctx
-        self.auth = auth  # CURVE on tcp:// (frontend: tenant keys only; backend: service keys + the supervisor)
         # Request ids must not repeat across router restarts: prefix them with this incarnation.
         config = dataclasses.replace(config or RouterConfig(), id_prefix=f"{secrets.token_hex(3)}-")
         self.core = RouterCore(config)
         self.pins = MeshPins()
-        self.malformed = 0
-        self.log = structlog.get_logger("deepinfer").bind(service="router", instance=instance)
-        self._stopping = asyncio.Event()
         self.frontend: Any = None
         self.backend: Any = None
         self.greeted: set[bytes] = set()  # backend identities welcomed by this incarnation
         self._asked: dict[bytes, float] = {}  # identities asked for a Hello, and when (monotonic)
         self.forged = 0
         self._backlog: dict[bytes, collections.deque[Any]] = {}  # slow clients: what they are still owed
-        self._drain_task: asyncio.Future[None] | None = None
 
-    def stop(self) -> None:
-        self.core.draining = True
-        self._stopping.set()
+    async def open(self) -> bool:
+        self.frontend = self.socket(make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,
+                                                auth=self.auth.for_bind(self.frontend_ep, "frontend")))
+        self.backend = self.socket(make_router(self.ctx, self.backend_ep,
+                                               auth=self.auth.for_bind(self.backend_ep, "backend")))
+        self.log.info("bound", frontend=self.frontend_ep, backend=self.backend_ep)
+        return True
+
+    def tasks(self) -> list[Awaitable[None]]:
+        return [
+            self.dispatch_forever(self.frontend, recv_client, self._client_table(), otherwise=self._client_may_not,
+                                  on_malformed=self._answer_malformed),
+            self.dispatch_forever(self.backend, arecv_routed, self._service_table(), otherwise=self._from_member(None)),
+            self._tick_loop(),
+        ]
+
+    def idle(self) -> bool:
+        return self.core.num_inflight == 0
 
     def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        """Refuse new requests (clients get "overloaded"), let admitted ones finish, then stop — after
-        `timeout_s` at the latest. The drain itself sends nothing, so dead peers cannot hold it."""
-        if not self.core.draining:
-            self.core.draining = True
-            self._drain_task = asyncio.ensure_future(self._drain(timeout_s))
+        """Refuse new requests from now on (clients get "overloaded"), let admitted ones finish, then stop —
+        after `timeout_s` at the latest. The drain sends nothing of its own, so dead peers cannot hold it."""
+        self.core.draining = True
+        super().drain(timeout_s)
 
-    async def _drain(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        self.log.info("draining", inflight=self.core.num_inflight, timeout_s=timeout_s)
-        try:
-            while self.core.num_inflight and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-        finally:  # invariant: a drain ends in stop() by its deadline
-            self.stop()
-
-    async def run(self, ready: asyncio.Event | None = None) -> None:
-        self.frontend = make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,
-                                    auth=self.auth.for_bind(self.frontend_ep, "frontend"))
-        self.backend = make_router(self.ctx, self.backend_ep, auth=self.auth.for_bind(self.backend_ep, "backend"))
-        try:
-            self.log.info("serving", frontend=self.frontend_ep, backend=self.backend_ep)
-            if ready is not None:
-                ready.set()
-            loops = [asyncio.ensure_future(c) for c in (self._client_loop(), self._service_loop(), self._tick_loop())]
-            stop = asyncio.ensure_future(self._stopping.wait())
-            await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
-            for t in [*loops, stop]:
-                t.cancel()
-        finally:
-            self.frontend.close(linger=0)
-            self.backend.close(linger=0)
-            self.log.info("stopped")
+    def stop(self) -> None:
+        self.core.draining = True  # what still arrives before the loops end is refused, not admitted
+        super().stop()
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -185,71 +179,73 @@ class RouterService:
         # Every deadline and liveness decision runs on this clock: a wall-clock step changes none of them.
         return time.monotonic()
 
-    # -- loops ------------------------------------------------------------------------------
+    # -- clients ----------------------------------------------------------------------------
 
-    async def _client_loop(self) -> None:
-        while True:
-            try:
-                client, msg = await arecv_routed(self.frontend, limits=CLIENT_LIMITS)
-            except ProtocolError as exc:
-                self.malformed += 1
-                self.log.warning("malformed client message", code=exc.code, detail=exc.detail)
-                if exc.peer is not None:
-                    await self._send([Outbound(exc.peer, m.ErrorReply("", "bad_message", f"{exc.code}: {exc.detail}"))])
-                continue
-            now = self._now()
-            if isinstance(msg, m.Hello):
-                welcome = check_hello(msg, m.PROTOCOL_VERSION, None, None, service="router", instance=self.instance)
-                await self._send([Outbound(client, welcome)])
-            elif isinstance(msg, m.GenerateRequest):
-                await self._send(self.core.on_generate(client, msg, now))
-            elif isinstance(msg, m.AbortRequest):
-                await self._send(self.core.on_abort(client, msg, now))
-            else:
-                await self._send([Outbound(client, m.ErrorReply(getattr(msg, "request_id", ""), "bad_message",
-                                                                f"clients may not send {type(msg).__name__}"))])
+    def _client_table(self) -> dict[type, Handler]:
+        core = self.core
+        return {m.Hello: self._welcome_client, m.GenerateRequest: self._by_core(core.on_generate),
+                m.AbortRequest: self._by_core(core.on_abort)}
 
-    async def _service_loop(self) -> None:
-        while True:
-            try:
-                ident, msg = await arecv_routed(self.backend)
-            except ProtocolError as exc:
-                self.malformed += 1
-                self.log.warning("malformed service message", code=exc.code, detail=exc.detail, peer=exc.peer)
-                continue
-            sender, now = ident.decode(errors="replace"), self._now()
-            if isinstance(msg, m.ServiceExited):
-                if sender.startswith(SUPERVISOR_PREFIX):
-                    self.log.info("service exited", instance=msg.instance, pid=msg.pid, code=msg.returncode)
-                    await self._send(self.core.on_service_exited(msg, now))
-                continue
-            if isinstance(msg, m.Hello):
-                await self._welcome(ident, msg, now)
-                continue
+    def _by_core(self, event: Callable[[Any, Any, float], list[Outbound]]) -> Handler:
+        """A handler feeding (peer, message) to a core event and sending what it returns."""
+        async def handle(peer: Any, msg: Any) -> None:
+            await self._send(event(peer, msg, self._now()))
+        return handle
+
+    async def _welcome_client(self, client: bytes, hello: m.Hello) -> None:
+        welcome = check_hello(hello, m.PROTOCOL_VERSION, None, None, service="router", instance=self.instance)
+        await self._send([Outbound(client, welcome)])
+
+    async def _client_may_not(self, client: bytes, msg: Any) -> None:
+        await self._send([Outbound(client, m.ErrorReply(getattr(msg, "request_id", ""), "bad_message",
+                                                        f"clients may not send {type(msg).__name__}"))])
+
+    async def _answer_malformed(self, exc: ProtocolError) -> None:
+        if exc.peer is not None:
+            await self._send([Outbound(exc.peer, m.ErrorReply("", "bad_message", f"{exc.code}: {exc.detail}"))])
+
+    # -- services ---------------------------------------------------------------------------
+
+    def _service_table(self) -> dict[type, Handler]:
+        core = self.core
+        from_members: dict[type, Callable[[str, Any, float], list[Outbound]]] = {
+            m.Heartbeat: lambda _, hb, now: core.on_heartbeat(hb, now),
+            m.EncodeResult: core.on_encode_result,
+            m.PrefillDone: lambda _, done, now: core.on_prefill_done(done, now),
+            m.KvEvents: self._kv_events,
+            m.TextDeltas: lambda _, deltas, now: core.on_text_deltas(deltas, now),
+            m.ErrorReply: core.on_error,
+        }
+        table = {kind: self._from_member(event) for kind, event in from_members.items()}
+        return {**table, m.Hello: self._welcome, m.ServiceExited: self._service_exited}
+
+    def _from_member(self, event: Callable[[str, Any, float], list[Outbound]] | None) -> Handler:
+        """A handler for what only a welcomed service may send, and only about itself, fed to the core
+        `event` (None: nothing a service may send)."""
+        async def handle(ident: bytes, msg: Any) -> None:
             if ident not in self.greeted:
                 await self._ask_hello(ident)
-                continue
+                return
+            sender = ident.decode(errors="replace")
             if getattr(msg, SPEAKS_FOR.get(type(msg), ""), sender) != sender:
                 self.forged += 1  # a message about another instance than the one sending it
                 self.log.warning("message for another instance refused", type=type(msg).__name__, sender=sender)
-                continue
-            if isinstance(msg, m.Heartbeat):
-                await self._send(self.core.on_heartbeat(msg, now))
-            elif isinstance(msg, m.EncodeResult):
-                await self._send(self.core.on_encode_result(sender, msg, now))
-            elif isinstance(msg, m.PrefillDone):
-                await self._send(self.core.on_prefill_done(msg, now))
-            elif isinstance(msg, m.KvEvents):
-                out = self.core.on_kv_events(sender, msg, now)
-                for o in out:
-                    self.log.info("kv resync asked", publisher=o.dest, reason=o.msg.reason)
-                await self._send(out)
-            elif isinstance(msg, m.TextDeltas):
-                await self._send(self.core.on_text_deltas(msg, now))
-            elif isinstance(msg, m.ErrorReply):
-                await self._send(self.core.on_error(sender, msg, now))
-            else:
+            elif event is None:
                 self.log.warning("unexpected service message", type=type(msg).__name__, sender=sender)
+            else:
+                await self._send(event(sender, msg, self._now()))
+        return handle
+
+    def _kv_events(self, sender: str, events: m.KvEvents, now: float) -> list[Outbound]:
+        out = self.core.on_kv_events(sender, events, now)
+        for o in out:
+            self.log.info("kv resync asked", publisher=o.dest, reason=o.msg.reason)
+        return out
+
+    async def _service_exited(self, ident: bytes, note: m.ServiceExited) -> None:
+        if ident.startswith(SUPERVISOR_PREFIX.encode()):  # only a supervisor may say a service exited
+            self.log.info("service exited", instance=note.instance, pid=note.pid, code=note.returncode)
+            await self._send(self.core.on_service_exited(note, self._now()))
 
     async def _ask_hello(self, ident: bytes) -> None:
         """A service this incarnation has not welcomed: it spoke to the router before this one. Ask it for a
@@ -263,7 +259,7 @@ class RouterService:
         refusal = m.Welcome(m.PROTOCOL_VERSION, False, SAY_HELLO, service="router", instance=self.instance)
         await self._send([Outbound(ident.decode(errors="replace"), refusal)])
 
-    async def _welcome(self, ident: bytes, hello: m.Hello, now: float) -> None:
+    async def _welcome(self, ident: bytes, hello: m.Hello) -> None:
         welcome = self.pins.check(hello, self.instance)
         if welcome.accepted and hello.instance.encode() != ident:
             welcome = dataclasses.replace(welcome, accepted=False,
@@ -272,10 +268,12 @@ class RouterService:
         if welcome.accepted:
             self.greeted.add(ident)
             self._asked.pop(ident, None)
-            await self._send(self.core.on_hello(hello, now))
+            await self._send(self.core.on_hello(hello, self._now()))
         else:
             self.greeted.discard(ident)
             self.log.warning("refused", instance=hello.instance, reason=welcome.reason)
+
+    # -- the timer --------------------------------------------------------------------------
 
     async def _tick_loop(self) -> None:
         logged = self._now()
