@@ -1,0 +1,456 @@
+"""The worker service's pure core: which requests this worker holds, and the P/D handoff of each.
+
+No sockets, no asyncio, no engine: every event comes in as a call (with `now`, monotonic seconds, where
+time matters) and the core answers with `Action`s — messages to send and engine commands to run — that
+the shell (`worker.WorkerService`) performs in order. The engine's answers to those commands come back as
+events (`on_exported`, `on_installed`, …).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer.engine.request import InvalidRequestError, RequestOutput
+from deepinfer.protocol.messages import (
+    DetokenizeBatch,
+    DetokenizeItem,
+    ErrorCode,
+    ErrorReply,
+    KvAck,
+    KvReserve,
+    KvReserveReply,
+    KvTransfer,
+    PrefillDone,
+    PrefillJob,
+)
+from deepinfer.services.wire import to_wire_logprobs
+
+KV_LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
+HANDOFF_TIMEOUT_S = 30.0  # the most a prefill worker waits for each of the decode worker's replies
+LEASE_S = 10.0  # asked of the decode worker: how long it keeps blocks reserved for a KvTransfer
+
+
+def split_resumed(token_ids: list[int], num_output_tokens: int) -> tuple[list[int], list[int]]:
+    """A job's tokens as (prompt, output already streamed); ValueError when the count is impossible."""
+    if not 0 <= num_output_tokens < len(token_ids):
+        raise ValueError(f"num_output_tokens {num_output_tokens} does not fit {len(token_ids)} tokens")
+    cut = len(token_ids) - num_output_tokens
+    return list(token_ids[:cut]), list(token_ids[cut:])
+
+
+# -- actions: what the shell does for the core ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToRouter:
+    msg: PrefillDone | ErrorReply
+
+
+@dataclass(frozen=True)
+class ToTokenizer:
+    tokenizer: str
+    batch: DetokenizeBatch
+
+
+@dataclass(frozen=True, eq=False)
+class ToDecode:
+    """Prefill side → decode worker `peer`, on this worker's DEALER to it."""
+
+    peer: str
+    msg: KvReserve | KvTransfer
+
+
+@dataclass(frozen=True)
+class ToPrefill:
+    """Decode side → the prefill worker whose DEALER has this identity, on the KV ROUTER."""
+
+    identity: bytes
+    msg: KvReserveReply | KvAck
+
+
+@dataclass(frozen=True)
+class AddJob:
+    """Load the job's cached prefix (with a cache daemon; then ask `on_prefix_loaded`), add it to the engine;
+    a failure goes to `on_add_failed`."""
+
+    job: PrefillJob
+    prompt: list[int]
+    resumed: list[int]
+    prefill_only: bool
+
+
+@dataclass(frozen=True)
+class ExportKv:
+    """Export a held request's KV; the result goes to `on_exported`, a failure to `on_handoff_error`."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, eq=False)
+class Install:
+    """Add a transferred request to the engine under its lease; then `on_installed` or `on_install_failed`."""
+
+    identity: bytes
+    transfer: KvTransfer
+    prompt: list[int]
+    resumed: list[int]
+
+
+@dataclass(frozen=True)
+class Release:
+    request_id: str  # free a held (handed-off or failed) request's blocks
+
+
+@dataclass(frozen=True)
+class CancelReservation:
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str  # whatever the engine holds of it: running, held or reserved
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    pass
+
+
+@dataclass(frozen=True, eq=False)
+class OfferBlocks:
+    """Offer full blocks to the cache daemon (write-behind); `kv` is a handoff's export, else the pool's."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    kv: Any = None
+
+
+Action = (ToRouter | ToTokenizer | ToDecode | ToPrefill | AddJob | ExportKv | Install | Release
+          | CancelReservation | Abort | AbortAll | OfferBlocks)
+
+
+# -- per-request records -------------------------------------------------------------------------------
+
+
+class HandoffState(enum.Enum):
+    EXPORTING = "exporting"  # ExportKv asked of the engine
+    RESERVING = "reserving"  # KvReserve sent, KvReserveReply awaited
+    TRANSFERRING = "transferring"  # KvTransfer sent, KvAck awaited
+    DONE = "done"  # acknowledged: PrefillDone sent, blocks released
+    FAILED = "failed"  # ErrorReply sent, blocks released
+    DROPPED = "dropped"  # aborted or the router restarted: nothing more is sent, the engine abort frees it
+
+
+class HandoffFailure(enum.Enum):
+    """Why a handoff failed; `code` is what the router's ErrorReply handling acts on."""
+
+    UNKNOWN_PEER = "unknown decode worker"
+    ERROR = "export or send raised"
+    RESERVE_REFUSED = "the decode worker had no room"  # the router retries once elsewhere
+    KV_REFUSED = "the decode worker refused the KV"
+    TIMED_OUT = "the decode worker did not answer"
+
+    @property
+    def code(self) -> ErrorCode:
+        return _FAILURE_CODES[self]
+
+
+_FAILURE_CODES: dict[HandoffFailure, ErrorCode] = {
+    HandoffFailure.UNKNOWN_PEER: "internal",
+    HandoffFailure.ERROR: "internal",
+    HandoffFailure.RESERVE_REFUSED: "overloaded",
+    HandoffFailure.KV_REFUSED: "internal",
+    HandoffFailure.TIMED_OUT: "worker_lost",
+}
+_LIVE = (HandoffState.EXPORTING, HandoffState.RESERVING, HandoffState.TRANSFERRING)
+
+
+@dataclass(eq=False)
+class Handoff:
+    out: RequestOutput  # the held request's final output: first token, usage, block hashes
+    peer: str  # the decode worker
+    state: HandoffState = HandoffState.EXPORTING
+    kv: Any = None  # the export, from RESERVING on
+    lease_id: str = ""  # granted, from TRANSFERRING on
+    deadline: float = float("inf")  # for the reply awaited in RESERVING / TRANSFERRING
+    failure: HandoffFailure | None = None
+
+
+@dataclass(eq=False)
+class Track:
+    """What this worker remembers about a request it holds."""
+
+    detokenizer: str
+    sent: int = 0  # generated tokens already pushed to the tokenizer (a resumed request's from its start)
+    job: PrefillJob | None = None  # None on the decode side of a handoff
+    prefill_reported: bool = False  # PrefillDone sent (co-located: with the first token computed here)
+    started: float = 0.0
+    fetch_s: float = 0.0  # spent loading cached blocks from the cache daemon
+    handoff: Handoff | None = None
+
+
+# -- the core ------------------------------------------------------------------------------------------
+
+
+class WorkerCore:
+    """Per-request bookkeeping of one worker, and the prefill side's handoff state machine.
+
+    Roles: "worker" runs a job to the end here; "prefill" hands each job's KV to the decode worker the
+    router named; "decode" (and "worker") installs KV handed to it.
+
+    Contract, for every request the core holds (a `Track`, from an accepted PrefillJob or KvTransfer):
+    * It ends exactly once on this worker: a finished DetokenizeItem, an ErrorReply, PrefillDone after an
+      acknowledged handoff, or silently by abort or router restart; its track is then gone. Nothing is sent
+      about it afterwards: late engine outputs, replies and export results are dropped (counted in `stale`).
+    * PrefillDone is sent exactly once per job: with the first token computed here (co-located), or when
+      the decode worker acknowledged the KV (prefill). A decode-side track never sends one.
+    * DetokenizeItem offsets are contiguous: the first starts at the tokens already streamed (a resumed
+      job's `num_output_tokens`; on the decode side, those plus the transferred first token).
+    * Handoff (prefill role): EXPORTING → RESERVING → TRANSFERRING → DONE, or FAILED from any of them with
+      one ErrorReply (`HandoffFailure.code`), or DROPPED by abort/restart. DONE and FAILED end with
+      Release of the held blocks; DROPPED comes with Abort/AbortAll, which frees them too — no path leaks.
+      RESERVING and TRANSFERRING each wait at most `handoff_timeout_s` (timed by `on_tick`); a reply
+      counts only from the awaited peer, in the awaited state (a KvAck: for the granted lease).
+    * Decode side: a transfer is checked (layout, block size, resumed count) before anything is kept; the
+      first token is pushed to its tokenizer before `Install`, so it precedes every token the engine makes;
+      a refused or failed install cancels the reservation and answers KvAck(ok=False).
+    """
+
+    def __init__(self, instance: str, role: str, block_size: int, decode_peers: set[str] | frozenset[str], *,
+                 offer_blocks: bool = False, handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
+                 lease_s: float = LEASE_S) -> None:
+        self.instance = instance
+        self.role = role
+        self.block_size = block_size
+        self.decode_peers = frozenset(decode_peers)
+        self.offer_blocks = offer_blocks  # a cache daemon takes finished requests' blocks
+        self.handoff_timeout_s = handoff_timeout_s
+        self.lease_s = lease_s
+        self.handoffs_done = 0
+        self.handoffs_failed: Counter[HandoffFailure] = Counter()
+        self.stale = 0  # replies and export results for handoffs no longer awaiting them
+        self._tracks: dict[str, Track] = {}
+
+    def __len__(self) -> int:
+        return len(self._tracks)
+
+    def track(self, request_id: str) -> Track | None:
+        return self._tracks.get(request_id)
+
+    # -- the router's jobs, aborts and restarts ------------------------------------------------------
+
+    def on_job(self, job: PrefillJob, now: float) -> list[Action]:
+        try:
+            prompt, resumed = split_resumed(job.token_ids, job.num_output_tokens)
+        except ValueError as exc:
+            return [ToRouter(ErrorReply(job.request_id, "invalid_request", str(exc)))]
+        self._tracks[job.request_id] = Track(job.detokenizer, sent=len(resumed), job=job, started=now)
+        return [AddJob(job, prompt, resumed, prefill_only=self.role == "prefill")]
+
+    def on_prefix_loaded(self, job: PrefillJob, fetch_s: float) -> bool:
+        """Its cached prefix is on the device after `fetch_s`; False if the job was dropped meanwhile (then
+        it must not be added)."""
+        track = self._tracks.get(job.request_id)
+        if track is None or track.job is not job:
+            return False
+        track.fetch_s = fetch_s
+        return True
+
+    def on_add_failed(self, job: PrefillJob, error: Exception) -> list[Action]:
+        """The engine refused the job: InvalidRequestError left it untouched; anything else may have left
+        part of it, so it is aborted too."""
+        track = self._tracks.get(job.request_id)
+        if track is None or track.job is not job:
+            return []  # dropped meanwhile: the abort that dropped it covers the engine
+        del self._tracks[job.request_id]
+        if isinstance(error, InvalidRequestError):
+            return [ToRouter(ErrorReply(job.request_id, "invalid_request", str(error)))]
+        return [ToRouter(ErrorReply(job.request_id, "internal", f"adding the request failed: {error}")),
+                Abort(job.request_id)]
+
+    def on_abort(self, request_id: str) -> list[Action]:
+        """Drop it whatever its phase; the engine abort frees what it holds (running, held, reserved)."""
+        track = self._tracks.pop(request_id, None)
+        if track is not None and track.handoff is not None:
+            track.handoff.state = HandoffState.DROPPED
+        return [Abort(request_id)]
+
+    def on_router_restart(self) -> list[Action]:
+        """Every request here was the old router's, whose clients already got an error: drop them all."""
+        for track in self._tracks.values():
+            if track.handoff is not None:
+                track.handoff.state = HandoffState.DROPPED
+        self._tracks.clear()
+        return [AbortAll()]
+
+    # -- the engine's outputs ------------------------------------------------------------------------
+
+    def on_outputs(self, outputs: list[RequestOutput], step: int, now: float) -> list[Action]:
+        """One engine step's outputs: one DetokenizeBatch per tokenizer (after any other message of the
+        step), PrefillDone with a job's first token, ErrorReply for an engine error, handoffs started."""
+        actions: list[Action] = []
+        batches: dict[str, list[DetokenizeItem]] = {}
+        for out in outputs:
+            rid = out.request_id
+            track = self._tracks.get(rid)
+            if track is None or track.handoff is not None:
+                continue  # aborted meanwhile (the engine still reports the abort), or already handed off
+            if out.handoff:
+                actions += self._start_handoff(track, out)
+                continue
+            if track.job is not None and not track.prefill_reported and out.new_token_ids:
+                track.prefill_reported = True
+                actions.append(ToRouter(self._prefill_done(out, track, now)))
+            if out.finish_reason is not None and out.finish_reason.value == "error":
+                del self._tracks[rid]
+                actions.append(ToRouter(ErrorReply(rid, "internal", out.error or "")))
+                continue
+            batches.setdefault(track.detokenizer, []).append(DetokenizeItem(
+                rid, track.sent, list(out.new_token_ids), out.finished,
+                out.finish_reason.value if out.finish_reason else None,
+                None,  # per-token logprobs do not cross the mesh yet (the engine reports them at the end)
+                spec_proposed_tokens=out.usage.spec_proposed_tokens,
+                spec_accepted_tokens=out.usage.spec_accepted_tokens))
+            track.sent += len(out.new_token_ids)
+            if out.finished:
+                del self._tracks[rid]
+                if self.offer_blocks and out.block_hashes:
+                    actions.append(OfferBlocks(rid, list(out.block_hashes)))
+        actions += [ToTokenizer(tok, DetokenizeBatch(self.instance, step, items)) for tok, items in batches.items()]
+        return actions
+
+    def _prefill_done(self, out: RequestOutput, track: Track, now: float) -> PrefillDone:
+        assert track.job is not None
+        return PrefillDone(out.request_id, self.instance, len(track.job.token_ids), out.usage.cached_tokens,
+                           dict(out.usage.cached_by_tier), prefill_s=now - track.started, fetch_s=track.fetch_s)
+
+    # -- prefill side of the handoff -----------------------------------------------------------------
+
+    def _start_handoff(self, track: Track, out: RequestOutput) -> list[Action]:
+        peer = track.job.decode_worker if track.job is not None else ""
+        track.handoff = Handoff(out, peer)
+        if peer not in self.decode_peers:
+            return self._fail(track, HandoffFailure.UNKNOWN_PEER, f"handoff failed: unknown decode worker {peer!r}")
+        # Export first: the engine thread may be busy with a long prefill step, and the decode side's lease
+        # must only cover the transfer, not that wait.
+        return [ExportKv(out.request_id)]
+
+    def on_exported(self, request_id: str, kv: Any, now: float) -> list[Action]:
+        track = self._awaiting(request_id, HandoffState.EXPORTING)
+        if track is None:
+            return []  # dropped meanwhile: the abort released the blocks; the export is garbage
+        hand, job = track.handoff, track.job
+        assert hand is not None and job is not None
+        hand.kv, hand.state, hand.deadline = kv, HandoffState.RESERVING, now + self.handoff_timeout_s
+        n_blocks = -(-(len(job.token_ids) + 1) // self.block_size)  # the prompt and the first token
+        return [ToDecode(hand.peer, KvReserve(request_id, n_blocks, len(job.token_ids), job.params.max_tokens,
+                                              self.instance, self.lease_s))]
+
+    def on_handoff_error(self, request_id: str, error: Exception) -> list[Action]:
+        """A step of the handoff raised: the export, or a send to the decode worker."""
+        track = self._awaiting(request_id, *_LIVE)
+        if track is None:
+            return []
+        return self._fail(track, HandoffFailure.ERROR, f"handoff failed: {error}")
+
+    def on_kv_reply(self, peer: str, reply: KvReserveReply | KvAck, now: float) -> list[Action]:
+        """The decode worker `peer` answered a KvReserve or a KvTransfer."""
+        rid = reply.request_id
+        if isinstance(reply, KvReserveReply):
+            track = self._awaiting(rid, HandoffState.RESERVING, peer=peer)
+            if track is None:
+                return []
+            if not reply.ok:
+                return self._fail(track, HandoffFailure.RESERVE_REFUSED, f"{peer}: {reply.reason}")
+            return self._transfer(track, reply.lease_id, now)
+        track = self._awaiting(rid, HandoffState.TRANSFERRING, peer=peer, lease_id=reply.lease_id)
+        if track is None:
+            return []
+        if not reply.ok:
+            return self._fail(track, HandoffFailure.KV_REFUSED, f"{peer} refused the KV: {reply.reason}")
+        hand = track.handoff
+        assert hand is not None
+        del self._tracks[rid]
+        hand.state, track.prefill_reported = HandoffState.DONE, True
+        self.handoffs_done += 1
+        actions: list[Action] = [ToRouter(self._prefill_done(hand.out, track, now))]
+        if self.offer_blocks and hand.out.block_hashes:
+            actions.append(OfferBlocks(rid, list(hand.out.block_hashes), hand.kv))
+        return [*actions, Release(rid)]
+
+    def _transfer(self, track: Track, lease_id: str, now: float) -> list[Action]:
+        hand, job = track.handoff, track.job
+        assert hand is not None and job is not None
+        out = hand.out
+        hand.state, hand.lease_id, hand.deadline = HandoffState.TRANSFERRING, lease_id, now + self.handoff_timeout_s
+        return [ToDecode(hand.peer, KvTransfer(
+            out.request_id, lease_id, out.new_token_ids[0], list(job.token_ids), list(job.block_hashes), job.params,
+            self.block_size, KV_LAYOUT, hand.kv, job.detokenizer,
+            first_logprob=(to_wire_logprobs(out.logprobs) or [None])[-1], priority=job.priority,
+            arrival_time=job.arrival_time, num_cached_tokens=out.usage.cached_tokens, cache_salt=job.cache_salt,
+            num_output_tokens=job.num_output_tokens))]
+
+    def on_tick(self, now: float) -> list[Action]:
+        """Fail every handoff whose awaited reply is overdue."""
+        actions: list[Action] = []
+        for track in [t for t in self._tracks.values() if t.handoff is not None and now >= t.handoff.deadline]:
+            assert track.handoff is not None
+            actions += self._fail(track, HandoffFailure.TIMED_OUT, f"{track.handoff.peer} did not answer the handoff")
+        return actions
+
+    def _awaiting(self, request_id: str, *states: HandoffState, peer: str | None = None,
+                  lease_id: str | None = None) -> Track | None:
+        """The track whose handoff is in one of `states` (from `peer`, under `lease_id`), else None (stale)."""
+        track = self._tracks.get(request_id)
+        hand = track.handoff if track is not None else None
+        if (hand is None or hand.state not in states or (peer is not None and peer != hand.peer)
+                or (lease_id is not None and lease_id != hand.lease_id)):
+            self.stale += 1
+            return None
+        return track
+
+    def _fail(self, track: Track, failure: HandoffFailure, message: str) -> list[Action]:
+        hand = track.handoff
+        assert hand is not None and hand.state in _LIVE
+        rid = hand.out.request_id
+        del self._tracks[rid]
+        hand.state, hand.failure = HandoffState.FAILED, failure
+        self.handoffs_failed[failure] += 1
+        return [ToRouter(ErrorReply(rid, failure.code, message)), Release(rid)]
+
+    # -- decode side of the handoff ------------------------------------------------------------------
+
+    def on_reserved(self, identity: bytes, req: KvReserve, ok: bool, free_blocks: int) -> list[Action]:
+        """The engine's answer to a KvReserve (the reservation is named after the request)."""
+        reason = "" if ok else f"{req.num_blocks} KV blocks not free ({free_blocks} free)"
+        rid = req.request_id
+        return [ToPrefill(identity, KvReserveReply(rid, rid, ok, reason, req.lease_s if ok else 0.0))]
+
+    def on_transfer(self, identity: bytes, t: KvTransfer, step: int) -> list[Action]:
+        if t.kv_layout != KV_LAYOUT or t.block_size != self.block_size:
+            return self._refuse(identity, t, f"KV layout {t.kv_layout!r}/block {t.block_size} does not match "
+                                             f"{KV_LAYOUT!r}/block {self.block_size}")
+        try:
+            prompt, resumed = split_resumed(t.token_ids, t.num_output_tokens)
+        except ValueError as exc:
+            return self._refuse(identity, t, str(exc))
+        self._tracks[t.request_id] = Track(t.detokenizer, sent=len(resumed) + 1)
+        # The first token goes to the tokenizer before the engine can produce the second: the shell performs
+        # these in order, and one PUSH socket per tokenizer keeps them in order.
+        first = DetokenizeBatch(self.instance, step, [DetokenizeItem(t.request_id, len(resumed), [t.first_token])])
+        return [ToTokenizer(t.detokenizer, first), Install(identity, t, prompt, resumed)]
+
+    def on_installed(self, identity: bytes, t: KvTransfer) -> list[Action]:
+        return [ToPrefill(identity, KvAck(t.request_id, t.lease_id, True))]
+
+    def on_install_failed(self, identity: bytes, t: KvTransfer, error: Exception) -> list[Action]:
+        track = self._tracks.get(t.request_id)
+        if track is not None and track.job is None:
+            del self._tracks[t.request_id]  # ends silently here: the prefill worker reports the failure
+        return self._refuse(identity, t, str(error))
+
+    def _refuse(self, identity: bytes, t: KvTransfer, reason: str) -> list[Action]:
+        return [CancelReservation(t.lease_id), ToPrefill(identity, KvAck(t.request_id, t.lease_id, False, reason))]
