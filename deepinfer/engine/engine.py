@@ -58,7 +58,7 @@ from deepinfer.engine.handoff import (
 )
 from deepinfer.engine.identity import cache_namespace
 from deepinfer.engine.model_runner import ModelRunner, num_blocks_for_budget
-from deepinfer.engine.models.llama import LlamaModel
+from deepinfer.engine.models import build_model
 from deepinfer.engine.prefix_cache import DevicePrefixCache
 from deepinfer.engine.request import (
     FinishReason,
@@ -118,7 +118,7 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
             capacity,
         )
-        model = LlamaModel(self.model_config, loaded.state_dict, self.max_model_len, self.config.device)
+        model = build_model(self.model_config, loaded.state_dict, self.max_model_len, self.config.device)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(
             self.pool, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,

@@ -6,6 +6,13 @@ Q4_0, Q4_1; anything else raises `UnsupportedWeightError`.
 
 llama.cpp's converter stores the Q and K projections of `llama` models with each head's rotary
 halves interleaved (its rotary layout); `load_gguf` undoes that so the weights match Hugging Face's.
+
+Mixture-of-experts files: a `llama` file with `llama.expert_count` is a Mixtral, a `qwen2moe` file a
+Qwen2-MoE. Their sparse layers hold `ffn_gate_inp` (the router), the experts fused into 3-D
+`ffn_gate_exps`/`ffn_up_exps`/`ffn_down_exps` (split per expert here; the per-expert
+`ffn_gate.{e}` names of older Mixtral files are read too) and, for Qwen2-MoE, the shared expert
+`ffn_gate_shexp`/`ffn_up_shexp`/`ffn_down_shexp` with its gate `ffn_gate_inp_shexp`. A layer that
+has `ffn_gate` instead of a router is dense.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 
-from deepinfer.engine.config import ConfigError, ModelConfig
+from deepinfer.engine.config import ConfigError, ModelConfig, MoEConfig
 
 QK = 32  # elements per block of every supported quantized type
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -39,12 +46,23 @@ _LAYER_NAMES = {
     "ffn_up.weight": "up_proj",
     "ffn_down.weight": "down_proj",
 }
+# Sparse-layer names (after "blk.{i}.") → ours; the fused 3-D expert tensors map to a per-expert suffix.
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_shexp.weight": "shared_expert.gate_proj",
+    "ffn_up_shexp.weight": "shared_expert.up_proj",
+    "ffn_down_shexp.weight": "shared_expert.down_proj",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate",
+}
+_FUSED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                  "ffn_down_exps.weight": "down_proj"}
+_SPLIT_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # blk.N.ffn_gate.E.weight
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens",
     "output_norm.weight": "norm",
     "output.weight": "lm_head",
 }
-_ARCHITECTURES = ("llama", "qwen2")
+_ARCHITECTURES = ("llama", "qwen2", "qwen2moe")
 _ROPE_TYPES = {"linear": "linear", "yarn": "yarn"}
 
 
@@ -177,8 +195,12 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             eos_ids.append(int(token))
     bos = metadata(reader, "tokenizer.ggml.bos_token_id")
     names = {t.name for t in reader.tensors}
+    moe = _moe_config(reader, arch, names)
+    architecture = arch if moe is None else {"llama": "mixtral", "qwen2moe": "qwen2_moe"}[arch]
+    if moe is None and arch == "qwen2moe":
+        raise ConfigError("GGUF qwen2moe file has no qwen2moe.expert_count")
     return ModelConfig(
-        architecture=arch,
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -194,6 +216,33 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
+        moe=moe,
+    )
+
+
+def _moe_config(reader: GGUFReader, arch: str, names: set[str]) -> MoEConfig | None:
+    """From `{arch}.expert_count`, `expert_used_count`, `expert_feed_forward_length` (Qwen2-MoE; a
+    Mixtral's experts are `feed_forward_length` wide), `expert_shared_feed_forward_length` and
+    `expert_weights_norm` (absent: llama.cpp renormalises Mixtral's top-k weights, not Qwen2-MoE's);
+    the dense layers are those without a router tensor."""
+    count = metadata(reader, f"{arch}.expert_count")
+    if not count:
+        return None
+    num_layers = int(metadata(reader, f"{arch}.block_count"))
+    width = metadata(reader, f"{arch}.expert_feed_forward_length") or metadata(reader, f"{arch}.feed_forward_length")
+    shared = metadata(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared is None:
+        sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_shexp.weight" in names]
+        shared = _tensor_shape(reader, f"blk.{sparse[0]}.ffn_gate_shexp.weight")[0] if sparse else 0
+    dense = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+    return MoEConfig(
+        num_experts=int(count),
+        num_experts_per_tok=int(metadata(reader, f"{arch}.expert_used_count")),
+        expert_intermediate_size=int(width),
+        norm_topk_prob=bool(metadata(reader, f"{arch}.expert_weights_norm", arch == "llama")),
+        shared_expert_intermediate_size=int(shared),
+        shared_expert_gated=any(n.endswith(".ffn_gate_inp_shexp.weight") for n in names),
+        dense_layers=dense,
     )
 
 
@@ -223,12 +272,22 @@ def _tensor_shape(reader: GGUFReader, name: str) -> tuple[int, ...]:
 
 
 def gguf_to_our_name(gguf_name: str) -> str:
-    """Our state-dict name for a GGUF tensor name; unknown names raise `UnsupportedWeightError`."""
+    """Our state-dict name for a GGUF tensor name; unknown names raise `UnsupportedWeightError`. A fused
+    expert tensor (`blk.N.ffn_gate_exps.weight`) names its per-expert suffix: `layers.N.experts.*.gate_proj`."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        layer, rest = parts[1], parts[2]
+        if rest in _LAYER_NAMES:
+            return f"layers.{layer}.{_LAYER_NAMES[rest]}"
+        if rest in _MOE_NAMES:
+            return f"layers.{layer}.{_MOE_NAMES[rest]}"
+        if rest in _FUSED_EXPERTS:
+            return f"layers.{layer}.experts.*.{_FUSED_EXPERTS[rest]}"
+        split = rest.split(".")
+        if len(split) == 3 and split[0] in _SPLIT_EXPERT and split[1].isdigit() and split[2] == "weight":
+            return f"layers.{layer}.experts.{split[1]}.{_SPLIT_EXPERT[split[0]]}"
     raise UnsupportedWeightError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
 
 
@@ -236,14 +295,25 @@ def load_gguf(source: GGUFReader | str | os.PathLike[str]) -> tuple[ModelConfig,
     """Config and fp32 state dict (our names, Hugging Face rotary layout) of a GGUF file."""
     reader = source if isinstance(source, GGUFReader) else open_gguf(source)
     config = config_from_gguf(reader)
+    permuted = metadata(reader, "general.architecture") == "llama"  # Mixtral files too
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = gguf_to_our_name(tensor.name)
         array = tensor_to_numpy(tensor)
-        if config.architecture == "llama":
+        if permuted:
             if name.endswith((".q_proj", ".q_bias")):
                 array = unpermute_rotary(array, config.num_heads)
             elif name.endswith((".k_proj", ".k_bias")):
                 array = unpermute_rotary(array, config.num_kv_heads)
-        state[name] = torch.from_numpy(np.ascontiguousarray(array))
+        if name.endswith(".shared_expert_gate"):
+            array = array.reshape(1, -1)  # llama.cpp keeps it 1-D [hidden]; ours is a [1, hidden] projection
+        whole = torch.from_numpy(np.ascontiguousarray(array))
+        if ".experts.*." in name:
+            if whole.dim() != 3:
+                raise UnsupportedWeightError(f"GGUF tensor {tensor.name!r} has shape {tuple(whole.shape)}, "
+                                             "expected [experts, rows, columns]")
+            for e, w in enumerate(whole.unbind(0)):
+                state[name.replace("*", str(e))] = w
+        else:
+            state[name] = whole
     return config, state

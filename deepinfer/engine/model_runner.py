@@ -15,7 +15,7 @@ import torch
 from deepinfer.engine import kernels
 from deepinfer.engine.attention import Segment, StepLayout, layout
 from deepinfer.engine.config import EngineConfig, ModelConfig
-from deepinfer.engine.models.llama import LlamaModel
+from deepinfer.engine.models.base import CausalLM
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -38,7 +38,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int) -> None:
         c = model.config
         self.model = model
         self.block_size = config.block_size

@@ -15,9 +15,27 @@ shaped [out, in] like `nn.Linear.weight`, Q/K in Hugging Face's rotary layout):
     layers.{i}.q_bias        [num_heads·head_dim]      q/k/v biases only when config.attention_bias
     layers.{i}.k_bias        [num_kv_heads·head_dim]
     layers.{i}.v_bias        [num_kv_heads·head_dim]
-    layers.{i}.gate_proj     [intermediate, hidden]
-    layers.{i}.up_proj       [intermediate, hidden]
-    layers.{i}.down_proj     [hidden, intermediate]
+    layers.{i}.gate_proj     [intermediate, hidden]    dense MLP: every layer of a dense model, and the
+    layers.{i}.up_proj       [intermediate, hidden]    layers a MoE config calls dense (Qwen2-MoE's
+    layers.{i}.down_proj     [hidden, intermediate]    mlp_only_layers)
+
+A sparse (mixture-of-experts) layer has instead, with E = moe.num_experts, I = expert_intermediate_size,
+S = shared_expert_intermediate_size:
+
+    layers.{i}.router                     [E, hidden]  router logits = router · x
+    layers.{i}.experts.{e}.gate_proj      [I, hidden]  expert e's SwiGLU, e in 0..E-1
+    layers.{i}.experts.{e}.up_proj        [I, hidden]
+    layers.{i}.experts.{e}.down_proj      [hidden, I]
+    layers.{i}.shared_expert.gate_proj    [S, hidden]  only when S > 0
+    layers.{i}.shared_expert.up_proj      [S, hidden]
+    layers.{i}.shared_expert.down_proj    [hidden, S]
+    layers.{i}.shared_expert_gate         [1, hidden]  only when moe.shared_expert_gated
+
+Experts are always one tensor per expert here, whatever the checkpoint stores: Hugging Face per-expert
+tensors (Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`, Qwen2-MoE's `mlp.experts.{e}.gate_proj/
+up_proj/down_proj`) map one to one, and the fused 3-D tensors transformers 5 writes with
+`save_original_format=False` (`mlp.experts.gate_up_proj` [E, 2I, hidden], gate rows first, and
+`mlp.experts.down_proj` [E, hidden, I]) are split per expert on load (views, no copy).
 """
 
 from __future__ import annotations
@@ -51,6 +69,17 @@ _HF_LAYER_NAMES = {
     "mlp.up_proj.weight": "up_proj",
     "mlp.down_proj.weight": "down_proj",
 }
+# Mixture-of-experts names, after "model.layers.{i}." and Mixtral's `block_sparse_moe.` or the `mlp.` prefix.
+_HF_MOE_NAMES = {
+    "gate.weight": "router",
+    "shared_expert.gate_proj.weight": "shared_expert.gate_proj",
+    "shared_expert.up_proj.weight": "shared_expert.up_proj",
+    "shared_expert.down_proj.weight": "shared_expert.down_proj",
+    "shared_expert_gate.weight": "shared_expert_gate",
+}
+_HF_EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_HF_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_HF_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
 _HF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": "embed_tokens",
     "model.norm.weight": "norm",
@@ -100,11 +129,34 @@ def load_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, to
             for hf_name in f.keys():
                 if _HF_IGNORED.fullmatch(hf_name):
                     continue
+                fused = _HF_FUSED_EXPERTS.fullmatch(hf_name)
+                if fused:
+                    tensor = f.get_tensor(hf_name).to(torch.float32).contiguous()
+                    state.update(split_fused_experts(int(fused.group(1)), fused.group(2), tensor))
+                    continue
                 name = hf_to_our_name(hf_name)
                 if name == "lm_head" and config.tie_word_embeddings:
                     continue
                 state[name] = f.get_tensor(hf_name).to(torch.float32).contiguous()
     return config, state
+
+
+def split_fused_experts(layer: int, kind: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (our names) from a fused 3-D one: `gate_up_proj` [E, 2I, hidden] (gate rows
+    first) or `down_proj` [E, hidden, I]. The results are views into `tensor`, each contiguous."""
+    if tensor.dim() != 3 or (kind == "gate_up_proj" and tensor.shape[1] % 2):
+        raise UnsupportedWeightError(f"fused expert tensor {kind} of layer {layer} has shape "
+                                     f"{tuple(tensor.shape)}; expected [experts, 2·intermediate, hidden] "
+                                     "or [experts, hidden, intermediate]")
+    p = f"layers.{layer}.experts."
+    out: dict[str, torch.Tensor] = {}
+    for e, w in enumerate(tensor.unbind(0)):
+        if kind == "gate_up_proj":
+            gate, up = w.chunk(2, dim=0)
+            out[f"{p}{e}.gate_proj"], out[f"{p}{e}.up_proj"] = gate, up
+        else:
+            out[f"{p}{e}.down_proj"] = w
+    return out
 
 
 def _safetensors_files(root: Path) -> list[Path]:
@@ -119,8 +171,17 @@ def hf_to_our_name(hf_name: str) -> str:
     if hf_name in _HF_GLOBAL_NAMES:
         return _HF_GLOBAL_NAMES[hf_name]
     m = _HF_LAYER.fullmatch(hf_name)
-    if m and m.group(2) in _HF_LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
+    if m:
+        layer, rest = m.group(1), m.group(2)
+        if rest in _HF_LAYER_NAMES:
+            return f"layers.{layer}.{_HF_LAYER_NAMES[rest]}"
+        moe_rest = rest.split(".", 1)[1] if rest.startswith(("mlp.", "block_sparse_moe.")) else ""
+        if moe_rest in _HF_MOE_NAMES:
+            return f"layers.{layer}.{_HF_MOE_NAMES[moe_rest]}"
+        expert = _HF_EXPERT.fullmatch(rest)
+        if expert:
+            e, proj = expert.groups()
+            return f"layers.{layer}.experts.{e}.{_HF_EXPERT_NAMES.get(proj, proj)}"
     raise UnsupportedWeightError(f"checkpoint tensor {hf_name!r} has no place in a Llama-family model")
 
 
@@ -131,15 +192,30 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (v, h), "norm": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (v, h)
+    moe = config.moe
     for i in range(config.num_layers):
         p = f"layers.{i}."
         layer = {"input_norm": (h,), "post_attn_norm": (h,), "q_proj": (q, h), "k_proj": (kv, h)}
-        layer |= {"v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (f, h), "up_proj": (f, h)}
-        layer["down_proj"] = (h, f)
+        layer |= {"v_proj": (kv, h), "o_proj": (h, q)}
+        if moe is not None and moe.is_sparse_layer(i):
+            layer["router"] = (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                layer |= _mlp_shapes(f"experts.{e}.", h, moe.expert_intermediate_size)
+            if moe.shared_expert_intermediate_size:
+                layer |= _mlp_shapes("shared_expert.", h, moe.shared_expert_intermediate_size)
+            if moe.shared_expert_gated:
+                layer["shared_expert_gate"] = (1, h)
+        else:
+            layer |= _mlp_shapes("", h, f)
         if config.attention_bias:
             layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
         shapes.update({p + n: s for n, s in layer.items()})
     return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}gate_proj": (intermediate, hidden), f"{prefix}up_proj": (intermediate, hidden),
+            f"{prefix}down_proj": (hidden, intermediate)}
 
 
 def check_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> None:

@@ -2,11 +2,19 @@
 
 Weights arrive in the engine's names (see `deepinfer.engine.weights`) and are fused here: Q/K/V into
 one projection and gate/up into another, so each layer runs four matmuls. The model is stateless
-apart from its weights: the KV tensor and the step's attention metadata are passed in.
+apart from its weights: the KV tensor and the step's attention metadata are passed in (the contract
+is `deepinfer.engine.models.base.CausalLM`).
+
+Each layer's MLP is a pluggable block, any callable from the normed hidden states [T, hidden] to the
+MLP's output [T, hidden]: `LlamaModel.build_mlp` makes the dense SwiGLU one, and a subclass overrides
+it to give some layers another (the mixture-of-experts models of `moe.py`), sharing the attention.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +24,9 @@ from deepinfer.engine.attention import AttentionMetadata, paged_attention, write
 from deepinfer.engine.config import ModelConfig
 from deepinfer.engine.models.rope import RotaryTable, apply_rotary
 
+# A layer's MLP block: normed hidden states [T, hidden] -> output [T, hidden], each row from its own row.
+FeedForward = Callable[[torch.Tensor], torch.Tensor]
+
 
 @dataclass
 class _Layer:
@@ -24,8 +35,7 @@ class _Layer:
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     post_attn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    mlp: FeedForward
 
 
 # Up to this many rows, `linear` computes (W @ x.T).T instead of x @ W.T. Same product, but with the
@@ -50,10 +60,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+@dataclass
+class DenseMLP:
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+    @classmethod
+    def from_state(cls, sd: dict[str, torch.Tensor], prefix: str) -> DenseMLP:
+        """From `{prefix}gate_proj`, `{prefix}up_proj`, `{prefix}down_proj`."""
+        return cls(torch.cat([sd[prefix + "gate_proj"], sd[prefix + "up_proj"]]), sd[prefix + "down_proj"])
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down)
+
+
 class LlamaModel:
+    """Dense Llama-family decoder; a `CausalLM` (see base.py). Subclasses change the MLP blocks only."""
+
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], max_positions: int,
                  device: str = "cpu") -> None:
         self.config = config
+        self.max_positions = max_positions
         c = config
         sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
         self.embed = sd["embed_tokens"]
@@ -72,14 +102,27 @@ class LlamaModel:
                     qkv_bias=bias,
                     o_proj=sd[p + "o_proj"],
                     post_attn_norm=sd[p + "post_attn_norm"],
-                    gate_up=torch.cat([sd[p + "gate_proj"], sd[p + "up_proj"]]),
-                    down=sd[p + "down_proj"],
+                    mlp=self.build_mlp(i, sd),
                 )
             )
         self.rotary = RotaryTable(c, max_positions)
         self.scale = c.head_dim**-0.5
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
+
+    def build_mlp(self, layer: int, sd: dict[str, torch.Tensor]) -> FeedForward:
+        """Layer `layer`'s MLP block from the state dict (our names, already on the device)."""
+        return DenseMLP.from_state(sd, f"layers.{layer}.")
+
+    def truncated(self, num_layers: int) -> LlamaModel:
+        """The same model with only its first `num_layers` layers (final norm and LM head kept), sharing
+        the weights: what a self-draft runs."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"a model of {self.config.num_layers} layers has no first {num_layers}")
+        short = copy.copy(self)
+        short.layers = self.layers[:num_layers]
+        short.config = dataclasses.replace(self.config, num_layers=num_layers)
+        return short
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
@@ -101,8 +144,6 @@ class LlamaModel:
             write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q.contiguous(), k, v, k_cache, v_cache, meta, self.scale)
             x = x + linear(o.view(T, self._q_dim), layer.o_proj)
-            h = rms_norm(x, layer.post_attn_norm, eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
+            x = x + layer.mlp(rms_norm(x, layer.post_attn_norm, eps))
         x = rms_norm(x[logits_rows], self.norm, eps)
         return linear(x, self.lm_head)

@@ -24,8 +24,6 @@ stream at each position under their own purpose, so they never shift the target'
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +31,7 @@ import torch
 from deepinfer.engine import kernels
 from deepinfer.engine.attention import Segment, layout
 from deepinfer.engine.config import ConfigError, EngineConfig
+from deepinfer.engine.models import CausalLM, build_model
 from deepinfer.engine.models.llama import LlamaModel
 from deepinfer.engine.sampler import DRAFT, Sampler, SamplingRow, exponential_noise, make_generator
 from deepinfer.engine.spec.base import Proposal, Proposer, SpecContext
@@ -41,7 +40,7 @@ from deepinfer.engine.spec.base import Proposal, Proposer, SpecContext
 class DraftProposer(Proposer):
     cheap = False
 
-    def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int, shares_target_kv: bool,
+    def __init__(self, model: CausalLM, kv: torch.Tensor, block_size: int, shares_target_kv: bool,
                  use_native: bool = True) -> None:
         self.model = model
         self.kv = kv
@@ -55,14 +54,17 @@ class DraftProposer(Proposer):
     @classmethod
     def self_draft(cls, target: object, kv: torch.Tensor | None, num_layers: int,
                    config: EngineConfig) -> DraftProposer:
-        if not isinstance(target, LlamaModel) or kv is None:
+        if kv is None:
             raise ConfigError("a self-draft needs the engine's model and KV tensor")
+        # A Llama-family decoder, dense or mixture-of-experts: its first layers are a model of their own.
+        if not isinstance(target, LlamaModel):
+            arch = getattr(getattr(target, "config", None), "architecture", type(target).__name__)
+            raise ConfigError(f"self:{num_layers}: a self-draft takes the first layers of a Llama-family model "
+                              f"(dense or Mixtral/Qwen2-MoE); {arch!r} is not one")
         if not 1 <= num_layers < target.config.num_layers:
             raise ConfigError(f"self:{num_layers}: the model has {target.config.num_layers} layers; "
                               f"a self-draft takes 1 to {target.config.num_layers - 1} of them")
-        draft = copy.copy(target)
-        draft.layers = target.layers[:num_layers]
-        draft.config = dataclasses.replace(target.config, num_layers=num_layers)
+        draft = target.truncated(num_layers)
         return cls(draft, kv, config.block_size, shares_target_kv=True, use_native=config.use_native_kernels)
 
     @classmethod
@@ -70,14 +72,14 @@ class DraftProposer(Proposer):
         from deepinfer.engine.fetch import resolve_model
         from deepinfer.engine.weights import load_model_weights
 
-        if not isinstance(target, LlamaModel) or kv is None:
+        if not isinstance(target, CausalLM) or kv is None:
             raise ConfigError("a draft model needs the engine's model and KV tensor")
         loaded = load_model_weights(resolve_model(path))
         c = loaded.config
         if c.vocab_size != target.config.vocab_size:
             raise ConfigError(f"draft model {path!r} has a vocabulary of {c.vocab_size}; the target's is "
                               f"{target.config.vocab_size} (a draft must share the target's tokenizer)")
-        model = LlamaModel(c, loaded.state_dict, target.rotary.cos.shape[0], config.device)
+        model = build_model(c, loaded.state_dict, target.max_positions, config.device)
         draft_kv = torch.zeros((kv.shape[0], c.num_layers, 2, config.block_size, c.num_kv_heads, c.head_dim),
                                dtype=torch.float32, device=kv.device)
         return cls(model, draft_kv, config.block_size, shares_target_kv=False, use_native=config.use_native_kernels)

@@ -1,0 +1,38 @@
+"""What a model offers the engine: the contract every architecture in the registry implements.
+
+A model is stateless apart from its weights. The model runner owns the paged KV tensor and passes it
+in with the step's attention metadata; the model writes the KV of the step's tokens into the slots
+the metadata names and reads earlier tokens' KV from their blocks, so a request's KV can be computed
+in chunks, across steps, after a preemption or in another engine.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from deepinfer.engine.attention import AttentionMetadata
+from deepinfer.engine.config import ModelConfig
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only language model over a paged KV cache.
+
+    * `config`: the architecture it was built for; the runner sizes the KV tensor from it
+      ([num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim], fp32).
+    * `max_positions`: the longest context its position tables cover.
+    * `forward(input_ids, positions, kv, meta, logits_rows)`: input_ids and positions are [T] int64
+      (the step's tokens, requests concatenated); kv the runner's tensor; meta the step's attention
+      metadata; logits_rows [R] int64 the token rows whose next-token logits are wanted. Returns fp32
+      logits [R, vocab]. Each token's result depends only on its own request's tokens (its KV and the
+      step's rows of the same request), never on the rest of the batch: outputs must not change with
+      batch composition, chunking or preemption beyond floating-point rounding.
+    """
+
+    config: ModelConfig
+    max_positions: int
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor: ...

@@ -1,0 +1,147 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE): Llama attention, sparse MLP blocks.
+
+A sparse block routes each token to `num_experts_per_tok` experts (softmax over the router's logits,
+top-k, optionally renormalised) and adds their SwiGLU outputs weighted by the routing weights; a
+Qwen2-MoE block adds a shared expert every token passes through, scaled by a sigmoid gate.
+
+The block is split where expert parallelism will cut it:
+
+* `route_softmax_topk` turns router logits into a `Routing`: flat (token, expert, weight)
+  assignments, T·k of them.
+* `run_experts` computes the assignments whose expert an `ExpertBank` holds and returns their
+  weighted sum per token, zero for tokens with nothing routed there. A bank may hold any subset of
+  the logical experts; with all of them (the single-process case) the result is the whole routed
+  output, and with a rank's share it is that rank's partial sum, to be combined across ranks.
+
+`run_experts` sorts the assignments by expert, gathers each expert's tokens into one contiguous
+batch and runs that expert's SwiGLU over it (two matmuls), so the cost is one loop over the experts
+that got tokens — never a loop over tokens — and every expert's weights are read once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.engine.config import MoEConfig
+from deepinfer.engine.models.llama import DenseMLP, FeedForward, LlamaModel, linear
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Assignment a sends token row `token[a]` to logical expert `expert[a]` with weight `weight[a]`."""
+
+    token: torch.Tensor  # [A] int64
+    expert: torch.Tensor  # [A] int64
+    weight: torch.Tensor  # [A] fp32
+
+
+def route_softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
+    """Mixtral / Qwen2-MoE routing of router logits [T, E]: softmax in fp32 over all E experts, the
+    top_k probabilities (exact ties broken by torch.topk, the call transformers makes too), divided
+    by their sum when `normalize`. Assignments are token-major: token t's are t·k .. t·k+k-1."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    tokens = torch.arange(router_logits.shape[0], device=router_logits.device).repeat_interleave(top_k)
+    return Routing(tokens, experts.reshape(-1), weights.reshape(-1))
+
+
+@dataclass
+class ExpertBank:
+    """SwiGLU weights of the experts held here, stacked by slot: slot s holds logical expert ids[s]."""
+
+    gate_up: torch.Tensor  # [S, 2 * expert_intermediate, hidden]: gate rows, then up rows
+    down: torch.Tensor  # [S, hidden, expert_intermediate]
+    ids: torch.Tensor  # [S] int64, logical expert ids
+    slot_of: torch.Tensor  # [num_experts] int64: the slot of each logical expert, -1 where not held here
+
+    @classmethod
+    def from_state(cls, sd: dict[str, torch.Tensor], prefix: str, num_experts: int,
+                   ids: Sequence[int] | None = None) -> ExpertBank:
+        """Experts `ids` (default all) from `{prefix}experts.{e}.gate_proj/up_proj/down_proj`."""
+        held = list(range(num_experts)) if ids is None else list(ids)
+        if len(set(held)) != len(held) or not all(0 <= e < num_experts for e in held):
+            raise ValueError(f"expert ids {held} are not distinct ids below {num_experts}")
+        e0 = f"{prefix}experts.{held[0]}."
+        device = sd[e0 + "down_proj"].device
+        gate_up = torch.stack([torch.cat([sd[f"{prefix}experts.{e}.gate_proj"], sd[f"{prefix}experts.{e}.up_proj"]])
+                               for e in held])
+        down = torch.stack([sd[f"{prefix}experts.{e}.down_proj"] for e in held])
+        slot_of = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
+        slot_of[torch.tensor(held, device=device)] = torch.arange(len(held), device=device)
+        return cls(gate_up, down, torch.tensor(held, dtype=torch.int64, device=device), slot_of)
+
+
+def run_experts(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Tensor:
+    """Σ over the assignments to experts `bank` holds of weight · expert(x[token]), per token row:
+    [T, hidden]. Assignments to experts held elsewhere contribute nothing here."""
+    out = torch.zeros_like(x)
+    slot = bank.slot_of[routing.expert]
+    token, weight = routing.token, routing.weight
+    held = slot >= 0
+    if not bool(held.all()):
+        slot, token, weight = slot[held], token[held], weight[held]
+    if slot.numel() == 0:
+        return out
+    # Expert-major order: each expert's tokens are one contiguous run of the gathered batch.
+    order = torch.argsort(slot, stable=True)
+    token, weight = token[order], weight[order]
+    counts = torch.bincount(slot[order], minlength=bank.ids.shape[0]).tolist()
+    xs = x[token]
+    ys = torch.empty_like(xs)
+    start = 0
+    for s, n in enumerate(counts):
+        if n:
+            gate, up = linear(xs[start : start + n], bank.gate_up[s]).chunk(2, dim=-1)
+            ys[start : start + n] = linear(F.silu(gate) * up, bank.down[s])
+            start += n
+    out.index_add_(0, token, ys * weight.unsqueeze(1))
+    return out
+
+
+@dataclass
+class SparseMoE:
+    """One sparse MLP block: routed experts, plus an optionally gated shared expert."""
+
+    router: torch.Tensor  # [num_experts, hidden]
+    experts: ExpertBank
+    top_k: int
+    normalize: bool
+    shared: DenseMLP | None = None
+    shared_gate: torch.Tensor | None = None  # [1, hidden]
+
+    @classmethod
+    def from_state(cls, sd: dict[str, torch.Tensor], layer: int, moe: MoEConfig) -> SparseMoE:
+        p = f"layers.{layer}."
+        shared = DenseMLP.from_state(sd, p + "shared_expert.") if moe.shared_expert_intermediate_size else None
+        gate = sd[p + "shared_expert_gate"] if moe.shared_expert_gated else None
+        return cls(sd[p + "router"], ExpertBank.from_state(sd, p, moe.num_experts), moe.num_experts_per_tok,
+                   moe.norm_topk_prob, shared, gate)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        routing = route_softmax_topk(linear(h, self.router), self.top_k, self.normalize)
+        out = run_experts(h, routing, self.experts)
+        if self.shared is not None:
+            shared = self.shared(h)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(linear(h, self.shared_gate)) * shared
+            out = out + shared
+        return out
+
+
+class MoEModel(LlamaModel):
+    """A Llama-family decoder whose MLPs are sparse blocks in the layers `config.moe` names (Mixtral:
+    all; Qwen2-MoE: per `decoder_sparse_step` / `mlp_only_layers`) and dense SwiGLU elsewhere."""
+
+    def build_mlp(self, layer: int, sd: dict[str, torch.Tensor]) -> FeedForward:
+        moe = self.config.moe
+        if moe is None:
+            raise ValueError(f"{self.config.architecture} config has no mixture-of-experts settings")
+        if moe.is_sparse_layer(layer):
+            return SparseMoE.from_state(sd, layer, moe)
+        return super().build_mlp(layer, sd)
