@@ -35,7 +35,9 @@ def test_generate_json_from_prompts_file_in_input_order(smollm2_path, tmp_path):
         assert set(line) >= {"text", "token_ids", "finish_reason", "usage"}
         assert line["finish_reason"] in ("stop", "length")
         assert line["usage"]["completion_tokens"] == len(line["token_ids"]) > 0
-        assert line["usage"]["cached_tokens"] == 0
+        # The chat template's shared system preamble may hit the prefix cache if one prompt's prefill ends before
+        # another's is placed (timing); the question itself never can: each line is a different one.
+        assert 0 <= line["usage"]["cached_tokens"] < line["usage"]["prompt_tokens"]
         assert line["usage"]["spec_proposed_tokens"] == line["usage"]["spec_accepted_tokens"] == 0  # not asked for
     assert "Paris" in lines[0]["text"]
     # Same prompt alone, speculating: same greedy answer (neither batching nor speculation changes results).
