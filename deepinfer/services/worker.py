@@ -6,6 +6,10 @@
   its blocks and reports PrefillDone.
 * ``decode``  — reserves blocks under a lease for an announced handoff, installs the KV, decodes.
 
+What to send where for each event — the requests held, the handoff's states, every failure's ErrorReply —
+is decided by the pure `WorkerCore` (`worker_core`); this module is its shell: it wires the sockets, runs
+the engine's commands on the engine thread, keeps the timers, and performs the core's actions.
+
 With a cache daemon (`kvcache`), a prefill-capable worker first loads the prompt's cached prefix that its
 own pool lacks from the daemon, then computes only the rest; new full blocks go back to the daemon behind
 the request (the prompt's at handoff, the whole conversation's when a request finishes), so the next turn
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import zmq.asyncio
@@ -35,32 +38,29 @@ from deepinfer.services.base import Handler, Service
 from deepinfer.services.cache_client import CacheClient
 from deepinfer.services.engine_thread import EngineThread
 from deepinfer.services.kv_events import KvEventPublisher
-from deepinfer.services.wire import from_wire_logprob, to_engine_params, to_wire_logprobs
+from deepinfer.services.wire import from_wire_logprob, to_engine_params
+from deepinfer.services.worker_core import (
+    KV_LAYOUT,
+    Abort,
+    AbortAll,
+    Action,
+    AddJob,
+    CancelReservation,
+    ExportKv,
+    Install,
+    OfferBlocks,
+    Release,
+    ToDecode,
+    ToPrefill,
+    ToRouter,
+    ToTokenizer,
+    WorkerCore,
+)
 
-KV_LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
-HANDOFF_TIMEOUT_S = 30.0
-LEASE_S = 10.0
+__all__ = ["KV_LAYOUT", "WorkerService"]  # KV_LAYOUT: the layout a KvTransfer's KV must have (bench uses it)
+
 EVENTS_PERIOD_S = 0.1
-
-
-def split_resumed(token_ids: list[int], num_output_tokens: int) -> tuple[list[int], list[int]]:
-    """A job's tokens as (prompt, output already streamed); ValueError when the count is impossible."""
-    if not 0 <= num_output_tokens < len(token_ids):
-        raise ValueError(f"num_output_tokens {num_output_tokens} does not fit {len(token_ids)} tokens")
-    cut = len(token_ids) - num_output_tokens
-    return list(token_ids[:cut]), list(token_ids[cut:])
-
-
-@dataclass
-class Track:
-    """What this worker remembers about a request it holds."""
-
-    detokenizer: str
-    sent: int = 0  # generated tokens already pushed to the tokenizer (a resumed request's from its start)
-    job: m.PrefillJob | None = None
-    prefill_reported: bool = False  # PrefillDone sent (co-located: with the first token computed here)
-    started: float = 0.0
-    fetch_s: float = 0.0  # spent loading cached blocks from the cache daemon
+HANDOFF_TICK_S = 0.5  # how often overdue handoff replies are looked for (the timeout is the core's)
 
 
 class WorkerService(Service):
@@ -79,11 +79,12 @@ class WorkerService(Service):
         self.kv_bind = kv_bind
         self.decode_peers = decode_peers
         self.tokenizer_endpoints = tokenizers
-        self.tracks: dict[str, Track] = {}
+        # Only a prefill worker opens DEALERs to decode peers, so only its handoffs may name one.
+        peers = set(decode_peers) if role == "prefill" else set()
+        self.core = WorkerCore(instance, role, self.engine.config.block_size, peers, offer_blocks=kvcache is not None)
         self._pushes: dict[str, Any] = {}
         self._kv_router: Any = None
         self._kv_dealers: dict[str, Any] = {}
-        self._replies: dict[tuple[str, type], asyncio.Future[Any]] = {}
         self._thread: EngineThread | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -124,8 +125,9 @@ class WorkerService(Service):
         if self._kv_router is not None:
             kv_in: dict[type, Handler] = {m.KvReserve: self._on_reserve, m.KvTransfer: self._on_transfer}
             tasks.append(self.dispatch_forever(self._kv_router, arecv_routed, kv_in))
-        kv_replies: dict[type, Handler] = {m.KvReserveReply: self._on_reply, m.KvAck: self._on_reply}
-        tasks += [self.dispatch_forever(d, arecv_msg, kv_replies) for d in self._kv_dealers.values()]
+        if self._kv_dealers:
+            tasks.append(self._handoff_timer())
+        tasks += [self.dispatch_forever(d, arecv_msg, self._replies_from(name)) for name, d in self._kv_dealers.items()]
         return tasks
 
     def handlers(self) -> dict[type, Handler]:
@@ -149,7 +151,7 @@ class WorkerService(Service):
 
     def idle(self) -> bool:
         e = self.engine
-        return not self.tracks and not e.has_unfinished() and not e.num_held and not e.num_reserved_blocks
+        return len(self.core) == 0 and not e.has_unfinished() and not e.num_held and not e.num_reserved_blocks
 
     async def _on_shutdown(self, msg: m.Shutdown) -> None:
         self.stop()
@@ -160,89 +162,88 @@ class WorkerService(Service):
             assert self._thread is not None
             await self._thread.call(self.engine.expire_reservations)
 
-    # -- jobs from the router ---------------------------------------------------------------
+    async def _handoff_timer(self) -> None:
+        while True:
+            await asyncio.sleep(HANDOFF_TICK_S)
+            self._apply(self.core.on_tick(time.monotonic()))
+
+    # -- events into the core ---------------------------------------------------------------
 
     async def _on_job(self, job: m.PrefillJob) -> None:
-        assert self._thread is not None
-        prefill_only = self.role == "prefill"
-        try:
-            prompt, resumed = split_resumed(job.token_ids, job.num_output_tokens)
-        except ValueError as exc:
-            await self.send_router(m.ErrorReply(job.request_id, "invalid_request", str(exc)))
-            return
-        track = self.tracks[job.request_id] = Track(job.detokenizer, sent=len(resumed), job=job,
-                                                    started=time.monotonic())
-        importer = None
-        if self.cache is not None:
-            track.fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
-            if self.tracks.get(job.request_id) is not track:
-                return  # aborted while its prefix was loading
-
-        def add() -> None:
-            if importer is not None:
-                try:
-                    importer()
-                except Exception:  # cached KV that cannot be used is a miss, never a failed request
-                    self.log.exception("importing cached blocks failed", request_id=job.request_id)
-            self.engine.add_request(job.request_id, prompt, to_engine_params(job.params), job.priority,
-                                    prefill_only=prefill_only, cache_salt=job.cache_salt, resume_output_ids=resumed)
-
-        try:
-            await self._thread.call(add)
-        except InvalidRequestError as exc:
-            self.tracks.pop(job.request_id, None)
-            await self.send_router(m.ErrorReply(job.request_id, "invalid_request", str(exc)))
-
-    async def on_router_restart(self) -> None:
-        assert self._thread is not None
-        self.tracks.clear()
-        engine = self.engine
-
-        def abort_all() -> int:
-            ids = {*engine.scheduler.requests, *engine.scheduler.held, *engine.reservations.ids}
-            return sum(engine.abort(rid) for rid in ids)
-
-        self.log.info("dropped the old router's requests", count=await self._thread.call(abort_all))
+        await self._run(self.core.on_job(job, time.monotonic()))
 
     async def _on_abort(self, req: m.AbortRequest) -> None:
-        assert self._thread is not None
-        track = self.tracks.pop(req.request_id, None)
-        await self._thread.call(lambda: self.engine.abort(req.request_id))
-        if track is not None:
+        held = self.core.track(req.request_id) is not None
+        await self._run(self.core.on_abort(req.request_id))
+        if held:
             self.log.info("aborted", request_id=req.request_id)
 
-    # -- engine outputs ---------------------------------------------------------------------
+    async def on_router_restart(self) -> None:
+        await self._run(self.core.on_router_restart())
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[str, list[m.DetokenizeItem]] = {}
-        for out in outputs:
-            track = self.tracks.get(out.request_id)
-            if track is None:
-                continue  # aborted meanwhile
-            if out.handoff:
-                self.spawn(self._handoff(out, track), "handoff")
-                continue
-            if track.job is not None and not track.prefill_reported and out.new_token_ids:
-                track.prefill_reported = True
-                self.spawn(self.send_router(self._prefill_done(out, track)), "PrefillDone")
-            if out.finish_reason is not None and out.finish_reason.value == "error":
-                self.tracks.pop(out.request_id, None)
-                self.spawn(self.send_router(m.ErrorReply(out.request_id, "internal", out.error or "")), "ErrorReply")
-                continue
-            item = m.DetokenizeItem(
-                out.request_id, track.sent, list(out.new_token_ids), out.finished,
-                out.finish_reason.value if out.finish_reason else None,
-                None,  # per-token logprobs do not cross the mesh yet (the engine reports them at the end)
-                spec_proposed_tokens=out.usage.spec_proposed_tokens,
-                spec_accepted_tokens=out.usage.spec_accepted_tokens)
-            track.sent += len(out.new_token_ids)
-            batches.setdefault(track.detokenizer, []).append(item)
-            if out.finished:
-                self.tracks.pop(out.request_id, None)
+        self._apply(self.core.on_outputs(outputs, self.progress, time.monotonic()))
+
+    def _replies_from(self, peer: str) -> dict[type, Handler]:
+        async def on_reply(reply: m.KvReserveReply | m.KvAck) -> None:
+            # Spawned, not awaited: this loop keeps reading replies while a KvTransfer is being sent.
+            self._apply(self.core.on_kv_reply(peer, reply, time.monotonic()))
+
+        return {m.KvReserveReply: on_reply, m.KvAck: on_reply}
+
+    async def _on_reserve(self, peer: bytes, req: m.KvReserve) -> None:
+        assert self._thread is not None
+        engine = self.engine
+        ok, free = await self._thread.call(lambda: (engine.reserve(req.request_id, req.num_blocks, req.lease_s),
+                                                    engine.num_free_blocks))
+        await self._run(self.core.on_reserved(peer, req, ok, free))
+
+    async def _on_transfer(self, peer: bytes, t: m.KvTransfer) -> None:
+        await self._run(self.core.on_transfer(peer, t, self.progress))
+
+    # -- the core's actions -----------------------------------------------------------------
+
+    def _apply(self, actions: list[Action]) -> None:
+        """From a callback or a timer: each action its own task. The tasks start in order, and sends on one
+        socket keep that order; no send waits behind another socket's, nor behind an engine command."""
+        for action in actions:
+            self.spawn(self._perform(action), type(action).__name__)
+
+    async def _run(self, actions: list[Action]) -> None:
+        """From a handler: each action done before the next begins (a transfer's first token is pushed before
+        its Install is queued on the engine thread)."""
+        for action in actions:
+            await self._perform(action)
+
+    async def _perform(self, action: Action) -> None:
+        assert self._thread is not None
+        engine = self.engine
+        match action:
+            case ToRouter(msg):
+                await self.send_router(msg)
+            case ToTokenizer(tokenizer, batch):
+                await self._push(tokenizer, batch)
+            case ToDecode(peer, msg):
+                await self._to_decode(peer, msg)
+            case ToPrefill(identity, msg):
+                await asend_msg(self._kv_router, msg, identity)
+            case AddJob():
+                await self._add_job(action)
+            case ExportKv(rid):
+                await self._export(rid)
+            case Install():
+                await self._install(action)
+            case Release(rid):
+                await self._thread.call(lambda: engine.release(rid))
+            case CancelReservation(lease_id):
+                await self._thread.call(lambda: engine.cancel_reservation(lease_id))
+            case Abort(rid):
+                await self._thread.call(lambda: engine.abort(rid))
+            case AbortAll():
+                self.log.info("dropped the old router's requests", count=await self._thread.call(self._abort_all))
+            case OfferBlocks(rid, hashes, kv):
                 if self.cache is not None:
-                    self.cache.offer(out.request_id, out.block_hashes)
-        for tok, items in batches.items():
-            self.spawn(self._push(tok, m.DetokenizeBatch(self.instance, self.progress, items)), "DetokenizeBatch")
+                    self.cache.offer(rid, hashes, kv)
 
     async def _push(self, tokenizer: str, batch: m.DetokenizeBatch) -> None:
         sock = self._pushes.get(tokenizer)
@@ -251,99 +252,74 @@ class WorkerService(Service):
             return
         await asend_msg(sock, batch)
 
-    # -- prefill side of the handoff --------------------------------------------------------
+    async def _add_job(self, action: AddJob) -> None:
+        assert self._thread is not None
+        job = action.job
+        try:
+            importer = None
+            if self.cache is not None:
+                fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
+                if not self.core.on_prefix_loaded(job, fetch_s):
+                    return  # aborted while its prefix was loading
 
-    async def _request(self, peer: str, msg: Any, reply_type: type) -> Any:
-        key = (msg.request_id, reply_type)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._replies[key] = fut
+            def add() -> None:
+                if importer is not None:
+                    try:
+                        importer()
+                    except Exception:  # cached KV that cannot be used is a miss, never a failed request
+                        self.log.exception("importing cached blocks failed", request_id=job.request_id)
+                self.engine.add_request(job.request_id, action.prompt, to_engine_params(job.params), job.priority,
+                                        prefill_only=action.prefill_only, cache_salt=job.cache_salt,
+                                        resume_output_ids=action.resumed)
+
+            await self._thread.call(add)
+        except Exception as exc:
+            if not isinstance(exc, InvalidRequestError):
+                self.log.exception("adding the request failed", request_id=job.request_id)
+            await self._run(self.core.on_add_failed(job, exc))
+
+    def _abort_all(self) -> int:
+        """On the engine thread: abort everything it holds — requests, held handoffs, reservations."""
+        engine = self.engine
+        ids = {*engine.scheduler.requests, *engine.scheduler.held, *engine.reservations.ids}
+        return sum(engine.abort(rid) for rid in ids)
+
+    # -- the KV handoff's engine calls and sends --------------------------------------------
+
+    async def _export(self, rid: str) -> None:
+        assert self._thread is not None
+        try:
+            kv = await self._thread.call(lambda: self.engine.export_kv(rid))
+        except Exception as exc:
+            if self.core.track(rid) is not None:  # else aborted meanwhile: an export that fails is expected
+                self.log.exception("handoff failed", request_id=rid)
+            actions = self.core.on_handoff_error(rid, exc)
+        else:
+            actions = self.core.on_exported(rid, kv, time.monotonic())
+        await self._run(actions)
+
+    async def _to_decode(self, peer: str, msg: m.KvReserve | m.KvTransfer) -> None:
         try:
             await asend_msg(self._kv_dealers[peer], msg)
-            return await asyncio.wait_for(fut, HANDOFF_TIMEOUT_S)
-        finally:
-            self._replies.pop(key, None)
-
-    async def _on_reply(self, reply: Any) -> None:
-        fut = self._replies.get((reply.request_id, type(reply)))
-        if fut is not None and not fut.done():
-            fut.set_result(reply)
-
-    async def _handoff(self, out: RequestOutput, track: Track) -> None:
-        assert self._thread is not None and track.job is not None
-        job, rid = track.job, out.request_id
-        bs = self.engine.config.block_size
-        try:
-            if job.decode_worker not in self._kv_dealers:
-                raise RuntimeError(f"unknown decode worker {job.decode_worker!r}")
-            n_blocks = -(-(len(job.token_ids) + 1) // bs)
-            # Export first: the engine thread may be busy with a long prefill step, and the decode side's
-            # lease must only cover the transfer, not that wait.
-            kv = await self._thread.call(lambda: self.engine.export_kv(rid))
-            reply = await self._request(job.decode_worker, m.KvReserve(
-                rid, n_blocks, len(job.token_ids), job.params.max_tokens, self.instance, LEASE_S), m.KvReserveReply)
-            if not reply.ok:
-                await self.send_router(m.ErrorReply(rid, "overloaded", f"{job.decode_worker}: {reply.reason}"))
-                return
-            ack = await self._request(job.decode_worker, m.KvTransfer(
-                rid, reply.lease_id, out.new_token_ids[0], list(job.token_ids), list(job.block_hashes), job.params,
-                bs, KV_LAYOUT, kv, job.detokenizer, first_logprob=(to_wire_logprobs(out.logprobs) or [None])[-1],
-                priority=job.priority, arrival_time=job.arrival_time, num_cached_tokens=out.usage.cached_tokens,
-                cache_salt=job.cache_salt, num_output_tokens=job.num_output_tokens), m.KvAck)
-            if not ack.ok:
-                reason = f"{job.decode_worker} refused the KV: {ack.reason}"
-                await self.send_router(m.ErrorReply(rid, "internal", reason))
-                return
-            await self.send_router(self._prefill_done(out, track))
-            if self.cache is not None:
-                self.cache.offer(rid, out.block_hashes, kv)
-        except TimeoutError:
-            await self.send_router(m.ErrorReply(rid, "worker_lost", f"{job.decode_worker} did not answer the handoff"))
         except Exception as exc:
-            self.log.exception("handoff failed", request_id=rid)
-            await self.send_router(m.ErrorReply(rid, "internal", f"handoff failed: {exc}"))
-        finally:
-            self.tracks.pop(rid, None)
-            await self._thread.call(lambda: self.engine.release(rid))
+            self.log.exception("handoff failed", request_id=msg.request_id)
+            await self._run(self.core.on_handoff_error(msg.request_id, exc))
 
-    # -- decode side of the handoff ---------------------------------------------------------
-
-    async def _on_reserve(self, peer: bytes, req: m.KvReserve) -> None:
+    async def _install(self, action: Install) -> None:
         assert self._thread is not None
-        ok = await self._thread.call(lambda: self.engine.reserve(req.request_id, req.num_blocks, req.lease_s))
-        reason = "" if ok else f"{req.num_blocks} KV blocks not free ({self.engine.num_free_blocks} free)"
-        await asend_msg(self._kv_router, m.KvReserveReply(req.request_id, req.request_id, ok, reason,
-                                                          req.lease_s if ok else 0.0), peer)
-
-    async def _on_transfer(self, peer: bytes, t: m.KvTransfer) -> None:
-        assert self._thread is not None
+        t = action.transfer
         try:
-            if t.kv_layout != KV_LAYOUT or t.block_size != self.engine.config.block_size:
-                raise InvalidRequestError(f"KV layout {t.kv_layout!r}/block {t.block_size} does not match "
-                                          f"{KV_LAYOUT!r}/block {self.engine.config.block_size}")
-            prompt, resumed = split_resumed(t.token_ids, t.num_output_tokens)
-            self.tracks[t.request_id] = Track(t.detokenizer, sent=len(resumed) + 1)
-            # The first token goes to the tokenizer before the engine can produce the second: one PUSH
-            # socket per tokenizer keeps them in order.
-            await self._push(t.detokenizer, m.DetokenizeBatch(self.instance, self.progress, [
-                m.DetokenizeItem(t.request_id, len(resumed), [t.first_token])]))
             await self._thread.call(lambda: self.engine.add_prefilled_request(
-                t.request_id, prompt, t.first_token, to_engine_params(t.params), t.kv, reservation_id=t.lease_id,
-                priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob), cache_salt=t.cache_salt,
-                resume_output_ids=resumed))
+                t.request_id, action.prompt, t.first_token, to_engine_params(t.params), t.kv,
+                reservation_id=t.lease_id, priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob),
+                cache_salt=t.cache_salt, resume_output_ids=action.resumed))
         except Exception as exc:
-            self.tracks.pop(t.request_id, None)
-            await self._thread.call(lambda: self.engine.cancel_reservation(t.lease_id))
-            await asend_msg(self._kv_router, m.KvAck(t.request_id, t.lease_id, False, str(exc)), peer)
-            return
-        await asend_msg(self._kv_router, m.KvAck(t.request_id, t.lease_id, True), peer)
+            actions = self.core.on_install_failed(action.identity, t, exc)
+        else:
+            actions = self.core.on_installed(action.identity, t)
+        await self._run(actions)
 
     # -- the device tier's KV events ----------------------------------------------------------
-
-    def _prefill_done(self, out: RequestOutput, track: Track) -> m.PrefillDone:
-        assert track.job is not None
-        return m.PrefillDone(out.request_id, self.instance, len(track.job.token_ids), out.usage.cached_tokens,
-                             dict(out.usage.cached_by_tier), prefill_s=time.monotonic() - track.started,
-                             fetch_s=track.fetch_s)
 
     async def _events_loop(self) -> None:
         last: tuple[int, int] | None = None
