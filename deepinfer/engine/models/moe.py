@@ -65,10 +65,9 @@ class ExpertBank:
                    ids: Sequence[int] | None = None) -> ExpertBank:
         """Experts `ids` (default all) from `{prefix}experts.{e}.gate_proj/up_proj/down_proj`."""
         held = list(range(num_experts)) if ids is None else list(ids)
-        if len(set(held)) != len(held) or not all(0 <= e < num_experts for e in held):
-            raise ValueError(f"expert ids {held} are not distinct ids below {num_experts}")
-        e0 = f"{prefix}experts.{held[0]}."
-        device = sd[e0 + "down_proj"].device
+        if not held or len(set(held)) != len(held) or not all(0 <= e < num_experts for e in held):
+            raise ValueError(f"expert ids {held} are not one or more distinct ids below {num_experts}")
+        device = sd[f"{prefix}experts.{held[0]}.down_proj"].device
         gate_up = torch.stack([torch.cat([sd[f"{prefix}experts.{e}.gate_proj"], sd[f"{prefix}experts.{e}.up_proj"]])
                                for e in held])
         down = torch.stack([sd[f"{prefix}experts.{e}.down_proj"] for e in held])
