@@ -138,6 +138,11 @@ def sampling_options(f):  # type: ignore[no-untyped-def]
         click.option("--endpoint", default=None,
                      help="A running mesh's client endpoint; without it an embedded mesh is started."),
         click.option("--api-key", default=None, help="Tenant key (selects the tenant's cache namespace)."),
+        click.option("--keys", "keys_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                     default=None, help="A `deepinfer-launch keys` directory: CURVE to a secured --endpoint, as the "
+                                        "tenant key clients/NAME.key_secret (see --client-key)."),
+        click.option("--client-key", default="client", show_default=True,
+                     help="Which tenant key pair of --keys to use."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -164,6 +169,30 @@ def mesh_options(threads: int | None, kv_cache_mb: int, block_size: int, max_num
     return dict(threads=threads, kv_cache_mb=kv_cache_mb, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 **speculation(speculative, num_speculative_tokens, no_adaptive_speculation))
+
+
+def _check_keys(endpoint: str | None, keys_dir: Path | None) -> None:
+    if keys_dir is not None and not (endpoint or "").startswith("tcp://"):
+        raise click.UsageError("--keys secures a tcp:// --endpoint of a running mesh (ipc and embedded need none)")
+
+
+def _client(endpoint: str, api_key: str | None, keys_dir: Path | None, client_key: str) -> Any:
+    """A Client for `endpoint`; with `keys_dir`, CURVE as that directory's tenant key `client_key`."""
+    from deepinfer.protocol.auth import load_client_keys
+    from deepinfer.protocol.client import Client, MeshError
+
+    keys: dict[str, Any] = {}
+    if keys_dir is not None:
+        try:
+            pair, router_key = load_client_keys(keys_dir, client_key)
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"--keys {keys_dir}: {exc}") from exc
+        keys = dict(curve_keys=pair, server_key=router_key)
+    try:
+        return Client(endpoint, api_key=api_key, **keys)
+    except MeshError as exc:  # a secured front never completes a keyless handshake: it looks like no router
+        hint = " (if the mesh is secured, give --keys)" if keys_dir is None and endpoint.startswith("tcp://") else ""
+        raise click.ClickException(f"{exc}{hint}") from exc
 
 
 @contextlib.contextmanager
@@ -193,10 +222,12 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
              threads: int | None, speculative: str | None, num_speculative_tokens: int,
              no_adaptive_speculation: bool, prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-             stop: tuple[str, ...], endpoint: str | None, api_key: str | None, as_json: bool) -> None:
+             stop: tuple[str, ...], endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
+             as_json: bool) -> None:
     """Generate completions through the mesh (a running one, or an embedded one)."""
-    from deepinfer.protocol.client import Client, MeshError
+    from deepinfer.protocol.client import MeshError
 
+    _check_keys(endpoint, keys_dir)
     texts = list(prompts)
     if prompts_file is not None:
         texts += [line.rstrip("\n") for line in prompts_file if line.strip()]
@@ -206,7 +237,7 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
     specs = [dict(messages=[{"role": "user", "content": t}]) if chat else dict(prompt=t) for t in texts]
     options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
                            num_speculative_tokens, no_adaptive_speculation)
-    with _mesh_endpoint(endpoint, model, options) as ep, Client(ep, api_key=api_key) as client:
+    with _mesh_endpoint(endpoint, model, options) as ep, _client(ep, api_key, keys_dir, client_key) as client:
         results = client.generate_many([{**spec, **params} for spec in specs])
     failed = False
     for r in results:
@@ -238,16 +269,18 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
 def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
          threads: int | None, speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool,
          chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-         stop: tuple[str, ...], endpoint: str | None, api_key: str | None, system: str | None) -> None:
+         stop: tuple[str, ...], endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
+         system: str | None) -> None:
     """Chat interactively (answers stream as they are generated; an empty line or Ctrl-D quits)."""
     from deepinfer.protocol import messages as m
-    from deepinfer.protocol.client import Client, MeshError
+    from deepinfer.protocol.client import MeshError
 
+    _check_keys(endpoint, keys_dir)
     params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
                            num_speculative_tokens, no_adaptive_speculation)
-    with _mesh_endpoint(endpoint, model, options) as ep, Client(ep, api_key=api_key) as client:
+    with _mesh_endpoint(endpoint, model, options) as ep, _client(ep, api_key, keys_dir, client_key) as client:
         while True:
             try:
                 line = input("> ")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from deepinfer.launch.topology import Topology
 from deepinfer.protocol.auth import (
@@ -36,6 +37,7 @@ from deepinfer.protocol.auth import (
     KeyPair,
     ServiceAuth,
     client_allow_list,
+    load_client_keys,
     load_public_key,
     read_client_keys,
     secured,
@@ -116,3 +118,16 @@ def supervisor_auth(topology: Topology) -> ClientAuth | None:
         return None
     services = Path(topology.security.keys_dir) / SERVICES_DIR
     return ClientAuth(KeyPair.load(services / f"{SUPERVISOR}.key_secret"), load_public_key(services / f"{ROUTER}.key"))
+
+
+def probe_client_keys(topology: Topology) -> dict[str, Any]:
+    """`Client` keyword arguments for the launcher's readiness probe: on a secured client front, the tenant key
+    pair `keys` wrote (clients/client.key_secret) and the router's public key; otherwise none."""
+    if topology.security is None or not secured(topology.frontend):
+        return {}
+    try:
+        pair, router_key = load_client_keys(topology.security.keys_dir)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"the client front is secured: checking that the mesh serves needs a tenant key "
+                                f"({exc.filename}; `deepinfer-launch keys` writes one)") from exc
+    return {"curve_keys": pair, "server_key": router_key}

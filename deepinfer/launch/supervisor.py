@@ -247,13 +247,15 @@ class Supervisor:
     def wait_ready(self, should_stop: Callable[[], bool] = lambda: False, timeout_s: float = 600.0) -> None:
         """Block until a two-token request makes it through the mesh (router, a tokenizer, prefill and
         decode): the mesh is serving. Dead children are restarted meanwhile; raises TimeoutError."""
+        from deepinfer.launch.keys import probe_client_keys
         from deepinfer.protocol.client import Client, MeshError
 
+        keys = probe_client_keys(self.topology)  # a secured front refuses a keyless probe forever
         deadline = time.monotonic() + timeout_s
         while not should_stop():
             self.poll()
             try:
-                with Client(self.topology.frontend, timeout_s=10.0) as client:
+                with Client(self.topology.frontend, timeout_s=10.0, **keys) as client:
                     client.generate(prompt_token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True)
                     return
             except MeshError as exc:

@@ -254,3 +254,42 @@ def test_secured_mesh_serves_and_refuses_every_forgery(tmp_path, smollm2_path):
             await mesh.stop()
 
     asyncio.run(run())
+
+
+def test_up_on_a_secured_topology_serves_clients_with_a_tenant_key_only(tmp_path, smollm2_path):
+    """As an operator runs it: `keys`, then `up --topology` with [security] (a process per service, the supervisor's
+    exit notes keyed too), then `generate --keys` from another process; a client without keys gets an error."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    keys, run_dir = tmp_path / "keys", tmp_path / "run"
+    topo = tcp_topology(str(smollm2_path), keys)
+    topo_file = tmp_path / "mesh.toml"
+    topo_file.write_text(topo.to_toml())
+
+    def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "deepinfer.launch.cli", *args], capture_output=True, text=True,
+                              timeout=timeout)
+
+    assert cli("keys", str(keys), "--topology", str(topo_file)).returncode == 0
+    up = subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", "up", "--topology", str(topo_file),
+                           "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        # Ready means the launcher's own probe got through: on a secured front it must use a tenant key too.
+        assert "ready" in up.stdout.readline()
+        assert up.stdout.readline().strip() == topo.frontend
+        ask = ("generate", "--endpoint", topo.frontend, "--prompt", "The capital of France is", "--max-tokens", "6",
+               "--json")
+        served = cli(*ask, "--keys", str(keys))
+        stranger = cli(*ask)  # no key: the router's CURVE handshake never completes
+        misused = cli("generate", *ask[3:], "--keys", str(keys))  # --keys without a tcp --endpoint
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=120)
+    assert served.returncode == 0, served.stderr
+    assert len(json.loads(served.stdout)["token_ids"]) == 6
+    assert stranger.returncode == 1 and "give --keys" in stranger.stderr and "Traceback" not in stranger.stderr
+    assert misused.returncode == 2 and "--keys secures a tcp://" in misused.stderr
+    assert code == 0
