@@ -1,6 +1,7 @@
 """deepinfer-launch: the command line.
 
     deepinfer-launch fetch smollm2
+    deepinfer-launch fetch smollm2-moe --experts 16 --top-k 12 --report
     deepinfer-launch generate --model smollm2 --prompt "Hello" --chat --max-tokens 64
     deepinfer-launch generate --model smollm2 --prompts-file prompts.txt --json
 """
@@ -62,13 +63,39 @@ def main(log_json: bool, log_level: str) -> None:
 @main.command()
 @click.argument("name", default="smollm2")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where to keep the model.")
-def fetch(name: str, cache_dir: Path | None) -> None:
-    """Fetch the reference model and print its local path (last line)."""
-    from deepinfer.engine.fetch import fetch_smollm2
+@click.option("--experts", type=int, default=None,
+              help="smollm2-moe: experts per layer, dividing SmolLM2's 1536 MLP neurons. Default: 16.")
+@click.option("--top-k", type=int, default=None, help="smollm2-moe: experts chosen per token. Default: 12.")
+@click.option("--report", is_flag=True,
+              help="smollm2-moe: also print its perplexity against dense SmolLM2 on a fixed text and the "
+                   "per-layer expert-load histogram (a minute or two on a CPU).")
+def fetch(name: str, cache_dir: Path | None, experts: int | None, top_k: int | None, report: bool) -> None:
+    """Fetch the reference model and print its local path (last line).
 
-    if name != "smollm2":
-        raise click.BadParameter(f"unknown model {name!r}; the fetchable reference model is 'smollm2'")
-    click.echo(str(fetch_smollm2(cache_dir=cache_dir, progress=True)))
+    smollm2 is SmolLM2-135M-Instruct (a GGUF file). smollm2-moe is a Mixtral-format Hugging Face directory
+    derived from it, not trained: each layer's MLP split into experts by neurons, with a router fitted to
+    them (deepinfer/engine/derive_moe.py); built on first use, then reused."""
+    from deepinfer.engine.fetch import check_moe_shape, fetch_smollm2, fetch_smollm2_moe
+
+    if name == "smollm2":
+        if experts is not None or top_k is not None or report:
+            raise click.UsageError("--experts, --top-k and --report apply to smollm2-moe only")
+        click.echo(str(fetch_smollm2(cache_dir=cache_dir, progress=True)))
+    elif name == "smollm2-moe":
+        from deepinfer.engine.derive_moe import DEFAULT_NUM_EXPERTS, DEFAULT_TOP_K, moe_report
+
+        experts = DEFAULT_NUM_EXPERTS if experts is None else experts
+        top_k = DEFAULT_TOP_K if top_k is None else top_k
+        try:
+            check_moe_shape(experts, top_k)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        path = fetch_smollm2_moe(experts, top_k, cache_dir=cache_dir, progress=True)
+        if report:
+            click.echo(moe_report(fetch_smollm2(cache_dir=cache_dir, progress=False), path).format())
+        click.echo(str(path))
+    else:
+        raise click.BadParameter(f"unknown model {name!r}; the fetchable models are 'smollm2' and 'smollm2-moe'")
 
 
 def _check_speculative(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
