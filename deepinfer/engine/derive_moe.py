@@ -411,6 +411,7 @@ def write_moe_dir(
     root = Path(out)
     root.mkdir(parents=True)
     save_file(mixtral_tensors(moe), str(root / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(root / "model.safetensors", 0o644)  # safetensors creates it owner-only; the other files are 0o644
     files = tokenizer_files(gguf, loaded.config.max_position_embeddings)
     files["config.json"] = _json(mixtral_config(moe, source or Path(gguf).name))
     files["derivation.json"] = _json({"experts": [layer.neurons.tolist() for layer in moe.layers]})
