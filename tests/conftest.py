@@ -5,18 +5,21 @@
 * every test gets its own KV-cache disk directory (`$DEEPINFER_KVCACHE_DIR`, inherited by the processes
   it starts), so no test reads blocks another test left behind and nothing is written to the user's
   cache directory.
+* structlog's configuration is put back after every test: an in-process CLI call installs a WARNING
+  filter, which would otherwise hide the info events a later test captures with `capture_logs`.
 * `tiny_hf_model` — a factory for tiny random-weight Hugging Face models (`llama` or `qwen2`) saved
   with `save_pretrained`; each distinct configuration is built once per session.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 
 from deepinfer.engine.fetch import fetch_smollm2
@@ -48,6 +51,14 @@ def private_kvcache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
     path = tmp_path / "kvcache"
     monkeypatch.setenv("DEEPINFER_KVCACHE_DIR", str(path))
     return path
+
+
+@pytest.fixture(autouse=True)
+def restore_structlog() -> Iterator[None]:
+    saved = structlog.get_config()
+    yield
+    structlog.reset_defaults()
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")
