@@ -39,6 +39,7 @@ import zmq
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.fetch import fetch_smollm2
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import LoadedModel, load_model_weights
@@ -49,7 +50,6 @@ from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient, Client, MeshError
 from deepinfer.protocol.sockets import make_dealer, make_router, recv_msg, recv_routed, send_msg
 from deepinfer.services.wire import to_engine_params
-from deepinfer.services.worker import KV_LAYOUT
 
 FULL = {"requests": 32, "prompt_len": (128, 512), "new_tokens": 64, "kv_prompt": 2048, "kv_repeats": 5,
         "rates": [0.5, 1.0, 2.0], "rate_requests": 30, "rate_prompt_len": (128, 512), "rate_new_tokens": 32}
@@ -206,8 +206,8 @@ def kv_transfer(loaded: LoadedModel, threads: int, plen: int, repeats: int, seed
             t2 = time.perf_counter()
             kv = prefill.export_kv(rid)
             t3 = time.perf_counter()
-            send_msg(tx, m.KvTransfer(rid, reply.lease_id, out.new_token_ids[0], p, [], wire, BLOCK, KV_LAYOUT, kv,
-                                      "tokenizer-0"))
+            send_msg(tx, m.KvTransfer(rid, reply.lease_id, out.new_token_ids[0], p, [], wire, BLOCK,
+                                      prefill.kv_spec.layout, kv, "tokenizer-0"))
             peer, t = recv_routed(rx)
             t4 = time.perf_counter()
             decode.add_prefilled_request(t.request_id, t.token_ids, t.first_token, to_engine_params(t.params), t.kv,
@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = make_prompts(w["requests"], *w["prompt_len"], vocab, args.seed * 1000 + 1)
     warm = make_prompts(2, 16, 32, vocab, args.seed * 1000 + 2)
     rate_prompts = make_prompts(w["rate_requests"], *w["rate_prompt_len"], vocab, args.seed * 1000 + 3)
-    mb = kv_mb(prompts + rate_prompts, max(w["new_tokens"], w["rate_new_tokens"]), loaded.config.kv_bytes_per_token)
+    per_token = KvSpec.for_model(loaded.config, BLOCK).bytes_per_token
+    mb = kv_mb(prompts + rate_prompts, max(w["new_tokens"], w["rate_new_tokens"]), per_token)
     cfg = engine_config(Topology.local(model, "inproc", disaggregated=False, threads=args.threads,
                                        kv_cache_mb=mb).worker("worker-0"))
     r: dict[str, Any] = {

@@ -47,6 +47,7 @@ import zmq
 from deepinfer.cache.store import TieredStore
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams, Usage
 from deepinfer.launch.tuning import tune_malloc
 from deepinfer.protocol import messages as m
@@ -145,27 +146,27 @@ class TimedStore:
             self.read_s = time.perf_counter() - t0
 
 
-def daemon_read(store: TieredStore, block_shape: tuple[int, ...], hashes: list[bytes]) -> tuple[m.CacheBlocks, float,
+def daemon_read(store: TieredStore, kv_spec: KvSpec, hashes: list[bytes]) -> tuple[m.CacheBlocks, float,
                                                                                                float]:
     """What the daemon's I/O thread does for a CacheFetch: the real `KvCacheService._read`, run on a stand-in
     holding only what it uses, with the worker's deadline. Returns (reply, store.read seconds, all seconds)."""
     timed = TimedStore(store)
-    daemon = SimpleNamespace(store=timed, block_nbytes=store.block_nbytes, block_shape=block_shape)
+    daemon = SimpleNamespace(store=timed, kv=kv_spec)
     t0 = time.perf_counter()
     reply = KvCacheService._read(daemon, "bench/fetch", hashes, time.monotonic() + FETCH_DEADLINE_S)  # type: ignore[arg-type]
     return reply, timed.read_s, time.perf_counter() - t0
 
 
-def local_fetch(store: TieredStore, block_shape: tuple[int, ...]) -> Fetch:
+def local_fetch(store: TieredStore, kv_spec: KvSpec) -> Fetch:
     def fetch(hashes: list[bytes]) -> tuple[m.CacheBlocks, dict[str, float]]:
-        reply, read_s, all_s = daemon_read(store, block_shape, hashes)
+        reply, read_s, all_s = daemon_read(store, kv_spec, hashes)
         return reply, {"read_s": read_s, "assemble_s": all_s - read_s}
 
     return fetch
 
 
 @contextlib.contextmanager
-def wire_fetch(store: TieredStore, block_shape: tuple[int, ...]) -> Iterator[Fetch]:
+def wire_fetch(store: TieredStore, kv_spec: KvSpec) -> Iterator[Fetch]:
     """The fetch over ipc://: the worker's DEALER sends CacheFetch, the daemon's ROUTER answers CacheBlocks (the
     KV as one zero-copy frame, decoded to a tensor aliasing it). Both ends in this thread, one after the other,
     as bench_mesh moves KV; the daemon's part is `daemon_read`, the rest is wire."""
@@ -177,7 +178,7 @@ def wire_fetch(store: TieredStore, block_shape: tuple[int, ...]) -> Iterator[Fet
         t0 = time.perf_counter()
         send_msg(tx, m.CacheFetch("bench/fetch", hashes, FETCH_DEADLINE_S))
         peer, req = recv_routed(rx)
-        reply, read_s, all_s = daemon_read(store, block_shape, req.block_hashes)
+        reply, read_s, all_s = daemon_read(store, kv_spec, req.block_hashes)
         send_msg(rx, reply, peer)
         got = recv_msg(tx)
         return got, {"read_s": read_s, "assemble_s": all_s - read_s, "wire_s": time.perf_counter() - t0 - all_s}
@@ -237,14 +238,13 @@ def raw_cold_read(store: TieredStore, paths: list[Path]) -> float:
 
 def one_round(tag: str, engine: LLMEngine, prompt: list[int], n_blocks: int, kv: torch.Tensor,
               dram: TieredStore, disk: TieredStore, wire: Fetch | None) -> dict[str, dict[str, Any]]:
-    shape = tuple(kv.shape[1:])
     salt = lambda case: f"{tag}/{case}"
     names = lambda case: engine.block_hashes(prompt, salt(case))[:n_blocks]
     row: dict[str, dict[str, Any]] = {}
     gc.collect()
     row["miss"] = computed(engine, prompt, salt("miss"))
     row["device"] = computed(engine, prompt, salt("miss"))
-    for case, fetch in (("dram", local_fetch(dram, shape)), ("dram+zmq", wire)):
+    for case, fetch in (("dram", local_fetch(dram, engine.kv_spec)), ("dram+zmq", wire)):
         if fetch is None:
             continue
         put_blocks(dram, names(case), kv)
@@ -257,7 +257,7 @@ def one_round(tag: str, engine: LLMEngine, prompt: list[int], n_blocks: int, kv:
     advised = disk.drop_page_cache()
     resident = resident_fraction(paths)
     gc.collect()
-    row["nvme"] = tier_hit(engine, prompt, salt("nvme"), n_blocks, local_fetch(disk, shape))
+    row["nvme"] = tier_hit(engine, prompt, salt("nvme"), n_blocks, local_fetch(disk, engine.kv_spec))
     file_bytes = sum(p.stat().st_size for p in paths)
     row["nvme"].update(files_advised=advised, resident_after_drop=resident, file_bytes=file_bytes,
                        read_gb_s=file_bytes / row["nvme"]["read_s"] / 1e9,
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     names, kv = engine.export_cached_blocks(engine.block_hashes(prompt, "source")[:n_blocks])
     if kv is None or len(names) != n_blocks:
         raise RuntimeError(f"only {len(names)} of {n_blocks} prefix blocks were on the device after computing them")
-    nbytes = kv[0].numel() * kv.element_size()
+    nbytes = engine.kv_spec.block_nbytes
     prefix_bytes = n_blocks * nbytes
     ns = engine.cache_namespace.id
     rounds_total = args.repeats + 1
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     loads: list[float] = []  # 1-minute load average after each round
     try:
         with contextlib.ExitStack() as stack:
-            wire = None if args.no_wire else stack.enter_context(wire_fetch(dram, tuple(kv.shape[1:])))
+            wire = None if args.no_wire else stack.enter_context(wire_fetch(dram, engine.kv_spec))
             for i in range(rounds_total):
                 print(f"round {i}{' (warm-up)' if i == 0 else ''} ...", file=sys.stderr)
                 row = one_round(f"r{i}", engine, prompt, n_blocks, kv, dram, disk, wire)

@@ -36,9 +36,10 @@ from typing import Any
 import torch
 
 from bench.spec_workloads import LABELS, WORKLOADS, WorkItem, build, max_tokens_for, requests_for
-from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.config import EngineConfig, ModelConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.fetch import fetch_smollm2
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import LoadedModel, load_model_weights
@@ -243,7 +244,7 @@ def mesh_supported() -> str | None:
 
 
 def run_mesh(model: str, args: argparse.Namespace, method: str | None, prompts: list[list[int]], warm: list[int],
-             max_tokens: int, concurrency: int, kv_bytes_per_token: int) -> RunResult:
+             max_tokens: int, concurrency: int, model_config: ModelConfig) -> RunResult:
     """The same closed loop through an in-process mesh: `concurrency` client coroutines take the prompts in order,
     one request each at a time. Only final usage reaches a client, so no per-step figures."""
     import asyncio
@@ -253,7 +254,7 @@ def run_mesh(model: str, args: argparse.Namespace, method: str | None, prompts: 
     from deepinfer.protocol.client import AsyncClient
 
     cfg = engine_config(args, method, prompts, max_tokens, concurrency)
-    kv_mb = -(-(cfg.num_kv_blocks or 0) * cfg.block_size * kv_bytes_per_token // (1024 * 1024))
+    kv_mb = -(-(cfg.num_kv_blocks or 0) * KvSpec.for_model(model_config, cfg.block_size).block_nbytes // (1024 * 1024))
     topo = Topology.local(model, "inproc", disaggregated=False, threads=args.threads, kv_cache_mb=kv_mb,
                           kvcache=False, prefix_caching=args.prefix_caching, speculative=method,
                           num_speculative_tokens=args.num_speculative_tokens,
@@ -561,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                         del engine
                     else:
                         res = run_mesh(str(path), args, method, prompts, warm, max_tokens, c,
-                                       loaded.config.kv_bytes_per_token)
+                                       loaded.config)
                     base = bases.get(where)
                     row = {"path": where, "workload": w, "concurrency": c, "requests": n, "method": name,
                            "max_tokens": max_tokens} | figures(res, base)

@@ -41,8 +41,8 @@ class CacheNamespace:
 
     model_fingerprint: str
     tokenizer_fingerprint: str
-    kv_dtype: str  # e.g. "float32"
-    kv_layout: str  # names the block tensor's dimensions, e.g. "layers,kv,block_size,kv_heads,head_dim"
+    kv_dtype: str  # KvSpec.dtype_name, e.g. "float32"
+    kv_layout: str  # KvSpec.layout, e.g. "layers=30,kv=2,block_size=16,kv_heads=3,head_dim=64"
     block_size: int
     scheme: str = HASH_SCHEME
 

@@ -123,11 +123,6 @@ class ModelConfig:
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of fp32 K and V for one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)

@@ -57,6 +57,7 @@ from deepinfer.engine.handoff import (
     import_blocks,
 )
 from deepinfer.engine.identity import cache_namespace
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.model_runner import ModelRunner, num_blocks_for_budget
 from deepinfer.engine.models import build_model
 from deepinfer.engine.prefix_cache import DevicePrefixCache
@@ -110,7 +111,9 @@ class LLMEngine:
         self.model_config: ModelConfig = loaded.config
         self.fingerprint = loaded.fingerprint
         self.tokenizer = tokenizer
-        num_blocks = num_blocks_for_budget(self.model_config, self.config)
+        # The one description of this engine's KV: pool, transfers, cache tiers and namespace all follow it.
+        self.kv_spec = KvSpec.for_model(self.model_config, self.config.block_size)
+        num_blocks = num_blocks_for_budget(self.kv_spec, self.config)
         capacity = num_blocks * self.config.block_size
         # One sequence must always fit in the whole pool, or preemption could not make room for it.
         self.max_model_len = min(
@@ -124,11 +127,11 @@ class LLMEngine:
             self.pool, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
-        self.runner = ModelRunner(model, self.config, num_blocks)
+        self.runner = ModelRunner(model, self.config, self.kv_spec, num_blocks)
         self.cache_namespace: CacheNamespace = cache_namespace(
-            loaded.source, loaded.config, tokenizer.fingerprint if tokenizer else "none", self.config.block_size
+            loaded.source, self.kv_spec, tokenizer.fingerprint if tokenizer else "none"
         )
-        self.prefix_cache = DevicePrefixCache(self.pool, self.runner.kv, self.cache_namespace,
+        self.prefix_cache = DevicePrefixCache(self.pool, self.runner.kv, self.kv_spec, self.cache_namespace,
                                               self.config.enable_prefix_caching)
         self.reservations = Reservations(self.pool)
         # Reservation leases are measured on this clock (injectable for tests).
@@ -260,13 +263,13 @@ class LLMEngine:
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         """A contiguous copy of a held request's KV — every token but the one it just sampled: the prompt,
-        and any resumed output — [ceil(n / block_size), layers, 2, block_size, kv_heads, head_dim], block i
+        and any resumed output — [ceil(n / block_size), *kv_spec.block_shape], block i
         holding tokens [i * block_size, (i + 1) * block_size); slots past them are zero. The blocks stay
         held: export again or release."""
         req = self.scheduler.held.get(request_id)
         if req is None:
             raise HandoffError(f"request {request_id!r} is not held for handoff")
-        return export_blocks(self.runner.kv, req.block_ids, req.num_tokens - 1)
+        return export_blocks(self.kv_spec, self.runner.kv, req.block_ids, req.num_tokens - 1)
 
     def release(self, request_id: str) -> bool:
         """Free a held request's blocks (its KV has been sent, or never will be). False if `request_id`
@@ -339,7 +342,7 @@ class LLMEngine:
         if params.logprobs is not None and (first_logprob is None or first_logprob.token_id != first_token):
             raise HandoffError("params ask for logprobs: first_logprob must be given, for the first token")
         num_kv = len(prompt_ids) + len(resumed)
-        check_kv(kv, self.runner.kv, num_kv)
+        check_kv(kv, self.kv_spec, num_kv)
         bs = self.config.block_size
         need = blocks_for(num_kv, bs)
         if reservation_id is not None:
@@ -544,13 +547,13 @@ class LLMEngine:
 
     def export_cached_blocks(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], torch.Tensor | None]:
         """The KV of those of `hashes` that are device-resident, in order, as one contiguous copy
-        [n, layers, 2, block_size, kv_heads, head_dim] (None when none is): for write-behind."""
+        [n, *kv_spec.block_shape] (None when none is): for write-behind."""
         return self.prefix_cache.export_blocks(hashes)
 
     def import_cached_blocks(self, hashes: Sequence[BlockHash], kv: torch.Tensor | Sequence[torch.Tensor], tier: str,
                              keep_resident: Sequence[BlockHash] = ()) -> int:
-        """Cache KV fetched from `tier` ("host" or "disk"): block i of `kv` (one tensor [n, layers, 2,
-        block_size, kv_heads, head_dim], or n per-block tensors) is named hashes[i]. Fills
+        """Cache KV fetched from `tier` ("host" or "disk"): block i of `kv` (one tensor [n,
+        *kv_spec.block_shape], or n per-block tensors) is named hashes[i]. Fills
         free blocks only (evicting least recently used cached ones, never a referenced block); returns
         how many blocks were imported. A later hit on one counts under `tier` in `Usage.cached_by_tier`.
 

@@ -7,9 +7,9 @@ a reservation that is not used before its lease runs out is reclaimed (`Reservat
 lost transfer cannot leak blocks. Everything here is bookkeeping over a `BlockPool` plus two tensor
 copies; no sockets, no clocks of its own (callers pass `now`).
 
-Both engines must agree on the KV layout [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
-and dtype (the P/D handshake's model fingerprint and block size cover this); `check_kv` refuses
-anything else with a message naming the mismatch.
+Both engines must agree on the KV description (`KvSpec`: dtype and block layout; the P/D handshake's
+namespace and KvTransfer.kv_layout cover this); `check_kv` refuses anything else with a message
+naming the mismatch.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.cache.block_pool import BlockPool
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import InvalidRequestError
 
 
@@ -110,33 +111,26 @@ class Reservations:
         self.pool.free(reversed(self._by_id.pop(reservation_id).block_ids))
 
 
-def export_blocks(kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-    """A contiguous copy of `block_ids`' slabs of `kv` (one index_select on dim 0), covering
+def export_blocks(spec: KvSpec, kv: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """A contiguous copy of `block_ids`' slabs of the pool `kv` (one index_select on dim 0), covering
     `num_tokens` tokens. Slots past `num_tokens` in the last block are zeroed: they hold stale KV
     of whichever sequence used the block before, which must not travel (and the copy is then a
     deterministic function of the prompt)."""
-    block_size = kv.shape[3]
+    block_size = spec.block_size
     if len(block_ids) != blocks_for(num_tokens, block_size):
         raise ValueError(f"{len(block_ids)} blocks do not cover exactly {num_tokens} tokens of {block_size}")
     out = kv.index_select(0, torch.tensor(block_ids, dtype=torch.int64, device=kv.device))
     used = num_tokens - (len(block_ids) - 1) * block_size
-    out[-1, :, :, used:].zero_()
+    out[-1, :, :, used:].zero_()  # a block is [layers, components, block_size, ...] whatever the spec
     return out
 
 
-def check_kv(data: object, kv: torch.Tensor, num_tokens: int) -> None:
-    """Raise HandoffError unless `data` is KV for `num_tokens` tokens in `kv`'s layout and dtype:
-    shape [ceil(num_tokens / block_size), *kv.shape[1:]]."""
-    if not isinstance(data, torch.Tensor):
-        raise HandoffError(f"kv must be a torch.Tensor, got {type(data).__name__}")
-    expected = (blocks_for(num_tokens, kv.shape[3]), *kv.shape[1:])
-    if tuple(data.shape) != expected:
-        raise HandoffError(
-            f"kv shape {tuple(data.shape)} does not match {expected} "
-            "[blocks for the prompt, layers, 2, block_size, kv_heads, head_dim]"
-        )
-    if data.dtype != kv.dtype:
-        raise HandoffError(f"kv dtype {data.dtype} does not match the engine's {kv.dtype}")
+def check_kv(data: object, spec: KvSpec, num_tokens: int) -> None:
+    """Raise HandoffError unless `data` is KV for `num_tokens` tokens of `spec`:
+    [ceil(num_tokens / block_size), *spec.block_shape] of spec.dtype."""
+    problem = spec.problem(data, spec.blocks_for(num_tokens))
+    if problem is not None:
+        raise HandoffError(problem)
 
 
 def import_blocks(kv: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:

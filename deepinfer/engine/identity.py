@@ -18,8 +18,8 @@ from pathlib import Path
 from deepinfer.cache.hashing import CacheNamespace
 from deepinfer.engine.config import ModelConfig
 from deepinfer.engine.fetch import default_cache_dir
+from deepinfer.engine.kv_spec import KvSpec
 
-KV_DTYPE = "float32"  # the model runner's KV tensor dtype
 _memo: dict[str, str] = {}
 
 
@@ -65,20 +65,15 @@ def source_fingerprint(path: str | os.PathLike[str]) -> str:
     return value
 
 
-def kv_layout(config: ModelConfig, block_size: int) -> str:
-    """One block's tensor layout, dimensions named and sized."""
-    return (f"layers={config.num_layers},kv=2,block_size={block_size},"
-            f"kv_heads={config.num_kv_heads},head_dim={config.head_dim}")
-
-
-def cache_namespace(model_path: str | os.PathLike[str], model_config: ModelConfig, tokenizer_fingerprint: str,
-                    block_size: int) -> CacheNamespace:
+def cache_namespace(model_path: str | os.PathLike[str], kv: KvSpec, tokenizer_fingerprint: str) -> CacheNamespace:
+    """The namespace of `kv`'s blocks of this model: its dtype name and layout string are the namespace's
+    kv_dtype and kv_layout (for a Llama-family fp32 spec, the strings this module wrote before KvSpec)."""
     return CacheNamespace(
         model_fingerprint=source_fingerprint(model_path),
         tokenizer_fingerprint=tokenizer_fingerprint,
-        kv_dtype=KV_DTYPE,
-        kv_layout=kv_layout(model_config, block_size),
-        block_size=block_size,
+        kv_dtype=kv.dtype_name,
+        kv_layout=kv.layout,
+        block_size=kv.block_size,
     )
 
 

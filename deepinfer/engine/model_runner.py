@@ -1,9 +1,9 @@
 """The model runner: owns the KV tensor and turns a scheduler step into one forward pass.
 
-KV layout: one tensor [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]. A block is
-therefore one contiguous slab holding every layer's K and V for `block_size` tokens, which is the
-unit the cache tiers store and the P/D transfer moves; a layer's K (or V) is the strided view
-`kv[:, layer, 0]`.
+KV layout: one tensor [num_blocks, *spec.block_shape] as the engine's `KvSpec` describes it (for a
+Llama-family model [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]). A block is
+therefore one contiguous slab holding every layer's KV for `block_size` tokens, which is the unit the
+cache tiers store and the P/D transfer moves; a layer's K (or V) is the strided view `kv[:, layer, 0]`.
 """
 
 from __future__ import annotations
@@ -14,20 +14,17 @@ import torch
 
 from deepinfer.engine import kernels
 from deepinfer.engine.attention import Segment, StepLayout, layout
-from deepinfer.engine.config import EngineConfig, ModelConfig
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.models.base import CausalLM
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
-def num_blocks_for_budget(model: ModelConfig, config: EngineConfig) -> int:
+def num_blocks_for_budget(spec: KvSpec, config: EngineConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = model.kv_bytes_per_token * config.block_size
-    n = config.kv_cache_bytes // per_block
-    if n < 1:
-        raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
-    return int(n)
+    return spec.blocks_for_budget(config.kv_cache_bytes)
 
 
 @dataclass
@@ -38,17 +35,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int) -> None:
-        c = model.config
+    def __init__(self, model: CausalLM, config: EngineConfig, spec: KvSpec, num_blocks: int) -> None:
         self.model = model
-        self.block_size = config.block_size
-        # Zero-filled, not empty: the torch decode fallback multiplies masked (beyond-context) slots by
-        # zero weights, and 0 * NaN from uninitialised memory would poison the row.
-        self.kv = torch.zeros(
-            (num_blocks, c.num_layers, 2, config.block_size, c.num_kv_heads, c.head_dim),
-            dtype=torch.float32,
-            device=config.device,
-        )
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.kv = spec.allocate(num_blocks, config.device)
         self.use_native = config.use_native_kernels and kernels.native_available()
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:

@@ -17,14 +17,17 @@ import torch
 from deepinfer.cache.block_pool import BlockHash, BlockPool
 from deepinfer.cache.hashing import HASH_BYTES, CacheNamespace, ChainHasher, HashKeys, hash_blocks
 from deepinfer.engine.handoff import HandoffError, check_kv
+from deepinfer.engine.kv_spec import KvSpec
 
 IMPORT_TIERS = ("host", "disk")
 
 
 class DevicePrefixCache:
-    def __init__(self, pool: BlockPool, kv: torch.Tensor, namespace: CacheNamespace, enabled: bool) -> None:
+    def __init__(self, pool: BlockPool, kv: torch.Tensor, spec: KvSpec, namespace: CacheNamespace,
+                 enabled: bool) -> None:
         self.pool = pool
-        self.kv = kv
+        self.kv = kv  # the engine's pool, [num_blocks, *spec.block_shape]
+        self.spec = spec
         self.namespace = namespace
         self.enabled = enabled
 
@@ -44,7 +47,7 @@ class DevicePrefixCache:
 
     def export_blocks(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], torch.Tensor | None]:
         """The KV of those of `hashes` that are device-resident now, in their order, as one contiguous
-        copy [n, layers, 2, block_size, kv_heads, head_dim]; (present hashes, None) when none is."""
+        copy [n, *spec.block_shape]; (present hashes, None) when none is."""
         present: list[BlockHash] = []
         ids: list[int] = []
         for h in hashes:
@@ -75,9 +78,9 @@ class DevicePrefixCache:
             if not isinstance(h, bytes) or len(h) != HASH_BYTES:
                 raise ValueError(f"a block hash must be {HASH_BYTES} bytes, got {h!r:.80}")
         if isinstance(data, torch.Tensor):
-            check_kv(data, self.kv, len(hashes) * self.block_size)
+            check_kv(data, self.spec, len(hashes) * self.block_size)
         else:
-            check_blocks(data, self.kv, len(hashes))
+            check_blocks(data, self.spec, len(hashes))
         if not self.enabled:
             return 0
         head = self.pool.lookup(keep_resident)
@@ -112,11 +115,11 @@ class DevicePrefixCache:
             self.pool.free(reversed(held))
 
 
-def check_blocks(blocks: Sequence[torch.Tensor], kv: torch.Tensor, n: int) -> None:
-    """Raise HandoffError unless `blocks` are `n` tensors each shaped and typed like one slab of `kv`."""
+def check_blocks(blocks: Sequence[torch.Tensor], spec: KvSpec, n: int) -> None:
+    """Raise HandoffError unless `blocks` are `n` tensors each one block of `spec`."""
     if len(blocks) != n:
         raise HandoffError(f"{len(blocks)} block tensors for {n} hashes")
     for t in blocks:
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(kv.shape[1:]) or t.dtype != kv.dtype:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise HandoffError(f"a block is {got}; expected {kv.dtype} {tuple(kv.shape[1:])}")
+        problem = spec.block_problem(t)
+        if problem is not None:
+            raise HandoffError(problem)

@@ -438,7 +438,7 @@ class KvTransfer:
     block_hashes: list[bytes]  # of the prompt's full blocks, so the decode worker can cache them later
     params: SamplingParamsWire
     block_size: int
-    kv_layout: str  # names kv's dimensions; the receiver refuses a layout or shape it does not use
+    kv_layout: str  # KvSpec.layout: one block's dims named and sized; a receiver refuses a layout or shape not its own
     kv: Tensor
     detokenizer: str
     first_logprob: LogprobWire | None = None
@@ -463,8 +463,9 @@ class KvAck:
 # --- KV cache 0x40–0x4F ---------------------------------------------------------------------------------------
 #
 # Tiers are named "device" (a worker's own KV pool), "host" (the cache daemon's DRAM) and "disk" (its
-# NVMe directory). Block tensors are [n, layers, 2, block_size, kv_heads, head_dim], block i holding the
-# KV of the block named block_hashes[i]; `namespace` is the CacheNamespace id both sides hash under.
+# NVMe directory). Block tensors are [n, *KvSpec.block_shape] (Llama-family: [n, layers, 2, block_size,
+# kv_heads, head_dim]), block i holding the KV of the block named block_hashes[i]; `namespace` is the
+# CacheNamespace id both sides hash under (it covers the spec's dtype and layout).
 
 
 @message(0x40)
@@ -497,8 +498,8 @@ class CacheFetch:
 @message(0x43)
 class CacheBlocks:
     """Cache daemon → worker, reply to CacheFetch: the first len(block_hashes) requested blocks, each
-    verified (checksum and identity) before sending, one frame per block ([layers, 2, block_size,
-    kv_heads, head_dim]) sent straight from the daemon's copy — never gathered into one buffer. At most
+    verified (checksum and identity) before sending, one frame per block (KvSpec.block_shape) sent
+    straight from the daemon's copy — never gathered into one buffer. At most
     MAX_FETCH_BLOCKS come per reply (the frame limit); the worker asks again for the rest."""
 
     request_id: str

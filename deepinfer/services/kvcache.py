@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-import warnings
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +45,7 @@ from deepinfer.cache.store import TieredStore
 from deepinfer.engine.config import DEFAULT_BLOCK_SIZE
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import cache_namespace, model_config_at
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.framing import encode_frames
@@ -117,12 +117,12 @@ class KvCacheService(Service):
                  max_stores_in_flight: int = MAX_STORES_IN_FLIGHT, **kw: Any) -> None:
         path = resolve_model(model)
         config = model_config_at(path)
-        self.namespace = cache_namespace(path, config, Tokenizer.load(path).fingerprint, block_size)
+        # The engine's KV as the workers hold it: the daemon stores and serves blocks of exactly this spec.
+        self.kv = KvSpec.for_model(config, block_size)
+        self.namespace = cache_namespace(path, self.kv, Tokenizer.load(path).fingerprint)
         super().__init__(instance, backend, ctx, block_hash_scheme=self.namespace.handshake_scheme, **kw)
         self.endpoint = endpoint
-        self.block_shape = (config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
-        self.block_nbytes = math.prod(self.block_shape) * 4  # float32 KV
-        self.store = TieredStore(self.namespace.id, self.block_nbytes, host_mb << 20, Path(directory),
+        self.store = TieredStore(self.namespace.id, self.kv.block_nbytes, host_mb << 20, Path(directory),
                                  disk_mb << 20)
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"{instance}-io")
         self.publisher = KvEventPublisher(instance, self.incarnation)
@@ -223,9 +223,7 @@ class KvCacheService(Service):
         result = self.store.read(hashes[: m.MAX_FETCH_BLOCKS], deadline)
         if not result.hashes:
             return m.CacheBlocks(request_id, [], [], [], result.reason or "miss")
-        with warnings.catch_warnings():  # frombuffer warns about read-only memory; the frame is only read
-            warnings.simplefilter("ignore", UserWarning)
-            blocks = [torch.frombuffer(p, dtype=torch.float32).view(self.block_shape) for p in result.payloads]
+        blocks = [self.kv.view_block(p) for p in result.payloads]  # read-only views: the frame is only read
         reason = result.reason or ("reply limit" if limited and len(blocks) == m.MAX_FETCH_BLOCKS else "")
         return m.CacheBlocks(request_id, list(result.hashes), list(result.tiers), blocks, reason)
 
@@ -243,19 +241,16 @@ class KvCacheService(Service):
     def _store_problem(self, req: m.CacheStore) -> str | None:
         if req.namespace != self.namespace.id:
             return f"namespace {req.namespace[:12]}… is not this cache's {self.namespace.id[:12]}…"
-        want = (len(req.block_hashes), *self.block_shape)
-        if req.kv.dtype != torch.float32 or tuple(req.kv.shape) != want:
-            return f"kv is {req.kv.dtype} {tuple(req.kv.shape)}; expected float32 {want}"
+        problem = self.kv.problem(req.kv, len(req.block_hashes))
+        if problem is not None:
+            return problem
         if len(_valid_hashes(req.block_hashes)) != len(req.block_hashes):
             return f"block hashes must be {HASH_BYTES} bytes each"
         return None
 
     def _write(self, hashes: list[bytes], kv: torch.Tensor) -> tuple[int, int]:
-        raw = memoryview(kv.contiguous().numpy()).cast("B")
-        nb = self.block_nbytes
         # Copies: the received frame's memory goes back to ZeroMQ once this message is dropped.
-        payloads = [bytes(raw[i * nb:(i + 1) * nb]) for i in range(len(hashes))]
-        return self.store.write(hashes, payloads)
+        return self.store.write(hashes, self.kv.block_payloads(kv))
 
     # -- write-behind and events --------------------------------------------------------------
 

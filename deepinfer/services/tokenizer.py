@@ -14,6 +14,7 @@ import zmq.asyncio
 from deepinfer.engine.config import DEFAULT_BLOCK_SIZE
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import cache_namespace, model_config_at
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, make_pull
@@ -29,7 +30,7 @@ class TokenizerService(Service):
         path = resolve_model(model)
         self.tokenizer = Tokenizer.load(path)
         config = model_config_at(path)
-        namespace = cache_namespace(path, config, self.tokenizer.fingerprint, block_size)
+        namespace = cache_namespace(path, KvSpec.for_model(config, block_size), self.tokenizer.fingerprint)
         super().__init__(instance, backend, ctx, block_hash_scheme=namespace.handshake_scheme, **kw)
         self.core = TokenizerCore(self.tokenizer, instance, max_model_len or config.max_position_embeddings,
                                   namespace=namespace)

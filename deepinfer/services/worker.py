@@ -40,7 +40,6 @@ from deepinfer.services.engine_thread import EngineThread
 from deepinfer.services.kv_events import KvEventPublisher
 from deepinfer.services.wire import from_wire_logprob, to_engine_params
 from deepinfer.services.worker_core import (
-    KV_LAYOUT,
     Abort,
     AbortAll,
     Action,
@@ -57,7 +56,7 @@ from deepinfer.services.worker_core import (
     WorkerCore,
 )
 
-__all__ = ["KV_LAYOUT", "WorkerService"]  # KV_LAYOUT: the layout a KvTransfer's KV must have (bench uses it)
+__all__ = ["WorkerService"]
 
 EVENTS_PERIOD_S = 0.1
 HANDOFF_TICK_S = 0.5  # how often overdue handoff replies are looked for (the timeout is the core's)
@@ -81,7 +80,7 @@ class WorkerService(Service):
         self.tokenizer_endpoints = tokenizers
         # Only a prefill worker opens DEALERs to decode peers, so only its handoffs may name one.
         peers = set(decode_peers) if role == "prefill" else set()
-        self.core = WorkerCore(instance, role, self.engine.config.block_size, peers, offer_blocks=kvcache is not None)
+        self.core = WorkerCore(instance, role, self.engine.kv_spec, peers, offer_blocks=kvcache is not None)
         self._pushes: dict[str, Any] = {}
         self._kv_router: Any = None
         self._kv_dealers: dict[str, Any] = {}

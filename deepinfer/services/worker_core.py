@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import InvalidRequestError, RequestOutput
 from deepinfer.protocol.messages import (
     DetokenizeBatch,
@@ -28,7 +29,6 @@ from deepinfer.protocol.messages import (
 )
 from deepinfer.services.wire import to_wire_logprobs
 
-KV_LAYOUT = "blocks,layers,kv,block_size,kv_heads,head_dim"
 HANDOFF_TIMEOUT_S = 30.0  # the most a prefill worker waits for each of the decode worker's replies
 LEASE_S = 10.0  # asked of the decode worker: how long it keeps blocks reserved for a KvTransfer
 
@@ -219,12 +219,13 @@ class WorkerCore:
       a refused or failed install cancels the reservation and answers KvAck(ok=False).
     """
 
-    def __init__(self, instance: str, role: str, block_size: int, decode_peers: set[str] | frozenset[str], *,
+    def __init__(self, instance: str, role: str, kv: KvSpec, decode_peers: set[str] | frozenset[str], *,
                  offer_blocks: bool = False, handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
                  lease_s: float = LEASE_S) -> None:
         self.instance = instance
         self.role = role
-        self.block_size = block_size
+        self.kv = kv  # the engine's KV: a KvTransfer names its layout, and a decode worker takes only its own
+        self.block_size = kv.block_size
         self.decode_peers = frozenset(decode_peers)
         self.offer_blocks = offer_blocks  # a cache daemon takes finished requests' blocks
         self.handoff_timeout_s = handoff_timeout_s
@@ -388,7 +389,7 @@ class WorkerCore:
         hand.state, hand.lease_id, hand.deadline = HandoffState.TRANSFERRING, lease_id, now + self.handoff_timeout_s
         return [ToDecode(hand.peer, KvTransfer(
             out.request_id, lease_id, out.new_token_ids[0], list(job.token_ids), list(job.block_hashes), job.params,
-            self.block_size, KV_LAYOUT, hand.kv, job.detokenizer,
+            self.block_size, self.kv.layout, hand.kv, job.detokenizer,
             first_logprob=(to_wire_logprobs(out.logprobs) or [None])[-1], priority=job.priority,
             arrival_time=job.arrival_time, num_cached_tokens=out.usage.cached_tokens, cache_salt=job.cache_salt,
             num_output_tokens=job.num_output_tokens))]
@@ -430,9 +431,9 @@ class WorkerCore:
         return [ToPrefill(identity, KvReserveReply(rid, rid, ok, reason, req.lease_s if ok else 0.0))]
 
     def on_transfer(self, identity: bytes, t: KvTransfer, step: int) -> list[Action]:
-        if t.kv_layout != KV_LAYOUT or t.block_size != self.block_size:
+        if t.kv_layout != self.kv.layout or t.block_size != self.block_size:
             return self._refuse(identity, t, f"KV layout {t.kv_layout!r}/block {t.block_size} does not match "
-                                             f"{KV_LAYOUT!r}/block {self.block_size}")
+                                             f"{self.kv.layout!r}/block {self.block_size}")
         try:
             prompt, resumed = split_resumed(t.token_ids, t.num_output_tokens)
         except ValueError as exc:

@@ -508,13 +508,14 @@ def test_malformed_handoffs_are_refused_and_nothing_leaks(tiny_llama):
     free = decode.num_free_blocks
     lp = out.logprobs[0]
     cases = [
-        (dict(kv=kv[:2]), HandoffError, r"kv shape \(2, 2, 2, 4, 2, 16\) does not match \(3, 2, 2, 4, 2, 16\)"),
-        (dict(kv=torch.cat([kv, kv[:1]])), HandoffError, "kv shape"),
-        (dict(kv=kv8), HandoffError, r"kv shape \(2, 2, 2, 8, 2, 16\)"),
-        (dict(kv=kv.double()), HandoffError, "kv dtype torch.float64 does not match the engine's torch.float32"),
-        (dict(kv=kv.half()), HandoffError, "dtype"),
+        (dict(kv=kv[:2]), HandoffError, r"kv is float32 \(2, 2, 2, 4, 2, 16\); expected float32 \(3, 2, 2, 4, 2, 16\) "
+                                        r"\[blocks, layers, kv, block_size, kv_heads, head_dim\]"),
+        (dict(kv=torch.cat([kv, kv[:1]])), HandoffError, r"kv is float32 \(4, "),
+        (dict(kv=kv8), HandoffError, r"kv is float32 \(2, 2, 2, 8, 2, 16\)"),
+        (dict(kv=kv.double()), HandoffError, r"kv is float64 \(3, 2, 2, 4, 2, 16\); expected float32 \(3, "),
+        (dict(kv=kv.half()), HandoffError, "kv is float16"),
         (dict(kv=kv.numpy()), HandoffError, "must be a torch.Tensor"),
-        (dict(prompt_token_ids=prompt[:-1]), HandoffError, "kv shape"),
+        (dict(prompt_token_ids=prompt[:-1]), HandoffError, r"kv is float32 \(3, .*expected float32 \(2, "),
         (dict(first_token=320), InvalidRequestError, "first token 320 is outside the vocabulary"),
         (dict(first_token=-1), InvalidRequestError, "outside the vocabulary"),
         (dict(first_logprob=None), HandoffError, "first_logprob"),

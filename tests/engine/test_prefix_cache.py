@@ -301,9 +301,9 @@ def test_import_refuses_malformed_input_and_changes_nothing(tiny_llama):
     hashes = a.block_hashes(prompt)
     _, kv = a.export_cached_blocks(hashes)
     b = engine(tiny_llama, num_kv_blocks=16)
-    with pytest.raises(HandoffError, match="kv shape"):
+    with pytest.raises(HandoffError, match="; expected float32"):
         b.import_cached_blocks(hashes[:4], kv, "host")
-    with pytest.raises(HandoffError, match="dtype"):
+    with pytest.raises(HandoffError, match="kv is float64"):
         b.import_cached_blocks(hashes, kv.double(), "host")
     with pytest.raises(ValueError, match="tier"):
         b.import_cached_blocks(hashes, kv, "device")

@@ -114,7 +114,7 @@ class Mesh:
 
 def kv_for(daemon: KvCacheService, n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn((n, *daemon.block_shape), generator=g, dtype=torch.float32)
+    return torch.randn(daemon.kv.pool_shape(n), generator=g, dtype=daemon.kv.dtype)
 
 
 def test_store_lookup_fetch_and_events(smollm2_path, tmp_path):
@@ -320,7 +320,7 @@ def test_a_full_disk_keeps_the_daemon_serving(smollm2_path, tmp_path):
         leftovers = [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
         files = {p.stem: p for p in directory.rglob("*.kvb")}
         for name, path in files.items():  # whatever did land is whole and valid
-            bf.verify(path.read_bytes(), d.namespace.id, bytes.fromhex(name), d.block_nbytes)
+            bf.verify(path.read_bytes(), d.namespace.id, bytes.fromhex(name), d.kv.block_nbytes)
     stats = d.store.stats()
     assert alive and stats["disk_write_errors_no_space"] >= 1
     assert any(e["event"] == "disk writes failing: blocks kept in DRAM only" for e in logs)

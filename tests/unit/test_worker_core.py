@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import FinishReason, InvalidRequestError, RequestOutput, Usage
 from deepinfer.protocol.messages import (
     DetokenizeItem,
@@ -26,7 +27,6 @@ from deepinfer.protocol.messages import (
     SamplingParamsWire,
 )
 from deepinfer.services.worker_core import (
-    KV_LAYOUT,
     Abort,
     AbortAll,
     Action,
@@ -46,6 +46,8 @@ from deepinfer.services.worker_core import (
 )
 
 BS = 4
+SPEC = KvSpec(2, BS, ("k", "v"), (("kv_heads", 2), ("head_dim", 8)))
+KV_LAYOUT = SPEC.layout
 TIMEOUT = 5.0
 KV = object()  # an export: the core only carries it
 PEER = b"prefill-1"  # the prefill worker's identity on a decode worker's KV ROUTER
@@ -72,12 +74,12 @@ def transfer(rid: str = "t1", n: int = 9, resumed: int = 0, layout: str = KV_LAY
 
 
 def colocated(**kw: Any) -> WorkerCore:
-    return WorkerCore("w1", "worker", BS, set(), **kw)
+    return WorkerCore("w1", "worker", SPEC, set(), **kw)
 
 
 def prefill(**kw: Any) -> WorkerCore:
     kw.setdefault("offer_blocks", True)
-    return WorkerCore("p1", "prefill", BS, {"d1", "d2"}, handoff_timeout_s=TIMEOUT, **kw)
+    return WorkerCore("p1", "prefill", SPEC, {"d1", "d2"}, handoff_timeout_s=TIMEOUT, **kw)
 
 
 def items(actions: list[Action]) -> list[tuple[str, DetokenizeItem]]:
@@ -323,7 +325,7 @@ def test_a_first_token_that_ends_the_request_finishes_on_the_prefill_worker() ->
 
 
 def test_reserve_reply_names_the_lease_after_the_request() -> None:
-    core = WorkerCore("d1", "decode", BS, set())
+    core = WorkerCore("d1", "decode", SPEC, set())
     req = KvReserve("r1", 3, 10, 7, "p1", 10.0)
     assert core.on_reserved(PEER, req, True, 50) == [ToPrefill(PEER, KvReserveReply("r1", "r1", True, "", 10.0))]
     assert core.on_reserved(PEER, req, False, 2) == [
@@ -331,7 +333,7 @@ def test_reserve_reply_names_the_lease_after_the_request() -> None:
 
 
 def test_transfer_pushes_the_first_token_before_install_then_acks() -> None:
-    core = WorkerCore("d1", "decode", BS, set())
+    core = WorkerCore("d1", "decode", SPEC, set())
     t = transfer(n=9, resumed=2)
     push, install = core.on_transfer(PEER, t, step=8)
     assert isinstance(push, ToTokenizer) and push.tokenizer == "tok2" and push.batch.step == 8
@@ -348,13 +350,13 @@ def test_transfer_pushes_the_first_token_before_install_then_acks() -> None:
     (transfer(n=3, resumed=5), "num_output_tokens 5 does not fit 3 tokens"),
 ])
 def test_a_transfer_that_does_not_fit_is_refused_and_its_reservation_cancelled(t: KvTransfer, reason: str) -> None:
-    core = WorkerCore("w1", "worker", BS, set())
+    core = WorkerCore("w1", "worker", SPEC, set())
     assert core.on_transfer(PEER, t, 1) == [CancelReservation("t1"), ToPrefill(PEER, KvAck("t1", "t1", False, reason))]
     assert len(core) == 0
 
 
 def test_a_failed_install_cancels_the_reservation_and_refuses_the_ack() -> None:
-    core = WorkerCore("d1", "decode", BS, set())
+    core = WorkerCore("d1", "decode", SPEC, set())
     t = transfer()
     core.on_transfer(PEER, t, 1)
     assert core.on_install_failed(PEER, t, RuntimeError("no reservation")) == [
@@ -366,7 +368,7 @@ def test_a_failed_install_cancels_the_reservation_and_refuses_the_ack() -> None:
 
 
 def test_router_restart_drops_everything() -> None:
-    core = WorkerCore("p1", "prefill", BS, {"d1"}, handoff_timeout_s=TIMEOUT)
+    core = WorkerCore("p1", "prefill", SPEC, {"d1"}, handoff_timeout_s=TIMEOUT)
     core.on_job(job("a"), 0.0)
     handing_off(core, "b")
     _ = core.on_exported("b", KV, 2.0)
@@ -393,7 +395,7 @@ class WorkerCoreMachine(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
-        self.core = WorkerCore("w", self.role, BS, {"d1", "d2"}, offer_blocks=True, handoff_timeout_s=TIMEOUT)
+        self.core = WorkerCore("w", self.role, SPEC, {"d1", "d2"}, offer_blocks=True, handoff_timeout_s=TIMEOUT)
         self.now, self.n = 0.0, 0
         self.known: list[str] = []
         self.kind: dict[str, str] = {}

@@ -20,8 +20,9 @@ from deepinfer.engine.config import ModelConfig
 class CausalLM(Protocol):
     """A decoder-only language model over a paged KV cache.
 
-    * `config`: the architecture it was built for; the runner sizes the KV tensor from it
-      ([num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim], fp32).
+    * `config`: the architecture it was built for; the runner sizes the KV tensor from the `KvSpec`
+      derived from it ([num_blocks, *spec.block_shape]; for Llama-family attention [num_blocks,
+      num_layers, 2, block_size, num_kv_heads, head_dim], fp32).
     * `max_positions`: the longest context its position tables cover.
     * `forward(input_ids, positions, kv, meta, logits_rows)`: input_ids and positions are [T] int64
       (the step's tokens, requests concatenated); kv the runner's tensor; meta the step's attention

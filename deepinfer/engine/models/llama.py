@@ -127,7 +127,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] int64. kv: [num_blocks, layers, 2, block_size, kv_heads, head_dim].
+        """input_ids, positions: [T] int64. kv: the pool of `KvSpec.for_model(config, block_size)`,
+        [num_blocks, layers, 2 (K, V), block_size, kv_heads, head_dim].
         Returns fp32 logits [len(logits_rows), vocab] for the requested token rows."""
         c = self.config
         T = input_ids.shape[0]

@@ -31,6 +31,7 @@ import torch
 from deepinfer.engine import kernels
 from deepinfer.engine.attention import Segment, layout
 from deepinfer.engine.config import ConfigError, EngineConfig
+from deepinfer.engine.kv_spec import KvSpec, kv_dtype_name
 from deepinfer.engine.models import CausalLM, build_model
 from deepinfer.engine.models.llama import LlamaModel
 from deepinfer.engine.sampler import DRAFT, Sampler, SamplingRow, exponential_noise, make_generator
@@ -80,8 +81,10 @@ class DraftProposer(Proposer):
             raise ConfigError(f"draft model {path!r} has a vocabulary of {c.vocab_size}; the target's is "
                               f"{target.config.vocab_size} (a draft must share the target's tokenizer)")
         model = build_model(c, loaded.state_dict, target.max_positions, config.device)
-        draft_kv = torch.zeros((kv.shape[0], c.num_layers, 2, config.block_size, c.num_kv_heads, c.head_dim),
-                               dtype=torch.float32, device=kv.device)
+        # The draft's own pool: as many blocks as the target's (it follows the same block tables), in the
+        # target's KV dtype, shaped by the draft model's spec.
+        draft_spec = KvSpec.for_model(c, config.block_size, kv_dtype_name(kv.dtype))
+        draft_kv = draft_spec.allocate(kv.shape[0], kv.device)
         return cls(model, draft_kv, config.block_size, shares_target_kv=False, use_native=config.use_native_kernels)
 
     def propose(self, batch: Sequence[SpecContext], ks: Sequence[int]) -> list[Proposal]:
