@@ -20,7 +20,7 @@ that got tokens — never a loop over tokens — and every expert's weights are 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,28 +103,60 @@ def run_experts(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Te
     return out
 
 
+# The two points a sparse block is pluggable at. A router maps the normed hidden states [T, hidden] to a
+# Routing (softmax top-k here; DeepSeek's sigmoid group-limited routing elsewhere). An expert executor
+# maps (x [T, hidden], routing) to the weighted sum of every routed expert's output per token [T, hidden]:
+# `LocalExperts` when one process holds every expert, an expert-parallel executor when they are spread
+# over ranks (it dispatches tokens to the ranks holding their experts and combines the partial sums).
+Router = Callable[[torch.Tensor], Routing]
+ExpertExecutor = Callable[[torch.Tensor, Routing], torch.Tensor]
+
+
+@dataclass
+class SoftmaxTopKRouter:
+    """Mixtral / Qwen2-MoE routing: `route_softmax_topk` of the router's logits."""
+
+    weight: torch.Tensor  # [num_experts, hidden]
+    top_k: int
+    normalize: bool
+
+    def __call__(self, h: torch.Tensor) -> Routing:
+        return route_softmax_topk(linear(h, self.weight), self.top_k, self.normalize)
+
+
+@dataclass
+class LocalExperts:
+    """Every routed expert in this process: `run_experts` over one bank holding all of them."""
+
+    bank: ExpertBank
+
+    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return run_experts(x, routing, self.bank)
+
+
 @dataclass
 class SparseMoE:
     """One sparse MLP block: routed experts, plus an optionally gated shared expert."""
 
-    router: torch.Tensor  # [num_experts, hidden]
-    experts: ExpertBank
-    top_k: int
-    normalize: bool
+    route: Router
+    experts: ExpertExecutor
     shared: DenseMLP | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden]
 
     @classmethod
-    def from_state(cls, sd: dict[str, torch.Tensor], layer: int, moe: MoEConfig) -> SparseMoE:
+    def from_state(cls, sd: dict[str, torch.Tensor], layer: int, moe: MoEConfig,
+                   experts: ExpertExecutor | None = None) -> SparseMoE:
+        """Layer `layer`'s block; `experts` defaults to every expert held locally."""
         p = f"layers.{layer}."
         shared = DenseMLP.from_state(sd, p + "shared_expert.") if moe.shared_expert_intermediate_size else None
         gate = sd[p + "shared_expert_gate"] if moe.shared_expert_gated else None
-        return cls(sd[p + "router"], ExpertBank.from_state(sd, p, moe.num_experts), moe.num_experts_per_tok,
-                   moe.norm_topk_prob, shared, gate)
+        if experts is None:
+            experts = LocalExperts(ExpertBank.from_state(sd, p, moe.num_experts))
+        return cls(SoftmaxTopKRouter(sd[p + "router"], moe.num_experts_per_tok, moe.norm_topk_prob),
+                   experts, shared, gate)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        routing = route_softmax_topk(linear(h, self.router), self.top_k, self.normalize)
-        out = run_experts(h, routing, self.experts)
+        out = self.experts(h, self.route(h))
         if self.shared is not None:
             shared = self.shared(h)
             if self.shared_gate is not None:
