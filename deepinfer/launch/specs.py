@@ -62,6 +62,10 @@ class WorkerSpec:
     speculative: str | None = None  # speculative decoding method (EngineConfig.speculative); None: off
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     adaptive_speculation: bool = True
+    # Expert parallelism: the worker is a group of `ep` ranks, one process each (rank 0 speaks for the group
+    # to the mesh); `ep_master` is the group's torch.distributed rendezvous, "host:port" (required when ep > 1).
+    ep: int = 1
+    ep_master: str = ""
 
     def speculation_problem(self) -> str | None:
         """What is wrong with this worker's speculation keys, naming the key, or None (types already checked)."""

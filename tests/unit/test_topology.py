@@ -212,7 +212,8 @@ def every_field(tmp_path: Path) -> Topology:
         kv_resync_interval_s=1.0)
     worker: dict[str, Any] = dict(device="cuda:1", threads=3, kv_cache_mb=64, max_num_seqs=8,
                                   max_num_batched_tokens=256, kvcache="kv-0", prefix_caching=False,
-                                  speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False)
+                                  speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
+                                  ep=2, ep_master="10.0.0.1:5560")
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv"}),
