@@ -23,6 +23,8 @@ ROLES = ("prefill", "decode", "worker")
 KVCACHE_DIR_ENV = "DEEPINFER_KVCACHE_DIR"
 DEFAULT_MODEL = "smollm2"  # fetched on first use
 DEFAULT_HOST_CACHE_MB, DEFAULT_DISK_CACHE_MB = 1024, 8192  # a cache daemon's DRAM and disk tiers
+# The devices an expert-parallel group may name: its ranks take one device each, rank R on `rank_device(R)`.
+EP_DEVICES = ("cpu", "cuda")
 
 
 def default_kvcache_dir() -> Path:
@@ -45,6 +47,16 @@ def speculative_problem(method: str) -> str | None:
     return None
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """"host:port" (an IPv6 host in brackets) → (host, port); ValueError says what is wrong."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address:
+        raise ValueError("must be host:port, without a scheme")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be host:port, with a port in 1..65535")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker: its engine's settings default to EngineConfig's (the same DEFAULT_* constants)."""
@@ -63,9 +75,35 @@ class WorkerSpec:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     adaptive_speculation: bool = True
     # Expert parallelism: the worker is a group of `ep` ranks, one process each (rank 0 speaks for the group
-    # to the mesh); `ep_master` is the group's torch.distributed rendezvous, "host:port" (required when ep > 1).
+    # to the mesh); `ep_master` is the group's torch.distributed rendezvous, "host:port" (required when ep > 1,
+    # unused when ep = 1). Every rank runs on the worker's host; `threads` is per rank.
     ep: int = 1
     ep_master: str = ""
+
+    def rank_device(self, rank: int) -> str:
+        """The device rank `rank` runs on: "cuda" gives rank R cuda:R (a group takes devices 0..ep-1 of its
+        host), "cpu" every rank the CPU; a single-rank worker runs on `device` as given (e.g. "cuda:1")."""
+        if not 0 <= rank < self.ep:
+            raise ValueError(f"worker {self.name}: rank {rank} is not in [0, {self.ep})")
+        return f"cuda:{rank}" if self.ep > 1 and self.device == "cuda" else self.device
+
+    def parallel_problem(self) -> str | None:
+        """What is wrong with this worker's expert-parallel keys, naming the key, or None (types already
+        checked; collisions with other endpoints are the topology's to find)."""
+        if self.ep < 1:
+            return f"ep = {self.ep}: must be an integer >= 1"
+        if self.ep == 1:
+            return None
+        if self.device not in EP_DEVICES:
+            return (f"device = {self.device!r}: the ranks of an expert-parallel group take one device each "
+                    f"(rank R on cuda:R), so give device = \"cuda\" or \"cpu\"")
+        if not self.ep_master:
+            return f"ep = {self.ep}: needs ep_master = \"host:port\" (the group's torch.distributed rendezvous)"
+        try:
+            split_host_port(self.ep_master)
+        except ValueError as exc:
+            return f"ep_master = {self.ep_master!r}: {exc}"
+        return None
 
     def speculation_problem(self) -> str | None:
         """What is wrong with this worker's speculation keys, naming the key, or None (types already checked)."""

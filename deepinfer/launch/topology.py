@@ -27,6 +27,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     speculative = "ngram"                 # speculative decoding: "ngram", "suffix", "self:L", "draft:PATH"
     num_speculative_tokens = 4            # the most draft tokens per request per step (1..32)
     adaptive_speculation = true           # let the controller choose each step's k (false: always the cap)
+    ep = 2                                # expert parallelism: a group of 2 ranks, a process each (default 1)
+    ep_master = "10.0.0.2:29500"          # the group's torch.distributed rendezvous (required when ep > 1)
     [[kvcache]]
     name = "kvcache-0"
     endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here
@@ -49,12 +51,19 @@ namespace, and the handshake refuses a service that hashes blocks differently. S
 top level; the router's copy is derived from it (`[router] block_size` is refused). Speculation runs where
 decoding does: on decode and co-located workers. A prefill worker stops after the first token and has
 nothing to speculate on; `Topology.local` sets the speculation keys on decoding workers only.
+
+A worker with `ep = N > 1` is an expert-parallel group: N processes on the worker's host, rank 0 speaking
+for the group to the mesh and ranks 1..N-1 following it (`service worker --rank R`). Its `device` is "cpu"
+or "cuda" (rank R on cuda:R; `WorkerSpec.rank_device`), `threads` is per rank, and `ep_master` is where the
+ranks rendezvous (torch.distributed's store, on rank 0): an address no other endpoint of the topology uses.
+`Topology.local` gives each group a free 127.0.0.1 port.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -79,6 +88,7 @@ from deepinfer.launch.specs import (
     WorkerSpec,
     default_kvcache_dir,
     speculative_problem,
+    split_host_port,
 )
 from deepinfer.launch.tables import TopologyError, check_fields, from_table, toml_string, toml_table
 from deepinfer.services.router_state import RouterConfig
@@ -136,9 +146,33 @@ class Topology:
         for w in self.workers:
             if w.kvcache is not None and w.kvcache not in daemons:
                 raise TopologyError(f"worker {w.name}: no kvcache named {w.kvcache!r}")
-            problem = w.speculation_problem()
+            problem = w.speculation_problem() or w.parallel_problem()
             if problem is not None:
                 raise TopologyError(f"worker {w.name}: {problem}")
+        self._check_ep_masters()
+
+    def _check_ep_masters(self) -> None:
+        """Every group's ep_master is an address nothing else in the topology binds: a port taken twice on
+        one host would make one of the two fail to start (a wildcard host takes the port on every address)."""
+        taken: list[tuple[str, int, str]] = []  # (host, port, what)
+        named = [("router frontend", self.frontend), ("router backend", self.backend),
+                 *((f"tokenizer {t.name} detok", t.detok) for t in self.tokenizers),
+                 *((f"worker {w.name} kv", w.kv) for w in self.workers),
+                 *((f"kvcache {k.name} endpoint", k.endpoint) for k in self.kvcaches)]
+        for what, endpoint in named:
+            if endpoint.startswith("tcp://"):
+                try:
+                    taken.append((*split_host_port(endpoint.removeprefix("tcp://")), what))
+                except ValueError:
+                    pass  # not host:port (ZeroMQ also takes interface names); nothing to compare
+        for w in self.workers:
+            if w.ep == 1:
+                continue
+            host, port = split_host_port(w.ep_master)  # checked by parallel_problem
+            for other_host, other_port, what in taken:
+                if port == other_port and _same_host(host, other_host):
+                    raise TopologyError(f"worker {w.name}: ep_master = {w.ep_master!r} is also the {what}")
+            taken.append((host, port, f"worker {w.name} ep_master"))
 
     def _sections(self) -> list[tuple[str, Any]]:
         """Every sub-tree with the name its errors carry."""
@@ -173,20 +207,25 @@ class Topology:
               speculative: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
               adaptive_speculation: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> Topology:
+              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, ep: int = 1) -> Topology:
         """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`).
         With `kvcache`, one cache daemon (disk tier in `cache_dir`, default `default_kvcache_dir()`)
         serves every worker; `prefix_caching=False` also turns off reuse inside each worker. The
-        speculation options go to the workers that decode (decode and co-located ones)."""
+        speculation options go to the workers that decode (decode and co-located ones). With `ep > 1`
+        every worker is an expert-parallel group of `ep` ranks, each group rendezvousing on a free
+        127.0.0.1 port (free when chosen: another program may take it before the group starts)."""
         if transport == "inproc":
-            ep = lambda name: f"inproc://deepinfer-{os.getpid()}-{name}"  # noqa: E731
+            if ep != 1:
+                raise TopologyError("an in-process mesh runs every service in one process; an expert-parallel "
+                                    "group needs a process per rank (use the ipc transport)")
+            endpoint = lambda name: f"inproc://deepinfer-{os.getpid()}-{name}"  # noqa: E731
         elif transport == "ipc":
             if run_dir is None:
                 raise TopologyError("ipc transport needs a runtime directory")
-            ep = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
+            endpoint = lambda name: f"ipc://{run_dir}/{name}.sock"  # noqa: E731
         else:
             raise TopologyError(f"unknown local transport {transport!r}")
-        daemons = (KvCacheSpec("kvcache-0", ep("kvcache-0"), None if cache_dir is None else str(cache_dir),
+        daemons = (KvCacheSpec("kvcache-0", endpoint("kvcache-0"), None if cache_dir is None else str(cache_dir),
                                host_cache_mb, disk_cache_mb),) if kvcache else ()
         common: dict[str, Any] = dict(threads=threads, kv_cache_mb=kv_cache_mb, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
@@ -195,15 +234,19 @@ class Topology:
                                         adaptive_speculation=adaptive_speculation)
         workers: list[WorkerSpec] = []
         if disaggregated:
-            workers += [WorkerSpec(f"prefill-{i}", "prefill", ep(f"prefill-{i}-kv"), **common)
+            workers += [WorkerSpec(f"prefill-{i}", "prefill", endpoint(f"prefill-{i}-kv"), **common)
                         for i in range(num_prefill)]
-            workers += [WorkerSpec(f"decode-{i}", "decode", ep(f"decode-{i}-kv"), **decoding)
+            workers += [WorkerSpec(f"decode-{i}", "decode", endpoint(f"decode-{i}-kv"), **decoding)
                         for i in range(num_decode)]
         else:
-            workers.append(WorkerSpec("worker-0", "worker", ep("worker-0-kv"), **decoding))
-        tokenizers = tuple(TokenizerSpec(f"tokenizer-{i}", ep(f"tokenizer-{i}-detok")) for i in range(num_tokenizers))
-        return cls(model, ep("router-frontend"), ep("router-backend"), tokenizers, tuple(workers), kvcaches=daemons,
-                   block_size=block_size)
+            workers.append(WorkerSpec("worker-0", "worker", endpoint("worker-0-kv"), **decoding))
+        if ep != 1:
+            masters = [f"127.0.0.1:{port}" for port in free_local_ports(len(workers))]
+            workers = [dataclasses.replace(w, ep=ep, ep_master=m) for w, m in zip(workers, masters)]
+        tokenizers = tuple(TokenizerSpec(f"tokenizer-{i}", endpoint(f"tokenizer-{i}-detok"))
+                           for i in range(num_tokenizers))
+        return cls(model, endpoint("router-frontend"), endpoint("router-backend"), tokenizers, tuple(workers),
+                   kvcaches=daemons, block_size=block_size)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Topology:
@@ -230,6 +273,28 @@ class Topology:
         if self.security is not None:
             lines += toml_table("security", self.security)
         return "\n".join(lines) + "\n"
+
+
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::")
+LOOPBACK_NAMES = {"localhost": "127.0.0.1"}
+
+
+def _same_host(a: str, b: str) -> bool:
+    """Whether two hosts of one topology may be one address (a wildcard is every address)."""
+    a, b = (LOOPBACK_NAMES.get(h.lower(), h.lower()) for h in (a, b))
+    return a == b or a in WILDCARD_HOSTS or b in WILDCARD_HOSTS
+
+
+def free_local_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free on 127.0.0.1 now (all held open until every one is chosen)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _within(where: str, build: Callable[[], T]) -> T:

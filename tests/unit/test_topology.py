@@ -210,10 +210,10 @@ def every_field(tmp_path: Path) -> Topology:
         max_ttft_samples=10, placement="least_loaded", prior_prefill_tokens_per_s=1e3,
         prior_host_fetch_s_per_token=1e-6, prior_disk_fetch_s_per_token=3e-5, estimate_alpha=0.5,
         kv_resync_interval_s=1.0)
-    worker: dict[str, Any] = dict(device="cuda:1", threads=3, kv_cache_mb=64, max_num_seqs=8,
+    worker: dict[str, Any] = dict(device="cuda", threads=3, kv_cache_mb=64, max_num_seqs=8,
                                   max_num_batched_tokens=256, kvcache="kv-0", prefix_caching=False,
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
-                                  ep=2, ep_master="10.0.0.1:5560")
+                                  ep=2, ep_master="10.0.0.3:29500")
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv"}),
@@ -255,3 +255,74 @@ def test_defaults_round_trip_and_a_value_toml_cannot_hold_is_refused(tmp_path):
     assert load(tmp_path, topo.to_toml()) == topo
     with pytest.raises(TopologyError, match="progress_timeout_s = None cannot be written"):
         dataclasses.replace(topo, router=RouterConfig(progress_timeout_s=None)).to_toml()
+
+
+# -- expert-parallel groups -------------------------------------------------------------------------------------
+
+def group(tmp_path: Path, keys: str, extra: str = "") -> Topology:
+    """MINIMAL with `keys` added to its worker and `extra` tables after it."""
+    return load(tmp_path, MINIMAL + keys + "\n" + extra)
+
+
+def test_a_group_reads_back_with_its_ranks_on_their_devices(tmp_path):
+    topo = group(tmp_path, 'ep = 4\nep_master = "10.0.0.2:29500"\ndevice = "cuda"')
+    w = topo.worker("w")
+    assert (w.ep, w.ep_master) == (4, "10.0.0.2:29500")
+    assert [w.rank_device(r) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert load(tmp_path, topo.to_toml()) == topo
+    cpu = group(tmp_path, 'ep = 2\nep_master = "10.0.0.2:29500"').worker("w")
+    assert [cpu.rank_device(r) for r in range(2)] == ["cpu", "cpu"]
+    single = group(tmp_path, 'device = "cuda:3"').worker("w")  # one rank: the device as given
+    assert single.ep == 1 and single.rank_device(0) == "cuda:3"
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        cpu.rank_device(2)
+
+
+@pytest.mark.parametrize("keys, match", [
+    ("ep = 0", "worker w: ep = 0: must be an integer >= 1"),
+    ('ep = "2"', "worker w: ep = '2': must be an integer"),
+    ("ep = 2", 'worker w: ep = 2: needs ep_master = "host:port"'),
+    ('ep = 2\nep_master = "10.0.0.2:29500"\ndevice = "cuda:1"', "worker w: device = 'cuda:1': the ranks of an"),
+    ('ep = 2\nep_master = "10.0.0.2:29500"\ndevice = "mps"', "worker w: device = 'mps'"),
+    ('ep = 2\nep_master = "tcp://10.0.0.2:29500"', "ep_master = 'tcp://10.0.0.2:29500': must be host:port, without"),
+    ('ep = 2\nep_master = "10.0.0.2"', "ep_master = '10.0.0.2': must be host:port, with a port in 1..65535"),
+    ('ep = 2\nep_master = ":29500"', "must be host:port"),
+    ('ep = 2\nep_master = "10.0.0.2:0"', "must be host:port"),
+    ('ep = 2\nep_master = "10.0.0.2:65536"', "must be host:port"),
+])
+def test_bad_parallel_keys_are_refused_naming_the_key(tmp_path, keys, match):
+    with pytest.raises(TopologyError, match=match):
+        group(tmp_path, keys)
+
+
+SECOND_GROUP = '[[worker]]\nname = "w2"\nrole = "worker"\nkv = "tcp://10.0.0.2:5571"\nep = 2\nep_master = "{}"\n'
+
+
+@pytest.mark.parametrize("master, extra, what", [
+    ("10.0.0.1:5560", "", "tokenizer tok detok"),
+    ("10.0.0.2:5570", "", "worker w kv"),
+    ("10.0.0.1:5551", "", "router backend"),
+    ("10.0.0.2:29500", SECOND_GROUP.format("10.0.0.2:29500"), "worker w ep_master"),
+    ("0.0.0.0:5570", "", "worker w kv"),  # a wildcard binds the port on every address
+    ("localhost:29500", SECOND_GROUP.format("127.0.0.1:29500"), "worker w ep_master"),
+])
+def test_an_ep_master_no_other_endpoint_uses(tmp_path, master, extra, what):
+    with pytest.raises(TopologyError, match=f"ep_master = '[^']*' is also the {what}"):
+        group(tmp_path, f'ep = 2\nep_master = "{master}"', extra)
+
+
+def test_an_ep_master_may_share_a_host_or_a_port_but_not_both(tmp_path):
+    topo = group(tmp_path, 'ep = 2\nep_master = "10.0.0.2:5560"', SECOND_GROUP.format("10.0.0.3:5560"))
+    assert [w.ep_master for w in topo.workers] == ["10.0.0.2:5560", "10.0.0.3:5560"]
+    assert group(tmp_path, 'ep_master = "10.0.0.2:5570"').worker("w").ep == 1  # unused with one rank
+
+
+def test_local_topologies_give_each_group_a_free_loopback_port(tmp_path):
+    topo = Topology.local("smollm2", "ipc", tmp_path, ep=3)
+    masters = [w.ep_master for w in topo.workers]
+    assert [w.ep for w in topo.workers] == [3, 3] and len(set(masters)) == 2
+    assert all(m.startswith("127.0.0.1:") for m in masters)
+    assert load(tmp_path, topo.to_toml()) == topo
+    assert all(w.ep == 1 and w.ep_master == "" for w in Topology.local("smollm2", "ipc", tmp_path).workers)
+    with pytest.raises(TopologyError, match="needs a process per rank"):
+        Topology.local("smollm2", "inproc", ep=2)
