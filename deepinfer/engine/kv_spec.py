@@ -72,7 +72,17 @@ class KvSpec:
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype_name: str = ENGINE_KV_DTYPE) -> KvSpec:
-        """The spec of a Llama-family model (dense, Mixtral, Qwen2-MoE): K and V, each [kv_heads, head_dim]."""
+        """The spec of `config`'s attention:
+
+        * Llama-family (dense, Mixtral, Qwen2-MoE): K and V, each [kv_heads, head_dim]; layout
+          "layers=L,kv=2,block_size=B,kv_heads=H,head_dim=D".
+        * Multi-head latent attention (DeepSeek-V2/V3, `config.mla`): one component, "latent", of
+          [kv_lora_rank + qk_rope_head_dim] floats — the RMS-normed compressed latent, then the roped
+          key every head shares; layout "layers=L,kv=1,block_size=B,latent_dim=C+R".
+        """
+        if config.mla is not None:
+            return cls(config.num_layers, block_size, ("latent",), (("latent_dim", config.mla.latent_dim),),
+                       dtype_name)
         return cls(config.num_layers, block_size, ("k", "v"),
                    (("kv_heads", config.num_kv_heads), ("head_dim", config.head_dim)), dtype_name)
 

@@ -31,6 +31,30 @@ S = shared_expert_intermediate_size:
     layers.{i}.shared_expert.down_proj    [hidden, S]
     layers.{i}.shared_expert_gate         [1, hidden]  only when moe.shared_expert_gated
 
+A DeepSeek-V2/V3 layer (`config.mla` set; H = num_heads, N/R/V = qk_nope/qk_rope/v_head_dim,
+C = kv_lora_rank, Q = q_lora_rank) has multi-head latent attention instead of q/k/v_proj:
+
+    layers.{i}.q_proj        [H·(N+R), hidden]         only when Q is None
+    layers.{i}.q_a_proj      [Q, hidden]               only when Q is set: q = q_b(norm(q_a(x)))
+    layers.{i}.q_a_norm      [Q]
+    layers.{i}.q_b_proj      [H·(N+R), Q]
+    layers.{i}.kv_a_proj     [C+R, hidden]             latent (C) then the shared rope key (R)
+    layers.{i}.kv_a_norm     [C]
+    layers.{i}.kv_b_proj     [H·(N+V), C]              per head: no-rope key rows, then value rows
+    layers.{i}.o_proj        [hidden, H·V]
+    layers.{i}.q_a_bias      [Q]                       biases only when config.attention_bias
+    layers.{i}.kv_a_bias     [C+R]                     (q_a_bias only when Q is set)
+    layers.{i}.o_bias        [hidden]
+
+Its rope rows are in the checkpoint's order (interleaved pairs when mla.rope_interleave); the model
+reorders them. Its sparse layers have the MoE names above with `shared_expert.*` the ungated shared
+experts (HF `mlp.shared_experts.*`), and, for DeepSeek-V3's noaux_tc routing,
+
+    layers.{i}.router_bias   [E]                       e_score_correction_bias: added for choosing only
+
+Tensors of layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction module,
+`model.layers.61.*`) are not loaded: the engine does not run them.
+
 Experts are always one tensor per expert here, whatever the checkpoint stores: Hugging Face per-expert
 tensors (Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`, Qwen2-MoE's `mlp.experts.{e}.gate_proj/
 up_proj/down_proj`) map one to one, and the fused 3-D tensors transformers 5 writes with
@@ -68,6 +92,16 @@ _HF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "gate_proj",
     "mlp.up_proj.weight": "up_proj",
     "mlp.down_proj.weight": "down_proj",
+    # Multi-head latent attention (DeepSeek-V2/V3).
+    "self_attn.q_a_proj.weight": "q_a_proj",
+    "self_attn.q_a_layernorm.weight": "q_a_norm",
+    "self_attn.q_b_proj.weight": "q_b_proj",
+    "self_attn.kv_a_proj_with_mqa.weight": "kv_a_proj",
+    "self_attn.kv_a_layernorm.weight": "kv_a_norm",
+    "self_attn.kv_b_proj.weight": "kv_b_proj",
+    "self_attn.q_a_proj.bias": "q_a_bias",
+    "self_attn.kv_a_proj_with_mqa.bias": "kv_a_bias",
+    "self_attn.o_proj.bias": "o_bias",
 }
 # Mixture-of-experts names, after "model.layers.{i}." and Mixtral's `block_sparse_moe.` or the `mlp.` prefix.
 _HF_MOE_NAMES = {
@@ -76,6 +110,11 @@ _HF_MOE_NAMES = {
     "shared_expert.up_proj.weight": "shared_expert.up_proj",
     "shared_expert.down_proj.weight": "shared_expert.down_proj",
     "shared_expert_gate.weight": "shared_expert_gate",
+    # DeepSeek: ungated shared experts, and V3's selection bias.
+    "shared_experts.gate_proj.weight": "shared_expert.gate_proj",
+    "shared_experts.up_proj.weight": "shared_expert.up_proj",
+    "shared_experts.down_proj.weight": "shared_expert.down_proj",
+    "gate.e_score_correction_bias": "router_bias",
 }
 _HF_EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _HF_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -127,7 +166,7 @@ def load_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, to
     for shard in _safetensors_files(root):
         with safe_open(str(shard), framework="pt") as f:
             for hf_name in f.keys():
-                if _HF_IGNORED.fullmatch(hf_name):
+                if _HF_IGNORED.fullmatch(hf_name) or _beyond_last_layer(hf_name, config):
                     continue
                 fused = _HF_FUSED_EXPERTS.fullmatch(hf_name)
                 if fused:
@@ -139,6 +178,13 @@ def load_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, to
                     continue
                 state[name] = f.get_tensor(hf_name).to(torch.float32).contiguous()
     return config, state
+
+
+def _beyond_last_layer(hf_name: str, config: ModelConfig) -> bool:
+    """A tensor of a layer the config does not have: DeepSeek-V3's multi-token-prediction module is
+    stored as the layers after the last (`model.layers.61.*` for 61 layers) and is not run here."""
+    m = _HF_LAYER.fullmatch(hf_name)
+    return config.mla is not None and m is not None and int(m.group(1)) >= config.num_layers
 
 
 def split_fused_experts(layer: int, kind: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -195,10 +241,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     moe = config.moe
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        layer = {"input_norm": (h,), "post_attn_norm": (h,), "q_proj": (q, h), "k_proj": (kv, h)}
-        layer |= {"v_proj": (kv, h), "o_proj": (h, q)}
+        layer: dict[str, tuple[int, ...]] = {"input_norm": (h,), "post_attn_norm": (h,)}
+        if config.mla is not None:
+            layer |= _mla_shapes(config)
+        else:
+            layer |= {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+            if config.attention_bias:
+                layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
         if moe is not None and moe.is_sparse_layer(i):
             layer["router"] = (moe.num_experts, h)
+            if moe.topk_method == "noaux_tc":
+                layer["router_bias"] = (moe.num_experts,)
             for e in range(moe.num_experts):
                 layer |= _mlp_shapes(f"experts.{e}.", h, moe.expert_intermediate_size)
             if moe.shared_expert_intermediate_size:
@@ -207,9 +260,29 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 layer["shared_expert_gate"] = (1, h)
         else:
             layer |= _mlp_shapes("", h, f)
-        if config.attention_bias:
-            layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
         shapes.update({p + n: s for n, s in layer.items()})
+    return shapes
+
+
+def _mla_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's multi-head latent attention tensors (see the module docstring)."""
+    mla, h, heads = config.mla, config.hidden_size, config.num_heads
+    assert mla is not None
+    q_out = heads * mla.qk_head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "kv_a_proj": (mla.latent_dim, h), "kv_a_norm": (mla.kv_lora_rank,),
+        "kv_b_proj": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        "o_proj": (h, heads * mla.v_head_dim),
+    }
+    if mla.q_lora_rank is None:
+        shapes["q_proj"] = (q_out, h)
+    else:
+        shapes |= {"q_a_proj": (mla.q_lora_rank, h), "q_a_norm": (mla.q_lora_rank,),
+                   "q_b_proj": (q_out, mla.q_lora_rank)}
+    if config.attention_bias:
+        shapes |= {"kv_a_bias": (mla.latent_dim,), "o_bias": (h,)}
+        if mla.q_lora_rank is not None:
+            shapes["q_a_bias"] = (mla.q_lora_rank,)
     return shapes
 
 

@@ -3,6 +3,7 @@
 Loaders translate their format's architecture name into `ModelConfig.architecture` (config.json's
 `model_type`, or its `architectures` class name when `model_type` is absent; GGUF's
 `general.architecture`, with `llama` plus experts read as `mixtral` and `qwen2moe` as `qwen2_moe`).
+DeepSeek-V2 and V3 share one class (`deepseek.py`): their differences are routing settings in `MoEConfig`.
 The engine and the draft-model proposer build every model through `build_model`, never a class by name.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from deepinfer.engine.config import ConfigError, ModelConfig
 from deepinfer.engine.models.base import CausalLM
+from deepinfer.engine.models.deepseek import DeepseekModel
 from deepinfer.engine.models.llama import LlamaModel
 from deepinfer.engine.models.moe import MoEModel
 
@@ -26,6 +28,8 @@ MODEL_CLASSES: dict[str, ModelFactory] = {
     "mistral": LlamaModel,
     "mixtral": MoEModel,
     "qwen2_moe": MoEModel,
+    "deepseek_v2": DeepseekModel,
+    "deepseek_v3": DeepseekModel,
 }
 
 
