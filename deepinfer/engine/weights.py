@@ -92,7 +92,10 @@ _HF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "gate_proj",
     "mlp.up_proj.weight": "up_proj",
     "mlp.down_proj.weight": "down_proj",
-    # Multi-head latent attention (DeepSeek-V2/V3).
+}
+# Multi-head latent attention (DeepSeek-V2/V3), mapped only for a config with `mla` (elsewhere, e.g. an
+# o_proj bias in a Llama checkpoint, these tensors have no place and are refused by name).
+_HF_MLA_NAMES = {
     "self_attn.q_a_proj.weight": "q_a_proj",
     "self_attn.q_a_layernorm.weight": "q_a_norm",
     "self_attn.q_b_proj.weight": "q_b_proj",
@@ -173,7 +176,7 @@ def load_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, to
                     tensor = f.get_tensor(hf_name).to(torch.float32).contiguous()
                     state.update(split_fused_experts(int(fused.group(1)), fused.group(2), tensor))
                     continue
-                name = hf_to_our_name(hf_name)
+                name = hf_to_our_name(hf_name, mla=config.mla is not None)
                 if name == "lm_head" and config.tie_word_embeddings:
                     continue
                 state[name] = f.get_tensor(hf_name).to(torch.float32).contiguous()
@@ -213,7 +216,8 @@ def _safetensors_files(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))
 
 
-def hf_to_our_name(hf_name: str) -> str:
+def hf_to_our_name(hf_name: str, mla: bool = False) -> str:
+    """Our name of a Hugging Face tensor; `mla`: the checkpoint is a latent-attention (DeepSeek) one."""
     if hf_name in _HF_GLOBAL_NAMES:
         return _HF_GLOBAL_NAMES[hf_name]
     m = _HF_LAYER.fullmatch(hf_name)
@@ -221,6 +225,8 @@ def hf_to_our_name(hf_name: str) -> str:
         layer, rest = m.group(1), m.group(2)
         if rest in _HF_LAYER_NAMES:
             return f"layers.{layer}.{_HF_LAYER_NAMES[rest]}"
+        if mla and rest in _HF_MLA_NAMES:
+            return f"layers.{layer}.{_HF_MLA_NAMES[rest]}"
         moe_rest = rest.split(".", 1)[1] if rest.startswith(("mlp.", "block_sparse_moe.")) else ""
         if moe_rest in _HF_MOE_NAMES:
             return f"layers.{layer}.{_HF_MOE_NAMES[moe_rest]}"
