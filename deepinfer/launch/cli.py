@@ -146,10 +146,22 @@ def engine_options(f):  # type: ignore[no-untyped-def]
         click.option("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, show_default=True,
                      help="Token budget of one step (longer prompts are prefilled in chunks)."),
         click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)."),
+        click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, callback=_check_embedded_ep,
+                     help="Expert-parallel ranks: the embedded mesh runs in this one process, so only 1; for "
+                          "more, start `deepinfer-launch up --ep N` and pass its --endpoint."),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _check_embedded_ep(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    """Refuse --ep N > 1 while parsing: the embedded mesh runs every service as a task of this process, and
+    an expert-parallel group needs a process per rank; a mesh at --endpoint has its own groups."""
+    if value > 1:
+        raise click.BadParameter(f"{value} ranks need a process each, and the embedded mesh is this one "
+                                 f"process: start `deepinfer-launch up --ep {value}` and pass its --endpoint")
+    return value
 
 
 def sampling_options(f):  # type: ignore[no-untyped-def]
@@ -246,7 +258,7 @@ def _mesh_endpoint(endpoint: str | None, model: str, options: dict[str, Any]) ->
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line, in input order.")
 def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-             threads: int | None, speculative: str | None, num_speculative_tokens: int,
+             threads: int | None, ep: int, speculative: str | None, num_speculative_tokens: int,
              no_adaptive_speculation: bool, prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              stop: tuple[str, ...], endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
@@ -294,10 +306,10 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
 @sampling_options
 @click.option("--system", default=None, help="A system message.")
 def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-         threads: int | None, speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool,
-         chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
-         stop: tuple[str, ...], endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
-         system: str | None) -> None:
+         threads: int | None, ep: int, speculative: str | None, num_speculative_tokens: int,
+         no_adaptive_speculation: bool, chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int,
+         min_p: float, seed: int | None, stop: tuple[str, ...], endpoint: str | None, api_key: str | None,
+         keys_dir: Path | None, client_key: str, system: str | None) -> None:
     """Chat interactively (answers stream as they are generated; an empty line or Ctrl-D quits)."""
     from deepinfer.protocol import messages as m
     from deepinfer.protocol.client import MeshError
@@ -337,7 +349,13 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 @click.option("--prefill", "num_prefill", type=int, default=1, show_default=True)
 @click.option("--decode", "num_decode", type=int, default=1, show_default=True)
 @click.option("--tokenizers", "num_tokenizers", type=int, default=1, show_default=True)
-@click.option("--threads", type=int, default=None, help="torch threads per worker (default: a share of the cores).")
+@click.option("--threads", type=int, default=None,
+              help="torch threads per worker, per rank of an --ep group (default: a share of the cores, a share "
+                   "per rank).")
+@click.option("--ep", type=click.IntRange(min=1), default=None,
+              help="Expert parallelism: every worker is a group of N ranks, a process each (on CUDA rank R uses "
+                   "cuda:R), rendezvousing on a free 127.0.0.1 port; a rank that dies restarts its group. "
+                   "Default: 1.")
 @click.option("--kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MB, show_default=True)
 @click.option("--run-dir", type=click.Path(path_type=Path), default=None,
               help="Where ipc sockets, the topology and logs go (default: a new temporary directory, removed "
@@ -354,16 +372,21 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 @click.option("--no-prefix-caching", is_flag=True, help="No KV reuse at all: every prompt is computed in full.")
 @speculation_options
 def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
-       num_tokenizers: int, threads: int | None, kv_cache_mb: int, run_dir: Path | None, log_dir: Path | None,
-       cache_dir: Path | None, host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool, no_prefix_caching: bool,
-       speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool) -> None:
+       num_tokenizers: int, threads: int | None, ep: int | None, kv_cache_mb: int, run_dir: Path | None,
+       log_dir: Path | None, cache_dir: Path | None, host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool,
+       no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
+       no_adaptive_speculation: bool) -> None:
     """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM.
-    With --topology, every worker option (speculation too) comes from the file, per worker."""
+    With --topology, every worker option (speculation and --ep too) comes from the file, per worker."""
     from deepinfer.launch.topology import Topology
 
-    if topology is not None and speculative is not None:  # it would be silently ignored
-        raise click.UsageError("--speculative configures the workers `up` builds; with --topology, set "
-                               "`speculative` per worker in the file")
+    for given, option, key in ((speculative, "--speculative", "`speculative`"), (ep, "--ep", "`ep` and `ep_master`")):
+        if topology is not None and given is not None:  # it would be silently ignored
+            raise click.UsageError(f"{option} configures the workers `up` builds; with --topology, set {key} "
+                                   f"per worker in the file")
+    if inproc and (ep or 1) > 1:
+        raise click.UsageError("--inproc runs every service in this process, and an --ep group needs a process "
+                               "per rank: drop --inproc")
     temporary = run_dir is None  # made here: removed whole at exit
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))  # (mode 0700)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -385,7 +408,7 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
         if topology is None:
             topology = run_dir / "topology.toml"
             made.append(topology)
-            topology.write_text(Topology.local(model, "ipc", run_dir, **local).to_toml())
+            topology.write_text(Topology.local(model, "ipc", run_dir, ep=ep or 1, **local).to_toml())
         made += _ipc_paths(Topology.load(topology), run_dir)
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -455,10 +478,12 @@ def _announce(endpoint: str, extra: str = "") -> None:
 @click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
 @click.option("--name", default=None, help="The service's name in the topology.")
 @click.option("--index", type=int, default=None, help="Or its position among the topology's services of ROLE.")
-def service(role: str, topology: Path, name: str | None, index: int | None) -> None:
+@click.option("--rank", type=int, default=0, show_default=True,
+              help="An expert-parallel worker's rank in [0, ep): 0 speaks for the group to the mesh, 1..ep-1 "
+                   "follow it (engine only).")
+def service(role: str, topology: Path, name: str | None, index: int | None, rank: int) -> None:
     """Run one service of a topology (what a systemd unit runs)."""
-    from deepinfer.launch.mesh import run_service
-    from deepinfer.launch.topology import Topology
+    from deepinfer.launch.topology import Topology, TopologyError
 
     topo = Topology.load(topology)
     if name is None:
@@ -467,6 +492,20 @@ def service(role: str, topology: Path, name: str | None, index: int | None) -> N
         if index is None or not 0 <= index < len(names):
             raise click.UsageError(f"give --name or --index in [0, {len(names)}) for {role}")
         name = names[index]
+    if rank != 0:
+        if role != "worker":
+            raise click.UsageError("--rank names a rank of an expert-parallel worker; a " + role + " has none")
+        try:
+            ep = topo.worker(name).ep
+        except TopologyError as exc:
+            raise click.UsageError(str(exc)) from None
+        if not 0 < rank < ep:
+            raise click.UsageError(f"--rank {rank}: worker {name} has ep = {ep}, so its ranks are 0..{ep - 1}")
+        from deepinfer.parallel.follower import run_follower  # torch.distributed: only in a follower
+
+        sys.exit(run_follower(topo, name, rank))
+    from deepinfer.launch.mesh import run_service
+
     run_service(topo, role, name)
 
 

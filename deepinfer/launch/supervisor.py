@@ -6,6 +6,12 @@ systemd unit runs. CPU threads are a budget: every worker gets its share of the 
 OpenMP threads spin while waiting, and oversubscribed they slow matmuls by orders of magnitude);
 router and tokenizers get one.
 
+Children live in groups that die and restart together. A service is a group of one; an expert-parallel
+worker (`ep = N`) is a group of N ranks: child NAME is rank 0 (started as any worker is), children
+NAME.rank1 .. NAME.rank{N-1} its followers (`--rank R`), each rank one share of the cores. A collective
+cannot go on without every rank, so when any rank exits the others are stopped (SIGTERM, SIGKILL after
+GROUP_STOP_GRACE_S) and the whole group starts again once every rank is gone, after the group's backoff.
+
 Children never outlive the supervisor's process, however it dies (even SIGKILL mid-shutdown), by two means:
 * Linux: a parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`), set only for children spawned from the
   main thread, because the kernel sends it when the spawning *thread* exits, not the process;
@@ -28,12 +34,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from deepinfer.launch.topology import Topology
+from deepinfer.launch.topology import Topology, TopologyError
 from deepinfer.launch.tuning import MALLOC_ENV
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 
@@ -41,6 +47,9 @@ log = structlog.get_logger("deepinfer.supervisor")
 
 LIFELINE_ENV = "DEEPINFER_LIFELINE_FD"
 STOP_GRACE_S = 10.0  # a stopping child gets its drain timeout plus this before SIGKILL
+# The rest of a broken group gets this long after SIGTERM before SIGKILL: it cannot finish its work
+# without the rank that died, so a full drain would only delay the restart.
+GROUP_STOP_GRACE_S = STOP_GRACE_S
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # Called once per child exit seen by `Supervisor.poll`: (child name, role, pid, return code; negative = signal).
@@ -110,35 +119,58 @@ def watch_lifeline(loop: asyncio.AbstractEventLoop, on_lost: Callable[[], None])
 @dataclass
 class Child:
     role: str  # "router", "tokenizer", "worker" or "kvcache"
-    name: str
+    name: str  # unique among the children: the service's name, NAME.rankR for an expert-parallel follower
     threads: int
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    service: str = ""  # its name in the topology (every rank of a group runs the group's); "" → name
+    rank: int = 0  # > 0: an expert-parallel follower, started with --rank
+    exit_seen: bool = False  # its current process's exit was reported (reset at every spawn)
+
+    def __post_init__(self) -> None:
+        self.service = self.service or self.name
+
+
+@dataclass
+class Group:
+    """Children that live and die together: one service, or every rank of an expert-parallel worker.
+    Invariant: `next_start == 0.0` exactly while the group is believed up; once a member is seen dead it
+    is "breaking" until every member is gone and `next_start` has passed, then it starts whole."""
+
+    members: list[Child]
     next_start: float = 0.0
     backoff_s: float = 0.5
-    started_at: float = field(default=0.0)
+    started_at: float = 0.0
+    kill_at: float = 0.0  # while breaking: members still alive then get SIGKILL
+
+
+def rank_child_name(service: str, rank: int) -> str:
+    """A rank's child name, as logs and log files show it: rank 0 is the service itself."""
+    return service if rank == 0 else f"{service}.rank{rank}"
 
 
 def thread_shares(topology: Topology, cores: int | None = None) -> dict[str, int]:
-    """Threads per worker: the topology's value, or an equal share of the cores left after one core's worth
-    for the router and tokenizers on hosts with more than two cores."""
+    """Threads per rank of each worker (a plain worker is one rank): the topology's value, or an equal share
+    of the cores left after one core's worth for the router and tokenizers on hosts with more than two
+    cores, every rank of a group counting as one share."""
     cores = cores or os.cpu_count() or 1
-    workers = topology.workers
+    ranks = sum(w.ep for w in topology.workers)
     spare = cores - 1 if cores > 2 else cores
-    share = max(1, spare // max(1, len(workers)))
-    return {w.name: w.threads or share for w in workers}
+    share = max(1, spare // max(1, ranks))
+    return {w.name: w.threads or share for w in topology.workers}
 
 
 class Supervisor:
     """Spawn, restart and stop the children. `on_exit(name, role, pid, returncode)` is called once for every
-    child exit that `poll()` sees (not for the exits `stop()` causes), before any restart, so
+    child exit that `poll()` sees (not for the exits `stop()` causes), the ranks it stopped because their
+    group broke included (rank 0's exit is what the router needs to hear), before any restart, so
     `child(name).proc` is still the process that exited; it runs on the polling thread and must not block.
     Call `start`/`poll` from a thread that lives as long as the children should (the main thread in `up`):
     only children spawned from the main thread get the parent-death signal, the others rely on the
     lifeline pipe."""
 
     MAX_BACKOFF_S = 8.0
-    STABLE_AFTER_S = 30.0  # a child that ran this long resets its backoff
+    STABLE_AFTER_S = 30.0  # a group that ran this long resets its backoff
 
     def __init__(self, topology_path: Path, log_dir: Path | None = None, on_exit: OnExit | None = None) -> None:
         self.topology_path = topology_path
@@ -147,18 +179,28 @@ class Supervisor:
         self.on_exit = on_exit
         self._lifeline: tuple[int, int] | None = None  # (read end for children, write end only we hold)
         shares = thread_shares(self.topology)
-        self.children = [Child("router", "router", 1)]
-        self.children += [Child("kvcache", k.name, 1) for k in self.topology.kvcaches]
-        self.children += [Child("tokenizer", t.name, 1) for t in self.topology.tokenizers]
-        self.children += [Child("worker", w.name, shares[w.name]) for w in self.topology.workers]
+        self.groups = [Group([Child("router", "router", 1)])]
+        self.groups += [Group([Child("kvcache", k.name, 1)]) for k in self.topology.kvcaches]
+        self.groups += [Group([Child("tokenizer", t.name, 1)]) for t in self.topology.tokenizers]
+        self.groups += [Group([Child("worker", rank_child_name(w.name, r), shares[w.name], service=w.name, rank=r)
+                               for r in range(w.ep)]) for w in self.topology.workers]
+        self.children = [c for g in self.groups for c in g.members]
+        names = [c.name for c in self.children]
+        if len(set(names)) != len(names):  # a service named like another's follower rank
+            raise TopologyError(f"{topology_path}: child names must be unique: {names}")
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def group(self, name: str) -> Group:
+        """The group a child (any rank) belongs to."""
+        return next(g for g in self.groups if any(c.name == name for c in g.members))
+
     def command(self, c: Child) -> list[str]:
-        """What a child runs: the same command as a systemd unit."""
+        """What a child runs: the same command as a systemd unit (a follower rank adds --rank)."""
+        rank = ["--rank", str(c.rank)] if c.rank else []
         return [sys.executable, "-m", "deepinfer.launch.cli", "service", c.role, "--topology",
-                str(self.topology_path), "--name", c.name]
+                str(self.topology_path), "--name", c.service, *rank]
 
     def _lifeline_fd(self) -> int:
         """The read end every child inherits. Both ends are non-inheritable (Python's default) and Popen
@@ -184,33 +226,60 @@ class Supervisor:
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()  # the child has its own copy
-        c.started_at = time.monotonic()
+        c.exit_seen = False
         log.info("started", service=c.name, pid=c.proc.pid, threads=c.threads, restarts=c.restarts)
 
-    def start(self) -> None:
-        for c in self.children:
+    def _start_group(self, g: Group) -> None:
+        for c in g.members:
             self._spawn(c)
+        g.started_at = time.monotonic()
+
+    def start(self) -> None:
+        for g in self.groups:
+            self._start_group(g)
 
     def poll(self) -> list[str]:
-        """Restart dead children whose backoff has passed; returns the names restarted now."""
+        """Report exits, stop what is left of broken groups, and restart the groups that are gone whole
+        and whose backoff has passed; returns the child names restarted now. Never blocks."""
         now = time.monotonic()
         restarted = []
-        for c in self.children:
-            if c.proc is None or c.proc.poll() is None:
+        for g in self.groups:
+            dead = [c for c in g.members if c.proc is not None and c.proc.poll() is not None]
+            if not dead:
                 continue
-            if c.next_start == 0.0:  # first seen dead (next_start is 0 only while the child is believed alive)
-                if now - c.started_at > self.STABLE_AFTER_S:
-                    c.backoff_s = 0.5
-                c.next_start = now + c.backoff_s
-                log.warning("exited", service=c.name, code=c.proc.returncode, restart_in_s=c.backoff_s)
-                c.backoff_s = min(self.MAX_BACKOFF_S, c.backoff_s * 2)
-                self._report_exit(c)
-            if now >= c.next_start:
-                c.restarts += 1
-                c.next_start = 0.0
-                self._spawn(c)
-                restarted.append(c.name)
+            if g.next_start == 0.0:  # first seen broken
+                self._break(g, dead, now)
+            for c in dead:
+                if not c.exit_seen:
+                    c.exit_seen = True
+                    log.warning("exited", service=c.name, pid=c.proc.pid, code=c.proc.returncode)  # type: ignore[union-attr]
+                    self._report_exit(c)
+            alive = [c.proc for c in g.members if c.proc is not None and c.proc.poll() is None]
+            if alive and now >= g.kill_at:
+                for p in alive:
+                    log.warning("killing a rank that outlived its group's grace", pid=p.pid)
+                    p.kill()  # reaped by a later poll
+            if not alive and now >= g.next_start:
+                for c in g.members:
+                    c.restarts += 1
+                g.next_start = 0.0
+                self._start_group(g)
+                restarted += [c.name for c in g.members]
         return restarted
+
+    def _break(self, g: Group, dead: list[Child], now: float) -> None:
+        """A member of `g` exited: schedule the group's restart and ask its other members to stop."""
+        if now - g.started_at > self.STABLE_AFTER_S:
+            g.backoff_s = 0.5
+        g.next_start = now + g.backoff_s
+        g.kill_at = now + GROUP_STOP_GRACE_S
+        log.warning("restarting", services=[c.name for c in g.members], because=[c.name for c in dead],
+                    restart_in_s=g.backoff_s)
+        g.backoff_s = min(self.MAX_BACKOFF_S, g.backoff_s * 2)
+        for c in g.members:
+            if c.proc is not None and c.proc.poll() is None:
+                log.warning("stopping the rest of a broken group", service=c.name, pid=c.proc.pid)
+                c.proc.send_signal(signal.SIGTERM)
 
     def _report_exit(self, c: Child) -> None:
         if self.on_exit is None or c.proc is None:
@@ -221,14 +290,19 @@ class Supervisor:
             log.exception("on_exit failed", service=c.name)
 
     def stop(self, timeout_s: float = DRAIN_TIMEOUT_S + STOP_GRACE_S) -> None:
-        """Drain and stop in order, waiting for each group: the router first (it refuses new requests and
-        waits for admitted ones to finish, which needs everyone else still up), then the workers and the
-        tokenizers and cache daemons (idle by then; a daemon finishes its queued disk writes). SIGTERM
-        means drain to every service; SIGKILL after `timeout_s` (by default a little more than a
-        service's own drain timeout, so a drain ends by itself)."""
+        """Drain and stop in order, waiting for each stage: the router first (it refuses new requests and
+        waits for admitted ones to finish, which needs everyone else still up), then the workers (rank 0
+        of a group drains while its followers still compute with it; they stop next) and the tokenizers
+        and cache daemons (idle by then; a daemon finishes its queued disk writes). SIGTERM means drain to
+        every service; SIGKILL after `timeout_s` (by default a little more than a service's own drain
+        timeout, so a drain ends by itself)."""
         log.info("stopping", children=[c.proc.pid for c in self.children if c.proc and c.proc.poll() is None])
-        for group in ("router", "worker", "tokenizer", "kvcache"):
-            procs = [c.proc for c in self.children if c.role == group and c.proc and c.proc.poll() is None]
+        stages: list[Callable[[Child], bool]] = [
+            lambda c: c.role == "router", lambda c: c.role == "worker" and c.rank == 0,
+            lambda c: c.role == "worker" and c.rank > 0, lambda c: c.role == "tokenizer",
+            lambda c: c.role == "kvcache"]
+        for stage in stages:
+            procs = [c.proc for c in self.children if stage(c) and c.proc and c.proc.poll() is None]
             for p in procs:
                 p.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
