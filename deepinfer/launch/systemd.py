@@ -14,20 +14,29 @@ fetched model, compiled kernels and, unless the topology names another `dir`, th
 directory (`/run/deepinfer`, mode 0700, where ipc:// sockets belong), a private /tmp, and the directories the
 topology names for KV disk tiers and ipc sockets. A stop drains (`Service.drain`); systemd waits longer than
 the drain timeout before it kills.
+
+An expert-parallel worker (`ep = N > 1`) gets one concrete unit per rank instead of a template instance,
+`deepinfer-worker-NAME-rankR.service` (rank 0 speaks for the group; R > 0 runs `--rank R`). A collective
+cannot go on without every rank, so rank 0 and each follower are bound both ways (`BindsTo=`): stopping
+any rank stops the group, and a rank's automatic restart (`Restart=on-failure`) restarts every unit bound
+to it, so the group starts again whole. Rank 0 is ordered after its followers, so on a stop it drains
+first, while they still compute with it.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from pathlib import Path
 
-from deepinfer.launch.topology import Topology
+from deepinfer.launch.topology import Topology, TopologyError, WorkerSpec
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 
 DEFAULT_USER = "deepinfer"
 STOP_MARGIN_S = 30  # TimeoutStopSec = the drain timeout + this: systemd only SIGKILLs a drain that overran
 HOME_DIRS = ("/home", "/root", "/run/user")  # what ProtectHome= hides
+UNIT_NAME_CHARS = re.compile(r"[A-Za-z0-9:_.-]+")  # what a unit name may hold (escapes aside)
 
 _TARGET = """[Unit]
 Description=DeepInfer inference mesh
@@ -38,11 +47,11 @@ WantedBy=multi-user.target
 """
 
 _TEMPLATE = """[Unit]
-Description=DeepInfer {role} %i
+Description={description}
 After=network-online.target {after}
 Wants=network-online.target
 PartOf=deepinfer.target
-
+{group}
 [Service]
 Type=exec
 User={user}
@@ -111,25 +120,53 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
     # "-": a directory that does not exist yet is skipped rather than failing the start.
     read_write = "".join(f"ReadWritePaths=-{d}\n" for d in writable)
 
-    def template(role: str, after: str = "deepinfer-router@router.service") -> str:
+    def unit(role: str, after: str = "deepinfer-router@router.service", name: str = "%i", rank: int | None = None,
+             description: str | None = None, group: str = "") -> str:
         # Workers may drive a GPU; the other roles need no device at all.
         private_devices = "" if role == "worker" else "PrivateDevices=yes\n"
-        return _TEMPLATE.format(role=role, after=after, user=user, stop_s=int(DRAIN_TIMEOUT_S) + STOP_MARGIN_S,
-                                exec_start=f"{launcher} service {role} --topology {topo} --name %i",
+        argv = f"{launcher} service {role} --topology {topo} --name {name}"
+        return _TEMPLATE.format(description=description or f"DeepInfer {role} %i", after=after, group=group,
+                                user=user, stop_s=int(DRAIN_TIMEOUT_S) + STOP_MARGIN_S,
+                                exec_start=argv if rank is None else f"{argv} --rank {rank}",
                                 read_write=read_write, protect_home=protect_home, private_devices=private_devices)
 
+    # (rank_unit refuses a name a unit cannot hold; such a name is also one word of ExecStart=, no specifier.)
+    groups = {rank_unit(w, r): unit("worker", name=w.name, rank=r, group=_group_lines(w, r),
+                                    description=f"DeepInfer worker {w.name} rank {r} of {w.ep}")
+              for w in topology.workers if w.ep > 1 for r in range(w.ep)}
     instances = ["deepinfer-router@router.service"]
     instances += [f"deepinfer-tokenizer@{t.name}.service" for t in topology.tokenizers]
-    instances += [f"deepinfer-worker@{w.name}.service" for w in topology.workers]
+    instances += [f"deepinfer-worker@{w.name}.service" for w in topology.workers if w.ep == 1]
+    instances += list(groups)
     instances += [f"deepinfer-kvcache@{k.name}.service" for k in topology.kvcaches]
     return {
         "deepinfer.target": _TARGET.format(wants=" ".join(instances)),
-        "deepinfer-router@.service": template("router", after=""),
-        "deepinfer-tokenizer@.service": template("tokenizer"),
-        "deepinfer-worker@.service": template("worker"),
+        "deepinfer-router@.service": unit("router", after=""),
+        "deepinfer-tokenizer@.service": unit("tokenizer"),
+        "deepinfer-worker@.service": unit("worker"),
         # Workers do not wait for the cache daemon: without it they compute every prompt in full.
-        "deepinfer-kvcache@.service": template("kvcache"),
+        "deepinfer-kvcache@.service": unit("kvcache"),
+        **groups,
     }
+
+
+def rank_unit(w: WorkerSpec, rank: int) -> str:
+    """The unit of one rank of an expert-parallel worker."""
+    if not UNIT_NAME_CHARS.fullmatch(w.name):
+        raise TopologyError(f"worker {w.name}: an expert-parallel worker's name is part of its units' names, so "
+                            f"it may hold only letters, digits and ':_.-'")
+    return f"deepinfer-worker-{w.name}-rank{rank}.service"
+
+
+def _group_lines(w: WorkerSpec, rank: int) -> str:
+    """A rank unit's [Unit] lines that tie its group together (see the module's docstring)."""
+    followers = " ".join(rank_unit(w, r) for r in range(1, w.ep))
+    lines = [f"# Expert-parallel group {w.name}: its {w.ep} ranks stop and restart together."]
+    if rank == 0:
+        lines += [f"BindsTo={followers}", f"After={followers}"]
+    else:
+        lines.append(f"BindsTo={rank_unit(w, 0)}")
+    return "\n".join(lines) + "\n"
 
 
 def write_units(topology_path: Path, out_dir: Path, launcher: str | None = None,

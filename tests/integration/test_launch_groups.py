@@ -1,8 +1,11 @@
 """The command line for expert-parallel groups: `up --ep N` builds groups (and refuses where it cannot),
-`service worker --rank R` starts a follower through `run_follower`, and the embedded mesh refuses --ep."""
+`service worker --rank R` starts a follower through `run_follower`, the embedded mesh refuses --ep, and
+`systemd` writes a unit per rank, the ranks of a group bound together."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -12,7 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from deepinfer.launch import cli
-from deepinfer.launch.topology import Topology
+from deepinfer.launch.systemd import unit_files, write_units
+from deepinfer.launch.topology import Topology, TopologyError
+from tests.integration.test_launch import assert_hardened, unit_settings
 
 GROUP_TOPOLOGY = """
 [router]
@@ -91,3 +96,51 @@ def test_a_follower_rank_runs_run_follower_and_exits_with_its_code(topology, mon
     assert out.exit_code == 3, out.output  # nonzero: the group broke, so the supervisor/systemd restarts it
     assert [(name, rank) for _, name, rank in calls] == [("w", 1)]
     assert calls[0][0] == Topology.load(topology)
+
+
+# -- systemd: a unit per rank ------------------------------------------------------------------------------------
+
+def rank_units(name: str, ep: int) -> list[str]:
+    return [f"deepinfer-worker-{name}-rank{r}.service" for r in range(ep)]
+
+
+def test_systemd_writes_a_unit_per_rank_bound_to_its_group(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(GROUP_TOPOLOGY.replace("ep = 2", "ep = 3") + '[[worker]]\nname = "solo"\nrole = "worker"\n'
+                    'kv = "tcp://127.0.0.1:5571"\nthreads = 2\n')
+    files = unit_files(path, Topology.load(path), launcher="/usr/bin/deepinfer-launch")
+    ranks = rank_units("w", 3)
+    assert set(files) == {"deepinfer.target", "deepinfer-router@.service", "deepinfer-tokenizer@.service",
+                          "deepinfer-worker@.service", "deepinfer-kvcache@.service", *ranks}
+    wants = unit_settings(files["deepinfer.target"])["Wants"][0].split()
+    assert set(ranks) <= set(wants) and "deepinfer-worker@solo.service" in wants  # one rank: the template, as before
+    assert not any("deepinfer-worker@w." in u for u in wants)
+    for r, unit in enumerate(ranks):
+        s = unit_settings(files[unit])
+        assert_hardened(files[unit])
+        assert s["ExecStart"] == [f"/usr/bin/deepinfer-launch service worker --topology {path.resolve()} --name w "
+                                  f"--rank {r}"]
+        assert s["Restart"] == ["on-failure"] and s["PartOf"] == ["deepinfer.target"]
+        assert "PrivateDevices" not in s  # a rank may drive a GPU
+        assert "deepinfer-router@router.service" in s["After"][0]
+    # Rank 0 and every follower are bound both ways; rank 0 starts after its followers and so stops first.
+    leader = unit_settings(files[ranks[0]])
+    assert leader["BindsTo"] == [" ".join(ranks[1:])] and leader["After"][1:] == [" ".join(ranks[1:])]
+    for unit in ranks[1:]:
+        assert unit_settings(files[unit])["BindsTo"] == [ranks[0]]
+        assert len(unit_settings(files[unit])["After"]) == 1
+    out = tmp_path / "units"
+    write_units(path, out)
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed: unit files were written but not verified")
+    res = subprocess.run(["systemd-analyze", "verify", "--man=no", *(str(out / u) for u in ranks)],
+                         capture_output=True, text=True)
+    problems = [line for line in res.stderr.splitlines() if "deepinfer-worker-w" in line]
+    assert res.returncode == 0 and not problems, res.stderr
+
+
+def test_a_group_whose_name_cannot_name_a_unit_is_refused(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(GROUP_TOPOLOGY.replace('name = "w"', 'name = "w/1"'))
+    with pytest.raises(TopologyError, match="worker w/1: .* may hold only letters, digits"):
+        unit_files(path, Topology.load(path))
