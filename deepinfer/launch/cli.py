@@ -350,8 +350,8 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
 @click.option("--decode", "num_decode", type=int, default=1, show_default=True)
 @click.option("--tokenizers", "num_tokenizers", type=int, default=1, show_default=True)
 @click.option("--threads", type=int, default=None,
-              help="torch threads per worker, per rank of an --ep group (default: a share of the cores, a share "
-                   "per rank).")
+              help="torch threads per worker, shared by the ranks of an --ep group (default: a share of the cores, "
+                   "a share per rank).")
 @click.option("--ep", type=click.IntRange(min=1), default=None,
               help="Expert parallelism: every worker is a group of N ranks, a process each (on CUDA rank R uses "
                    "cuda:R), rendezvousing on a free 127.0.0.1 port; a rank that dies restarts its group. "

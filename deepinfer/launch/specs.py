@@ -76,7 +76,8 @@ class WorkerSpec:
     adaptive_speculation: bool = True
     # Expert parallelism: the worker is a group of `ep` ranks, one process each (rank 0 speaks for the group
     # to the mesh); `ep_master` is the group's torch.distributed rendezvous, "host:port" (required when ep > 1,
-    # unused when ep = 1). Every rank runs on the worker's host; `threads` is per rank.
+    # unused when ep = 1). Every rank runs on the worker's host; `threads` is the worker's, shared equally by
+    # its ranks (at least one each; mesh.engine_config divides it).
     ep: int = 1
     ep_master: str = ""
 

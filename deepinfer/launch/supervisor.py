@@ -150,14 +150,14 @@ def rank_child_name(service: str, rank: int) -> str:
 
 
 def thread_shares(topology: Topology, cores: int | None = None) -> dict[str, int]:
-    """Threads per rank of each worker (a plain worker is one rank): the topology's value, or an equal share
-    of the cores left after one core's worth for the router and tokenizers on hosts with more than two
-    cores, every rank of a group counting as one share."""
+    """Threads per rank of each worker (a plain worker is one rank): an equal share of the topology's
+    `threads` for the worker (at least one), or else of the cores left after one core's worth for the router
+    and tokenizers on hosts with more than two cores, every rank of a group counting as one share."""
     cores = cores or os.cpu_count() or 1
     ranks = sum(w.ep for w in topology.workers)
     spare = cores - 1 if cores > 2 else cores
     share = max(1, spare // max(1, ranks))
-    return {w.name: w.threads or share for w in topology.workers}
+    return {w.name: max(1, w.threads // w.ep) if w.threads else share for w in topology.workers}
 
 
 class Supervisor:
@@ -212,8 +212,11 @@ class Supervisor:
     def _spawn(self, c: Child) -> None:
         lifeline = self._lifeline_fd()
         env = dict(MALLOC_ENV, **os.environ)  # (a MALLOC_* the operator set wins)
+        # DEEPINFER_THREADS is the worker's budget, as a topology's `threads` is: engine_config shares it
+        # out among the ranks of a group, giving each c.threads back.
+        ranks = self.topology.worker(c.service).ep if c.role == "worker" else 1
         env.update(OMP_NUM_THREADS=str(c.threads), MKL_NUM_THREADS=str(c.threads),
-                   DEEPINFER_THREADS=str(c.threads), PYTHONUNBUFFERED="1",
+                   DEEPINFER_THREADS=str(c.threads * ranks), PYTHONUNBUFFERED="1",
                    DEEPINFER_LOG_LEVEL=os.environ.get("DEEPINFER_LOG_LEVEL", "info"),
                    **{LIFELINE_ENV: str(lifeline)})
         # Its own session (a terminal's Ctrl-C reaches the launcher only, which stops children in order).

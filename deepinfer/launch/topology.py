@@ -54,9 +54,9 @@ nothing to speculate on; `Topology.local` sets the speculation keys on decoding 
 
 A worker with `ep = N > 1` is an expert-parallel group: N processes on the worker's host, rank 0 speaking
 for the group to the mesh and ranks 1..N-1 following it (`service worker --rank R`). Its `device` is "cpu"
-or "cuda" (rank R on cuda:R; `WorkerSpec.rank_device`), `threads` is per rank, and `ep_master` is where the
-ranks rendezvous (torch.distributed's store, on rank 0): an address no other endpoint of the topology uses.
-`Topology.local` gives each group a free 127.0.0.1 port.
+or "cuda" (rank R on cuda:R; `WorkerSpec.rank_device`), its `threads` are shared equally by the ranks, and
+`ep_master` is where the ranks rendezvous (torch.distributed's store, on rank 0): an address no other
+endpoint of the topology uses. `Topology.local` gives each group a free 127.0.0.1 port.
 """
 
 from __future__ import annotations

@@ -101,8 +101,10 @@ def test_every_rank_is_one_share_of_the_cores(tmp_path):
     assert thread_shares(topo, cores=9) == {"prefill-0": 2, "decode-0": 2}  # 8 spare cores
     assert thread_shares(topo, cores=2) == {"prefill-0": 1, "decode-0": 1}  # never below one
     assert thread_shares(Topology.local("smollm2", "ipc", tmp_path), cores=9) == {"prefill-0": 4, "decode-0": 4}
-    pinned = Topology.local("smollm2", "ipc", tmp_path, ep=2, threads=3)
-    assert thread_shares(pinned, cores=9) == {"prefill-0": 3, "decode-0": 3}  # the topology's, per rank
+    pinned = Topology.local("smollm2", "ipc", tmp_path, ep=2, threads=6)  # the worker's: shared by its ranks
+    assert thread_shares(pinned, cores=9) == {"prefill-0": 3, "decode-0": 3}
+    assert thread_shares(Topology.local("smollm2", "ipc", tmp_path, ep=4, threads=2)) == {"prefill-0": 1,
+                                                                                          "decode-0": 1}
 
 
 def test_a_dead_rank_restarts_its_whole_group_and_nothing_else(sup):
