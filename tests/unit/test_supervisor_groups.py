@@ -55,7 +55,7 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 @pytest.fixture
 def group_topology(tmp_path: Path) -> Path:
-    """A co-located worker of 3 ranks (plus router, tokenizer and cache daemon: groups of one)."""
+    """A co-located worker of 3 ranks (plus router and tokenizer: groups of one)."""
     path = tmp_path / "topology.toml"
     path.write_text(Topology.local("smollm2", "ipc", tmp_path, disaggregated=False, ep=3).to_toml())
     return path
@@ -86,8 +86,7 @@ def pids(s: Supervisor) -> dict[str, int]:
 
 
 def test_a_group_is_one_child_per_rank_running_the_same_worker(sup):
-    assert [c.name for c in sup.children] == ["router", "kvcache-0", "tokenizer-0", "worker-0", "worker-0.rank1",
-                                             "worker-0.rank2"]
+    assert [c.name for c in sup.children] == ["router", "tokenizer-0", "worker-0", "worker-0.rank1", "worker-0.rank2"]
     ranks = [c for c in sup.children if c.role == "worker"]
     assert [(c.service, c.rank) for c in ranks] == [("worker-0", 0), ("worker-0", 1), ("worker-0", 2)]
     commands = [Supervisor.command(sup, c) for c in ranks]

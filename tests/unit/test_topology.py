@@ -211,12 +211,13 @@ def every_field(tmp_path: Path) -> Topology:
         prior_host_fetch_s_per_token=1e-6, prior_disk_fetch_s_per_token=3e-5, estimate_alpha=0.5,
         kv_resync_interval_s=1.0)
     worker: dict[str, Any] = dict(device="cuda", threads=3, kv_cache_mb=64, max_num_seqs=8,
-                                  max_num_batched_tokens=256, kvcache="kv-0", prefix_caching=False,
+                                  max_num_batched_tokens=256, prefix_caching=False,
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
                                   ep=2, ep_master="10.0.0.3:29500")
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
-    sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv"}),
+    # (kvcache is exercised on prefill-0: a worker group cannot use a cache daemon yet)
+    sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv", "kvcache"}),
                 (KvCacheSpec, kvcache, {"name", "endpoint"}), (SecuritySpec, security, {"keys_dir"}))
     for cls, values, elsewhere in sections:  # `elsewhere`: required (given below) or derived
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -295,6 +296,12 @@ def test_bad_parallel_keys_are_refused_naming_the_key(tmp_path, keys, match):
         group(tmp_path, keys)
 
 
+def test_a_group_cannot_use_a_cache_daemon_yet(tmp_path):
+    with pytest.raises(TopologyError, match="worker w: kvcache = 'kv': a worker group .* cannot use a cache daemon"):
+        group(tmp_path, 'ep = 2\nep_master = "10.0.0.2:29500"\nkvcache = "kv"',
+              '[[kvcache]]\nname = "kv"\nendpoint = "tcp://10.0.0.2:5580"\n')
+
+
 SECOND_GROUP = '[[worker]]\nname = "w2"\nrole = "worker"\nkv = "tcp://10.0.0.2:5571"\nep = 2\nep_master = "{}"\n'
 
 
@@ -321,6 +328,7 @@ def test_local_topologies_give_each_group_a_free_loopback_port(tmp_path):
     topo = Topology.local("smollm2", "ipc", tmp_path, ep=3)
     masters = [w.ep_master for w in topo.workers]
     assert [w.ep for w in topo.workers] == [3, 3] and len(set(masters)) == 2
+    assert topo.kvcaches == () and all(w.kvcache is None for w in topo.workers)  # groups have none yet
     assert all(m.startswith("127.0.0.1:") for m in masters)
     assert load(tmp_path, topo.to_toml()) == topo
     assert all(w.ep == 1 and w.ep_master == "" for w in Topology.local("smollm2", "ipc", tmp_path).workers)
