@@ -23,6 +23,16 @@ Prefill/decode disaggregation, engine side (the services pick the engines and mo
     prefill.release(rid)
     decode.add_prefilled_request(rid, ids, first_token, params, kv, reservation_id=rid)
 
+Expert parallelism: with `ep_group` (see `deepinfer.parallel`), this engine is one rank of a group that
+splits every MoE layer's experts between ranks. Each rank has its own requests, KV and scheduler, but
+the ranks' forwards meet at every MoE layer, so `step()` is a collective: every rank calls it the same
+number of times, and each call runs exactly one forward — of zero tokens when this rank has nothing
+scheduled. Who decides that the group steps (while any rank has work) is the caller's business:
+`has_unfinished()` stays local. A failure inside the forward (a peer died, a collective timed out)
+raises `ExpertParallelError` from `step()`, carrying the terminal outputs of the step's requests; the
+engine refuses to step again. Not available under expert parallelism: a draft-model speculator (its
+forwards would not be collective; n-gram and suffix guessers are fine) and `prompt_logits`.
+
 The device tier of the prefix cache (DESIGN §4) lives in the block pool: a block full of computed KV
 is named by its chain hash (`block_hashes`, salted per tenant with `cache_salt`) and stays cached after
 its request ends, until the pool reuses it (LRU). A new request takes the longest cached prefix of its
@@ -45,7 +55,7 @@ import torch
 from deepinfer.cache.block_pool import BlockPool, NoFreeBlocksError
 from deepinfer.cache.hashing import BlockHash, CacheNamespace
 from deepinfer.engine.attention import Segment, layout
-from deepinfer.engine.config import EngineConfig, ModelConfig
+from deepinfer.engine.config import ConfigError, EngineConfig, ModelConfig
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.handoff import (
@@ -60,6 +70,7 @@ from deepinfer.engine.identity import cache_namespace
 from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.model_runner import ModelRunner, num_blocks_for_budget
 from deepinfer.engine.models import build_model
+from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.prefix_cache import DevicePrefixCache
 from deepinfer.engine.request import (
     FinishReason,
@@ -72,11 +83,15 @@ from deepinfer.engine.request import (
     Usage,
 )
 from deepinfer.engine.sampler import Sampler, make_generator
-from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
+from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from deepinfer.engine.spec.base import parse_speculative
 from deepinfer.engine.spec.speculator import Speculator, build_proposer
 from deepinfer.engine.spec.verify import VerifyGroup, VerifyResult, verify
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import LoadedModel, load_model_weights
+from deepinfer.parallel.ep_moe import EpStats, shard_experts
+from deepinfer.parallel.group import EpGroup, ExpertParallelError
+from deepinfer.parallel.placement import ExpertPlacement
 
 log = structlog.get_logger("deepinfer.engine")
 
@@ -100,12 +115,19 @@ class EngineStats:
     # Speculative decoding: draft tokens verified, and how many of them were accepted.
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Expert parallelism: steps that ran a zero-token forward (nothing scheduled on this rank).
+    ep_empty_steps: int = 0
 
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 ep_group: EpGroup | None = None, ep_placement: ExpertPlacement | None = None) -> None:
+        """`ep_group`: make this engine one rank of that expert-parallel group (see the module docstring),
+        holding its share of the experts per `ep_placement` (default: `ExpertPlacement.static`)."""
         self.config = config or EngineConfig()
+        if ep_group is not None:
+            _check_ep(self.config, ep_group)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.model_config: ModelConfig = loaded.config
@@ -122,6 +144,12 @@ class LLMEngine:
             capacity,
         )
         model = build_model(self.model_config, loaded.state_dict, self.max_model_len, self.config.device)
+        self.ep_group = ep_group
+        self.ep_placement: ExpertPlacement | None = None
+        self._ep_stats: EpStats | None = None
+        self._ep_failure: ExpertParallelError | None = None
+        if ep_group is not None:
+            self.ep_placement, self._ep_stats = shard_experts(model, ep_group, ep_placement)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(
             self.pool, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -402,10 +430,16 @@ class LLMEngine:
         spec = self.speculator
         if spec is not None:
             spec.plan(self.scheduler.running, self.scheduler.max_num_batched_tokens)
+        if self._ep_failure is not None:
+            raise ExpertParallelError(f"the expert-parallel group failed earlier: {self._ep_failure}")
         sched = self.scheduler.schedule()
         if spec is not None:
             spec.clear_plan()
         if sched.is_empty:
+            if self.ep_group is not None:
+                # The group's step is collective: join every MoE layer with zero tokens.
+                self.stats.ep_empty_steps += 1
+                self._forward(sched)
             return outputs
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(sched.preempted)
@@ -416,7 +450,7 @@ class LLMEngine:
             if spec is not None:
                 spec.draft(sched)
             started = time.perf_counter()
-            sampled, logits = self.runner.execute(sched)
+            sampled, logits = self._forward(sched)
             # The model returns inference tensors, which the sampler's penalties update in place.
             with torch.inference_mode():
                 results = verify(self.sampler, logits, [self._verify_group(c) for c in sampled])
@@ -430,6 +464,9 @@ class LLMEngine:
                     req.error = f"{type(exc).__name__}: {exc}"
                     self._finish(req, FinishReason.ERROR)
                     outputs.append(self._output(req, []))
+            if isinstance(exc, ExpertParallelError):
+                exc.outputs = outputs
+                raise
             return outputs
         self.stats.tokens_computed += sched.num_batched_tokens
         committed = [(chunk, *self._commit(chunk, result)) for chunk, result in zip(sampled, results)]
@@ -443,6 +480,35 @@ class LLMEngine:
                 self._hold(req)
             outputs.append(self._output(req, new_tokens))
         return outputs
+
+    def _forward(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """The step's one forward. Under expert parallelism any failure in it is the group's: the other
+        ranks are inside (or past) collectives this rank will not join, so the engine stops for good."""
+        if self.ep_group is None:
+            return self.runner.execute(sched)
+        try:
+            if sched.is_empty:
+                self.runner.execute_empty()
+                return [], torch.zeros(0, self.model_config.vocab_size)
+            return self.runner.execute(sched)
+        except Exception as exc:
+            self._ep_failure = ExpertParallelError(f"{type(exc).__name__}: {exc}")
+            raise self._ep_failure from exc
+
+    def expert_counts(self) -> torch.Tensor:
+        """Assignments per logical expert of every MoE layer since the last call, [num_moe_layers,
+        num_experts] int64 on the host (a token counts once for each expert it chose), then zero. Under
+        expert parallelism a rank counts its own tokens: the group's histogram is the sum over ranks.
+        Forwards a self-draft runs through the shared layers count too. [0, 0] for a dense model."""
+        blocks = moe_blocks(self.runner.model)
+        if not blocks:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        return torch.stack([b.experts.take_counts() for b in blocks])  # type: ignore[attr-defined]
+
+    def ep_stats(self) -> EpStats | None:
+        """Expert-parallel dispatch/compute/combine times and bytes since the last call (then zero);
+        None without an expert-parallel group."""
+        return self._ep_stats.take() if self._ep_stats is not None else None
 
     def _verify_group(self, chunk: ScheduledChunk) -> VerifyGroup:
         r = chunk.request
@@ -572,7 +638,11 @@ class LLMEngine:
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         """Logits [len(prompt), vocab] at every prompt position from one prefill pass, outside the
-        scheduler (for scoring and for checking against an oracle). Uses and returns pool blocks."""
+        scheduler (for scoring and for checking against an oracle). Uses and returns pool blocks.
+        Refused under expert parallelism: it is a forward outside the group's lockstep steps."""
+        if self.ep_group is not None:
+            raise NotImplementedError("prompt_logits runs a forward outside step(); under expert parallelism "
+                                      "every forward is a collective of the whole group, so it is not available")
         req = Request("__prompt_logits__", list(prompt_ids), SamplingParams(max_tokens=1))
         self._validate(req.prompt_token_ids, req.params)
         req.block_ids = self.pool.allocate(-(-len(prompt_ids) // self.config.block_size))
@@ -606,3 +676,13 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+def _check_ep(config: EngineConfig, group: EpGroup) -> None:
+    """What expert parallelism needs of the engine's configuration (ConfigError otherwise)."""
+    if torch.device(config.device).type != group.device.type:
+        raise ConfigError(f"the engine's device {config.device!r} is not the expert-parallel group's "
+                          f"{str(group.device)!r}")
+    if config.speculative is not None and parse_speculative(config.speculative).kind not in ("ngram", "suffix"):
+        raise ConfigError(f"speculative {config.speculative!r} runs a draft model's forwards beside the step's, "
+                          "which the expert-parallel group cannot join; use ngram or suffix speculation")

@@ -17,6 +17,7 @@ from deepinfer.engine.attention import Segment, StepLayout, layout
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.models.base import CausalLM
+from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -69,6 +70,17 @@ class ModelRunner:
         s = inputs.layout
         logits = self.model.forward(s.input_ids, s.positions, self.kv, s.meta, s.logits_rows)
         return inputs.sampled, logits
+
+    def execute_empty(self) -> None:
+        """A forward of zero tokens, for a rank of an expert-parallel group with nothing scheduled: the
+        attention of an empty batch is nothing (and the model's forward is not asked to cope with T=0),
+        so only the sparse blocks run, each on zero rows, in forward order — the rank still joins every
+        MoE layer's collectives, sending nothing and computing what the other ranks send it."""
+        hidden = self.model.config.hidden_size
+        empty = torch.zeros(0, hidden, dtype=torch.float32, device=self.kv.device)
+        with torch.inference_mode():
+            for block in moe_blocks(self.model):
+                block(empty)
 
 
 def _token_at(req: Request, pos: int) -> int:

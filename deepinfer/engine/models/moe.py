@@ -21,7 +21,7 @@ that got tokens — never a loop over tokens — and every expert's weights are 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,13 +67,33 @@ class ExpertBank:
         held = list(range(num_experts)) if ids is None else list(ids)
         if not held or len(set(held)) != len(held) or not all(0 <= e < num_experts for e in held):
             raise ValueError(f"expert ids {held} are not one or more distinct ids below {num_experts}")
-        device = sd[f"{prefix}experts.{held[0]}.down_proj"].device
         gate_up = torch.stack([torch.cat([sd[f"{prefix}experts.{e}.gate_proj"], sd[f"{prefix}experts.{e}.up_proj"]])
                                for e in held])
         down = torch.stack([sd[f"{prefix}experts.{e}.down_proj"] for e in held])
+        return cls._of(gate_up, down, held, num_experts)
+
+    @classmethod
+    def _of(cls, gate_up: torch.Tensor, down: torch.Tensor, held: list[int], num_experts: int) -> ExpertBank:
+        device = down.device
         slot_of = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
         slot_of[torch.tensor(held, device=device)] = torch.arange(len(held), device=device)
         return cls(gate_up, down, torch.tensor(held, dtype=torch.int64, device=device), slot_of)
+
+    @property
+    def num_experts(self) -> int:
+        """The number of logical experts of the layer (held here or not)."""
+        return self.slot_of.shape[0]
+
+    def subset(self, ids: Sequence[int]) -> ExpertBank:
+        """A bank of copies of experts `ids` (all held here), slot s holding ids[s]: a rank's share."""
+        held = list(ids)
+        if not held or len(set(held)) != len(held) or not all(0 <= e < self.num_experts for e in held):
+            raise ValueError(f"expert ids {held} are not one or more distinct ids below {self.num_experts}")
+        slots = self.slot_of[torch.tensor(held, device=self.slot_of.device)]
+        if bool((slots < 0).any()):
+            raise ValueError(f"expert ids {held} are not all held by this bank ({self.ids.tolist()})")
+        # Indexing copies: the share owns its memory and the full bank can be freed.
+        return ExpertBank._of(self.gate_up[slots], self.down[slots], held, self.num_experts)
 
 
 def run_experts(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Tensor:
@@ -124,14 +144,33 @@ class SoftmaxTopKRouter:
         return route_softmax_topk(linear(h, self.weight), self.top_k, self.normalize)
 
 
+def count_assignments(routing: Routing, num_experts: int) -> torch.Tensor:
+    """Assignments per logical expert, [num_experts] int64: a token counts once for each expert it chose."""
+    return torch.bincount(routing.expert, minlength=num_experts)
+
+
 @dataclass
 class LocalExperts:
-    """Every routed expert in this process: `run_experts` over one bank holding all of them."""
+    """Every routed expert in this process: `run_experts` over one bank holding all of them.
+
+    `counts` accumulates `count_assignments` of every batch (one bincount, no host sync) until
+    `take_counts`; an expert-parallel executor counts the same way, its rank's own tokens."""
 
     bank: ExpertBank
+    counts: torch.Tensor = field(init=False)  # [num_experts] int64
+
+    def __post_init__(self) -> None:
+        self.counts = torch.zeros(self.bank.num_experts, dtype=torch.int64, device=self.bank.ids.device)
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        self.counts += count_assignments(routing, self.bank.num_experts)
         return run_experts(x, routing, self.bank)
+
+    def take_counts(self) -> torch.Tensor:
+        """The counts since the last take (on the host), and start again from zero."""
+        taken = self.counts.cpu().clone()
+        self.counts.zero_()
+        return taken
 
 
 @dataclass
@@ -176,3 +215,13 @@ class MoEModel(LlamaModel):
         if moe.is_sparse_layer(layer):
             return SparseMoE.from_state(sd, layer, moe)
         return super().build_mlp(layer, sd)
+
+
+def moe_blocks(model: object) -> list[SparseMoE]:
+    """The model's sparse blocks in forward order: its `moe_blocks()` when it has one, else every
+    `model.layers[i].mlp` that is a `SparseMoE`. Expert parallelism swaps their `experts` and relies on
+    this order being the order a forward calls them in (every rank joins the same layer's collectives)."""
+    own = getattr(model, "moe_blocks", None)
+    if callable(own):
+        return list(own())
+    return [m for layer in getattr(model, "layers", ()) if isinstance(m := getattr(layer, "mlp", None), SparseMoE)]

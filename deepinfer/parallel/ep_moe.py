@@ -1,0 +1,261 @@
+"""The expert-parallel expert executor: a sparse block's routed experts spread over a group of ranks.
+
+Each rank holds its share of every MoE layer's experts (`ExpertPlacement`) and runs the layers on its own
+batch. At a sparse block, `ExpertParallelExperts(x, routing)` does, on every rank at once:
+
+1. **route to ranks.** Each assignment (token t, logical expert e, weight w) goes to the rank of replica
+   `replica_index(t, rank, n_e)` of e. Assignments of one token to the same rank share one *row*: the
+   token's hidden state is sent once per destination rank, not once per expert (top-k picks often land
+   on one rank). A row carries the hidden state and `width` (expert id, weight) pairs, padded with
+   expert -1; `width` is this rank's most assignments to one rank in this batch.
+2. **header** (collective 1): all_to_all_single of [rows, width] per destination, int64 — each rank
+   learns how many rows of what width it is about to receive from each peer.
+3. **dispatch** (collective 2): all_to_all_single of the packed rows as raw bytes (hidden state in its
+   own dtype, int32 ids, fp32 weights: exact whatever the activations' dtype), split by destination.
+4. **compute**: `run_experts` over the received rows with this rank's bank; a row's result is the
+   weighted sum of its experts here — the partial sum of that token on this rank.
+5. **combine** (collective 3): all_to_all_single of the partial sums back to their senders (the same
+   splits reversed), then `index_add_` of each row into its token: the sum over ranks of the partial
+   sums is the routed output.
+
+So three collectives per MoE layer, always, on every rank — an idle rank joins with zero rows, and a rank
+with nothing to receive still takes part. Counts (per-expert assignments of this rank's own tokens) and
+timings are kept for the benchmark and a balancer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.engine.config import ConfigError
+from deepinfer.engine.models.moe import (
+    ExpertBank,
+    LocalExperts,
+    Routing,
+    count_assignments,
+    moe_blocks,
+    run_experts,
+)
+from deepinfer.parallel.group import EpGroup
+from deepinfer.parallel.placement import ExpertPlacement
+
+_ID = torch.int32  # expert ids on the wire
+_WEIGHT = torch.float32  # routing weights on the wire
+
+
+@dataclass
+class EpStats:
+    """Accumulated over every MoE layer call since the last `take`. Seconds are host wall time; on a
+    cuda group with `sync` False they time the launch of the work, not the work (set `sync` to make each
+    phase wait for the device: exact, and slower)."""
+
+    exchanges: int = 0  # MoE layer calls (three collectives each)
+    dispatch_s: float = 0.0  # routing to ranks, header and dispatch all-to-alls
+    compute_s: float = 0.0  # this rank's experts on the rows it received
+    combine_s: float = 0.0  # the return all-to-all and the per-token sums
+    dispatch_bytes: int = 0  # header and rows this rank sent to other ranks
+    combine_bytes: int = 0  # partial sums this rank sent back to other ranks
+    rows_sent: int = 0  # rows for other ranks (a row: one token's hidden state for one rank)
+    rows_received: int = 0  # rows from other ranks
+    sync: bool = False
+
+    def take(self) -> EpStats:
+        """A copy of the counters, which start again from zero."""
+        taken = EpStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        for f in fields(self):
+            if f.name != "sync":
+                setattr(self, f.name, type(getattr(self, f.name))())
+        return taken
+
+
+class ExpertParallelExperts:
+    """An `ExpertExecutor` (x [T, hidden], routing) -> [T, hidden] for MoE layer `layer` of `placement`,
+    holding `bank`: this rank's experts of that layer (None when the placement gives it none). Every rank
+    of `group` must call it for the same layers in the same order, each with its own batch (T may be 0)."""
+
+    def __init__(self, bank: ExpertBank | None, placement: ExpertPlacement, layer: int, group: EpGroup,
+                 stats: EpStats | None = None, dtype: torch.dtype = torch.float32) -> None:
+        held = placement.experts_on(layer, group.rank)
+        if (bank is None) != (not held) or (bank is not None and bank.ids.tolist() != held):
+            raise ValueError(f"rank {group.rank} of MoE layer {layer} must hold experts {held}, "
+                             f"not {None if bank is None else bank.ids.tolist()}")
+        self.bank = bank
+        self.layer = layer
+        self.group = group
+        self.num_experts = placement.num_experts
+        self.dtype = bank.down.dtype if bank is not None else dtype
+        self.stats = stats if stats is not None else EpStats()
+        dev = group.device
+        ranks = placement.replica_ranks(layer)
+        # [E, max replicas]: the ranks of each expert's replicas, padded with -1 (never indexed:
+        # replica_index stays below the expert's own count).
+        width = max(len(r) for r in ranks)
+        self._replica_ranks = torch.tensor([r + [-1] * (width - len(r)) for r in ranks], dtype=torch.int64,
+                                           device=dev)
+        self._num_replicas = torch.tensor([len(r) for r in ranks], dtype=torch.int64, device=dev)
+        self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=dev)
+
+    @classmethod
+    def from_state(cls, sd: dict[str, torch.Tensor], prefix: str, placement: ExpertPlacement, layer: int,
+                   group: EpGroup, stats: EpStats | None = None) -> ExpertParallelExperts:
+        """This rank's share of `{prefix}experts.{e}.*` (see `ExpertBank.from_state`)."""
+        held = placement.experts_on(layer, group.rank)
+        bank = ExpertBank.from_state(sd, prefix, placement.num_experts, held) if held else None
+        return cls(bank, placement, layer, group, stats)
+
+    @classmethod
+    def from_bank(cls, full: ExpertBank, placement: ExpertPlacement, layer: int, group: EpGroup,
+                  stats: EpStats | None = None) -> ExpertParallelExperts:
+        """This rank's share copied out of a bank holding (at least) its experts."""
+        held = placement.experts_on(layer, group.rank)
+        return cls(full.subset(held) if held else None, placement, layer, group, stats, full.down.dtype)
+
+    def take_counts(self) -> torch.Tensor:
+        """Assignments of this rank's tokens per logical expert since the last take (host), then zero."""
+        taken = self.counts.cpu().clone()
+        self.counts.zero_()
+        return taken
+
+    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        st = self.stats
+        started = self._now()
+        n, rank, hidden = self.group.size, self.group.rank, x.shape[1]
+        self.counts += count_assignments(routing, self.num_experts)
+
+        # 1. Rows: one per (destination, token), sorted by destination then token (the send order).
+        token, expert, weight = routing.token, routing.expert, routing.weight
+        dest = self._replica_ranks[expert, (token + rank) % self._num_replicas[expert]]
+        key = dest * x.shape[0] + token
+        row_keys, row_of = torch.unique(key, sorted=True, return_inverse=True)
+        row_token, row_dest = row_keys % max(x.shape[0], 1), row_keys // max(x.shape[0], 1)
+        # Each assignment's place among its row's: its rank in a stable sort by row.
+        order = torch.argsort(row_of, stable=True)
+        per_row = torch.bincount(row_of, minlength=row_keys.shape[0])
+        first = torch.cumsum(per_row, 0) - per_row
+        place = torch.empty_like(order)
+        place[order] = torch.arange(order.shape[0], device=order.device) - first[row_of[order]]
+        rows_to = torch.bincount(row_dest, minlength=n)
+        width = per_row.max() if per_row.numel() else torch.zeros((), dtype=torch.int64, device=x.device)
+        header = torch.stack([rows_to, width.expand(n)], dim=1)  # [n, 2]: rows and width per destination
+
+        # 2. Header exchange; its result sizes every split below (one host sync).
+        header_in = torch.empty_like(header)
+        dist.all_to_all_single(header_in, header, group=self.group.data)
+        (send_rows, widths), (recv_rows, recv_widths) = torch.stack([header, header_in]).transpose(1, 2).tolist()
+        w = widths[0]
+
+        # 3. Pack and dispatch.
+        ids = torch.full((row_keys.shape[0], w), -1, dtype=_ID, device=x.device)
+        ids[row_of, place] = expert.to(_ID)
+        weights = torch.zeros((row_keys.shape[0], w), dtype=_WEIGHT, device=x.device)
+        weights[row_of, place] = weight.to(_WEIGHT)
+        packed = torch.cat([_bytes(x[row_token].to(self.dtype)), _bytes(ids), _bytes(weights)], dim=1).reshape(-1)
+        send_bytes = [r * _row_bytes(hidden, self.dtype, w) for r in send_rows]
+        recv_bytes = [r * _row_bytes(hidden, self.dtype, rw) for r, rw in zip(recv_rows, recv_widths)]
+        got = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(got, packed, output_split_sizes=recv_bytes, input_split_sizes=send_bytes,
+                               group=self.group.data)
+        recv_x, recv_routing = self._unpack(got, recv_rows, recv_widths, hidden)
+        dispatched = self._now()
+
+        # 4. This rank's experts on what it received: one partial sum per received row.
+        if recv_x.shape[0]:
+            assert self.bank is not None, "rows arrived at a rank holding no experts of this layer"
+            partial = run_experts(recv_x, recv_routing, self.bank)
+        else:
+            partial = recv_x
+        computed = self._now()
+
+        # 5. Partial sums back to their senders, in the order they were sent; sum per token.
+        back = torch.empty((row_keys.shape[0], hidden), dtype=self.dtype, device=x.device)
+        dist.all_to_all_single(back, partial.contiguous(), output_split_sizes=send_rows,
+                               input_split_sizes=recv_rows, group=self.group.data)
+        out = torch.zeros_like(x)
+        out.index_add_(0, row_token, back.to(x.dtype))
+        combined = self._now()
+
+        others = [r for r in range(n) if r != rank]
+        st.exchanges += 1
+        st.dispatch_s += dispatched - started
+        st.compute_s += computed - dispatched
+        st.combine_s += combined - computed
+        st.dispatch_bytes += sum(header[r].numel() * 8 + send_bytes[r] for r in others)
+        st.combine_bytes += sum(recv_rows[r] for r in others) * hidden * _itemsize(self.dtype)
+        st.rows_sent += sum(send_rows[r] for r in others)
+        st.rows_received += sum(recv_rows[r] for r in others)
+        return out
+
+    def _unpack(self, got: torch.Tensor, rows: list[int], widths: list[int],
+                hidden: int) -> tuple[torch.Tensor, Routing]:
+        """The received rows [R, hidden] and their assignments (token = received row), padding dropped."""
+        xs, tokens, experts, weights = [], [], [], []
+        offset = base = 0
+        xb = hidden * _itemsize(self.dtype)
+        for r, w in zip(rows, widths):
+            size = _row_bytes(hidden, self.dtype, w)
+            seg = got[offset : offset + r * size].view(r, size)
+            offset += r * size
+            xs.append(seg[:, :xb].contiguous().view(self.dtype))
+            ids = seg[:, xb : xb + 4 * w].contiguous().view(_ID).long()
+            wts = seg[:, xb + 4 * w :].contiguous().view(_WEIGHT)
+            row = torch.arange(base, base + r, device=got.device).unsqueeze(1).expand(r, w)
+            real = ids >= 0
+            tokens.append(row[real])
+            experts.append(ids[real])
+            weights.append(wts[real])
+            base += r
+        empty = torch.zeros(0, dtype=torch.int64, device=got.device)
+        return (torch.cat(xs) if xs else torch.zeros(0, hidden, dtype=self.dtype, device=got.device),
+                Routing(torch.cat(tokens) if tokens else empty, torch.cat(experts) if experts else empty,
+                        torch.cat(weights) if weights else empty.float()))
+
+    def _now(self) -> float:
+        if self.stats.sync and self.group.device.type == "cuda":
+            torch.cuda.synchronize(self.group.device)
+        return time.perf_counter()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _row_bytes(hidden: int, dtype: torch.dtype, width: int) -> int:
+    return hidden * _itemsize(dtype) + width * (_itemsize(_ID) + _itemsize(_WEIGHT))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """[R, C] as its raw bytes [R, C · itemsize] (a view of a contiguous copy)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def shard_experts(model: object, group: EpGroup, placement: ExpertPlacement | None = None,
+                  stats: EpStats | None = None) -> tuple[ExpertPlacement, EpStats]:
+    """Replace the executor of every sparse block of `model` (`moe_blocks` order) by this rank's
+    `ExpertParallelExperts`, its share copied out of the block's `LocalExperts` bank (the full bank is
+    then free to go). `placement` defaults to `ExpertPlacement.static` over the group. Works for any
+    model whose sparse blocks are `SparseMoE`s with `LocalExperts`, whatever their router."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ConfigError("expert parallelism needs a mixture-of-experts model; this one has no sparse blocks")
+    local = [b.experts for b in blocks]
+    if not all(isinstance(e, LocalExperts) for e in local):
+        raise ConfigError("expert parallelism shards LocalExperts executors; a sparse block has "
+                          f"{sorted({type(e).__name__ for e in local})}")
+    num_experts = {e.bank.num_experts for e in local}  # type: ignore[union-attr]
+    if len(num_experts) != 1:
+        raise ConfigError(f"the sparse blocks disagree on the number of experts: {sorted(num_experts)}")
+    (experts,) = num_experts
+    if placement is None:
+        placement = ExpertPlacement.static(len(blocks), experts, group.size)
+    if (placement.num_ranks, placement.num_layers, placement.num_experts) != (group.size, len(blocks), experts):
+        raise ConfigError(f"placement for {placement.num_ranks} ranks, {placement.num_layers} MoE layers of "
+                          f"{placement.num_experts} experts; the group has {group.size} ranks and the model "
+                          f"{len(blocks)} MoE layers of {experts}")
+    stats = stats if stats is not None else EpStats()
+    for i, block in enumerate(blocks):
+        block.experts = ExpertParallelExperts.from_bank(block.experts.bank, placement, i, group, stats)  # type: ignore[union-attr]
+    return placement, stats
