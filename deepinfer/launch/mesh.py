@@ -28,13 +28,19 @@ from deepinfer.services.tokenizer import TokenizerService
 from deepinfer.services.worker import WorkerService
 
 
-def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE) -> EngineConfig:
+def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int = 0) -> EngineConfig:
     """A worker's engine settings: its sub-tree of the topology, and the topology's block size (what
-    `build_service` passes; the default is the topology's own default, so they cannot differ)."""
+    `build_service` passes; the default is the topology's own default, so they cannot differ).
+
+    A worker group (`ep` > 1) runs this engine on each of its ranks, one process each on the host: the
+    worker's threads (all cores when unset) are shared out, each rank getting an equal share, at least one,
+    and rank `rank` runs on its own device (`WorkerSpec.rank_device`)."""
     threads = w.threads or (int(os.environ["DEEPINFER_THREADS"]) if "DEEPINFER_THREADS" in os.environ else None)
+    if w.ep > 1:
+        threads = max(1, (threads or os.cpu_count() or 1) // w.ep)
     return EngineConfig(block_size=block_size, kv_cache_bytes=w.kv_cache_mb * 1024 * 1024,
                         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
-                        device=w.device, num_threads=threads, enable_prefix_caching=w.prefix_caching,
+                        device=w.rank_device(rank), num_threads=threads, enable_prefix_caching=w.prefix_caching,
                         speculative=w.speculative, num_speculative_tokens=w.num_speculative_tokens,
                         adaptive_speculation=w.adaptive_speculation)
 
@@ -52,12 +58,15 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
     if role == "worker":
         spec = topology.worker(name)
         daemon = topology.kvcache(spec.kvcache) if spec.kvcache is not None else None
+        if spec.ep > 1 and daemon is not None:
+            raise ValueError(f"worker {spec.name}: a worker group (ep = {spec.ep}) cannot use a cache daemon yet")
         return WorkerService(
             spec.name, spec.role, topology.backend, ctx, topology.model, engine_config(spec, topology.block_size),
             kv_bind=spec.kv if spec.role in ("decode", "worker") else None,
             decode_peers={w.name: w.kv for w in topology.workers if w.role in ("decode", "worker")},
             tokenizers={t.name: t.detok for t in topology.tokenizers},
             kvcache=(daemon.name, daemon.endpoint) if daemon is not None else None, auth=auth,
+            ep=spec.ep, ep_master=spec.ep_master,
         )
     if role == "kvcache":
         k = topology.kvcache(name)

@@ -7,7 +7,7 @@ Type bytes are grouped by edge; a range is reserved for each part still to come:
   0x20–0x2F  router ↔ tokenizer ↔ decode worker
   0x30–0x3F  router → prefill worker ↔ decode worker (P/D handoff)
   0x40–0x4F  KV cache: worker ↔ cache daemon (lookup, fetch, store), KV events → router
-  0x50–0x5F  reserved: expert balancer (load reports, placements)
+  0x50–0x5F  expert parallelism: load reports (placements and the balancer's messages to come)
   0xF0–0xFF  reserved: tests and experiments
 
 Conventions: request ids are the router's strings, unique per router incarnation. Times named `*_time`
@@ -19,7 +19,7 @@ not know, so even an added optional field would break an older peer mid-stream i
 A field added with a default still decodes when a message lacks it.
 
 Version history: 3 added speculative decoding's counts (UsageWire, DetokenizeItem, TextDeltaItem,
-Heartbeat).
+Heartbeat); 6 added ExpertLoad.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ __all__ = [
     "EncodeResult",
     "ErrorCode",
     "ErrorReply",
+    "ExpertLoad",
     "FinishReason",
     "GenerateRequest",
     "Heartbeat",
@@ -70,7 +71,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -551,6 +552,22 @@ class KvResync:
     """Router → publisher: your events had a gap (or I restarted); send a snapshot of every tier."""
 
     reason: str = ""
+
+
+# --- expert parallelism 0x50–0x5F ----------------------------------------------------------------------------
+
+
+@message(0x50)
+class ExpertLoad:
+    """Worker group (its leader, rank 0) → router, every few seconds: the load since the last report, for
+    metrics and the expert balancer. `expert_tokens[l][e]`: tokens routed to logical expert e of the l-th
+    MoE layer, summed over ranks (empty for a dense model); `rank_tokens[r]`: tokens rank r computed."""
+
+    worker: str
+    placement_version: int  # the expert placement the counts were made under
+    period_s: float  # the time the counts cover
+    expert_tokens: list[list[int]] = field(default_factory=list)
+    rank_tokens: list[int] = field(default_factory=list)
 
 
 compile_all(__name__)  # a bad annotation fails at import, not on the first message

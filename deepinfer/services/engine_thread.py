@@ -4,6 +4,12 @@ The engine is not thread-safe, so it is touched only on this thread: the event l
 with `call(fn)` (run between two steps, in submission order) and receives each step's outputs through
 `on_outputs`, scheduled onto the event loop. A step takes tens to hundreds of milliseconds; commands
 wait at most one step.
+
+The engine is an LLMEngine or a worker group's `GroupEngine` (the same calls). A group needs two more
+things of this loop: `keepalive()` while idle (it sends queued commands to follower ranks and keeps them
+from timing out), and an end when the group breaks. Failure is fatal here: an exception out of `step()`
+or `keepalive()`, or of a command when it is one of `fatal` (a broken group), ends the loop; every
+command still queued, and every later `call`, fails with it, and `on_failure` is told on the event loop.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any, TypeVar
 
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import RequestOutput
+from deepinfer.parallel.group_engine import GroupEngine
 
 T = TypeVar("T")
 
@@ -27,11 +34,17 @@ RATE_ALPHA = 0.2
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine") -> None:
+    def __init__(self, engine: LLMEngine | GroupEngine, loop: asyncio.AbstractEventLoop,
+                 on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine", *,
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 fatal: tuple[type[BaseException], ...] = ()) -> None:
         self.engine = engine
         self.loop = loop
         self.on_outputs = on_outputs
+        self.on_failure = on_failure
+        self.fatal = fatal
+        self.failure: BaseException | None = None
+        self._keepalive = engine.keepalive if isinstance(engine, GroupEngine) else None
         self.steps = 0
         # Tokens computed per second of step, an EWMA over steps of at least RATE_MIN_TOKENS tokens: what
         # the router divides a prompt's uncached tokens by to predict its prefill time.
@@ -52,7 +65,12 @@ class EngineThread:
     def call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run `fn()` on the engine thread before the next step; the future resolves on the event loop."""
         fut: asyncio.Future[T] = self.loop.create_future()
+        if self.failure is not None:
+            fut.set_exception(self.failure)
+            return fut
         self._commands.append((fn, fut))
+        if self.failure is not None:  # failed meanwhile: the loop may have drained the queue already
+            self._fail_queued(self.failure)
         self._wake.set()
         return fut
 
@@ -71,10 +89,12 @@ class EngineThread:
             n += 1
             try:
                 result, exc = fn(), None
-            except Exception as e:  # the caller gets the exception; the loop goes on
+            except Exception as e:  # the caller gets the exception; the loop goes on unless it is fatal
                 result, exc = None, e
             if fut is not None:
                 self.loop.call_soon_threadsafe(self._resolve, fut, result, exc)
+            if isinstance(exc, self.fatal):
+                raise exc
         return n
 
     def _measure(self, tokens: int, seconds: float) -> None:
@@ -84,6 +104,28 @@ class EngineThread:
                 sample - self.tokens_per_s)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The loop is over: fail what is queued and what comes later, and tell the service."""
+        self.failure = exc
+        self._fail_queued(exc)
+        if self.on_failure is not None:
+            self.loop.call_soon_threadsafe(self.on_failure, exc)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, fut = self._commands.popleft()  # deque pops are atomic: each command is failed once
+            except IndexError:
+                return
+            if fut is not None:
+                self.loop.call_soon_threadsafe(self._resolve, fut, None, exc)
+
+    def _loop(self) -> None:
         while not self._stop:
             was_idle = not self.engine.has_unfinished()
             if self._run_commands() and was_idle:
@@ -104,5 +146,7 @@ class EngineThread:
                 if outputs:
                     self.loop.call_soon_threadsafe(self.on_outputs, outputs)
             else:
+                if self._keepalive is not None:
+                    self._keepalive()
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()

@@ -43,7 +43,7 @@ STATE_LOG_S = 10.0  # how often the router logs the mesh's state
 MAX_BACKLOG = 4096  # messages kept for one slow client, in order; past that they are dropped
 # The field naming the instance a message speaks for: it must be the sender's own identity.
 SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
-                               m.KvEvents: "publisher"}
+                               m.KvEvents: "publisher", m.ExpertLoad: "worker"}
 
 
 async def recv_client(sock: Any) -> tuple[bytes, Any]:
@@ -100,6 +100,8 @@ class RouterService(BaseService):
         self._asked: dict[bytes, float] = {}  # identities asked for a Hello, and when (monotonic)
         self.forged = 0
         self._backlog: dict[bytes, collections.deque[Any]] = {}  # slow clients: what they are still owed
+        # Each worker group's latest expert-load report (metrics now, the expert balancer later).
+        self.expert_load: dict[str, m.ExpertLoad] = {}
 
     async def open(self) -> bool:
         self.frontend = self.socket(make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,
@@ -215,6 +217,7 @@ class RouterService(BaseService):
             m.KvEvents: self._kv_events,
             m.TextDeltas: lambda _, deltas, now: core.on_text_deltas(deltas, now),
             m.ErrorReply: core.on_error,
+            m.ExpertLoad: self._keep_expert_load,
         }
         table = {kind: self._from_member(event) for kind, event in from_members.items()}
         return {**table, m.Hello: self._welcome, m.ServiceExited: self._service_exited}
@@ -241,6 +244,10 @@ class RouterService(BaseService):
         for o in out:
             self.log.info("kv resync asked", publisher=o.dest, reason=o.msg.reason)
         return out
+
+    def _keep_expert_load(self, sender: str, load: m.ExpertLoad, now: float) -> list[Outbound]:
+        self.expert_load[sender] = load
+        return []
 
     async def _service_exited(self, ident: bytes, note: m.ServiceExited) -> None:
         if ident.startswith(SUPERVISOR_PREFIX.encode()):  # only a supervisor may say a service exited

@@ -19,6 +19,14 @@ Sockets: a DEALER to the router (jobs and aborts in; PrefillDone, ErrorReply, he
 sockets to every tokenizer (one DetokenizeBatch per tokenizer per engine step), and for the KV edge a bound
 ROUTER on decode-capable workers and one DEALER per decode peer on prefill workers. The engine steps on
 its own thread (`EngineThread`); this module only moves messages.
+
+A worker group (`ep` > 1, expert parallelism with data-parallel attention): this process is rank 0 and its
+engine is a `GroupEngine` spanning every rank (deepinfer.parallel.group_engine); the router sees one worker
+with the group's summed capacity. A group reports its load (`ExpertLoad`: tokens per rank and, for an
+MoE model, per expert) every `EXPERT_LOAD_PERIOD_S`. When the group breaks (a rank died) the worker ends
+at once with `GroupBroken`, so its process exits nonzero: the supervisor restarts the whole group and the
+router moves its requests elsewhere, resumed (answering each with ErrorReply would instead end them at
+their clients).
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ import zmq.asyncio
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import InvalidRequestError, RequestOutput
+from deepinfer.parallel.channel import GroupBroken
+from deepinfer.parallel.control import Load, engine_load
+from deepinfer.parallel.group_engine import GroupEngine
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, arecv_routed, asend_msg, make_dealer, make_push, make_router
 from deepinfer.services.base import Handler, Service
@@ -60,6 +71,7 @@ __all__ = ["WorkerService"]
 
 EVENTS_PERIOD_S = 0.1
 HANDOFF_TICK_S = 0.5  # how often overdue handoff replies are looked for (the timeout is the core's)
+EXPERT_LOAD_PERIOD_S = 5.0  # a worker group's expert-load reports to the router
 
 
 class WorkerService(Service):
@@ -67,8 +79,13 @@ class WorkerService(Service):
 
     def __init__(self, instance: str, role: str, backend: str, ctx: zmq.asyncio.Context, model: str,
                  config: EngineConfig, kv_bind: str | None, decode_peers: dict[str, str],
-                 tokenizers: dict[str, str], kvcache: tuple[str, str] | None = None, **kw: Any) -> None:
-        self.engine = LLMEngine.load(model, config)
+                 tokenizers: dict[str, str], kvcache: tuple[str, str] | None = None, ep: int = 1,
+                 ep_master: str = "", **kw: Any) -> None:
+        if ep > 1 and kvcache is not None:
+            raise ValueError("a worker group cannot use a cache daemon yet")
+        # Rank 0 of a group waits here for every rank to join, then loads the model like each of them.
+        self.engine: LLMEngine | GroupEngine = (GroupEngine.start(model, config, ep, ep_master) if ep > 1
+                                                else LLMEngine.load(model, config))
         super().__init__(instance, backend, ctx, model_fingerprint=self.engine.fingerprint,
                          block_hash_scheme=self.engine.cache_namespace.handshake_scheme, **kw)
         self.kvcache = kvcache  # (daemon name, endpoint)
@@ -85,6 +102,8 @@ class WorkerService(Service):
         self._kv_router: Any = None
         self._kv_dealers: dict[str, Any] = {}
         self._thread: EngineThread | None = None
+        self._broken: asyncio.Future[BaseException] | None = None
+        self.expert_load_period_s = EXPERT_LOAD_PERIOD_S
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -98,7 +117,10 @@ class WorkerService(Service):
             for name, ep in self.decode_peers.items():
                 self._kv_dealers[name] = self.socket(make_dealer(self.ctx, ep, self.instance.encode(),
                                                                  auth=self.auth.for_connect(ep, name)))
-        self._thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_outputs, self.instance)
+        loop = asyncio.get_running_loop()
+        self._broken = loop.create_future()
+        self._thread = EngineThread(self.engine, loop, self._on_outputs, self.instance,
+                                    on_failure=self._on_engine_failure, fatal=(GroupBroken,))
         self._thread.start()
         if self.kvcache is not None:
             self.cache = CacheClient(self.instance, self.kvcache[1], self.ctx, self.engine, self._thread,
@@ -111,12 +133,19 @@ class WorkerService(Service):
             self._thread.stop()
         if self.cache is not None:
             self.cache.close()
+        if isinstance(self.engine, GroupEngine):
+            self.engine.close()  # the followers exit 0 (or have gone with a broken group)
 
     def capabilities(self) -> dict[str, str]:
-        return {"kvcache": self.kvcache[0]} if self.kvcache is not None else {}
+        caps = {"kvcache": self.kvcache[0]} if self.kvcache is not None else {}
+        if isinstance(self.engine, GroupEngine):
+            caps["ep"] = str(self.engine.size)
+        return caps
 
     def tasks(self) -> list[Any]:
-        tasks: list[Any] = [self._lease_loop()]
+        tasks: list[Any] = [self._lease_loop(), self._watch_engine()]
+        if isinstance(self.engine, GroupEngine):
+            tasks.append(self._expert_load_loop())
         if self.cache is not None:
             tasks.append(self.cache.recv_forever())
         if self.engine.config.enable_prefix_caching:
@@ -137,20 +166,45 @@ class WorkerService(Service):
             m.KvResync: self._on_resync,
         }
 
+    def load(self) -> Load:
+        """The engine's load; a group's summed over its ranks (the router sees one worker of N ranks)."""
+        return self.engine.load() if isinstance(self.engine, GroupEngine) else engine_load(self.engine)
+
     def heartbeat_fields(self) -> dict[str, Any]:
         e = self.engine
         self.progress = self._thread.steps if self._thread else 0
-        waiting = list(e.scheduler.waiting)
-        return dict(free_blocks=e.num_free_blocks, total_blocks=e.pool.num_blocks, running=len(e.scheduler.running),
-                    waiting=len(waiting),
-                    queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+        load, stats = self.load(), e.stats
+        return dict(free_blocks=load.free_blocks, total_blocks=load.total_blocks, running=load.running,
+                    waiting=load.waiting, queued_prompt_tokens=load.queued_prompt_tokens,
                     tokens_per_s=self._thread.tokens_per_s if self._thread else 0.0,
-                    spec_proposed_tokens=e.stats.spec_proposed_tokens,
-                    spec_accepted_tokens=e.stats.spec_accepted_tokens)
+                    spec_proposed_tokens=stats.spec_proposed_tokens,
+                    spec_accepted_tokens=stats.spec_accepted_tokens)
 
     def idle(self) -> bool:
         e = self.engine
         return len(self.core) == 0 and not e.has_unfinished() and not e.num_held and not e.num_reserved_blocks
+
+    def _on_engine_failure(self, exc: BaseException) -> None:
+        self.log.error("engine failed", error=repr(exc))
+        if self._broken is not None and not self._broken.done():
+            self._broken.set_result(exc)
+
+    async def _watch_engine(self) -> None:
+        """End the service (run() raises, the process exits nonzero) when the engine thread failed."""
+        assert self._broken is not None
+        raise await self._broken
+
+    async def _expert_load_loop(self) -> None:
+        assert isinstance(self.engine, GroupEngine)
+        engine, last = self.engine, time.monotonic()
+        while True:
+            await asyncio.sleep(self.expert_load_period_s)
+            assert self._thread is not None
+            counts, per_rank = await self._thread.call(engine.take_expert_load)
+            now = time.monotonic()
+            await self.send_router(m.ExpertLoad(self.instance, engine.placement_version, now - last,
+                                                counts or [], per_rank))
+            last = now
 
     async def _on_shutdown(self, msg: m.Shutdown) -> None:
         self.stop()
@@ -280,7 +334,10 @@ class WorkerService(Service):
     def _abort_all(self) -> int:
         """On the engine thread: abort everything it holds — requests, held handoffs, reservations."""
         engine = self.engine
-        ids = {*engine.scheduler.requests, *engine.scheduler.held, *engine.reservations.ids}
+        if isinstance(engine, GroupEngine):
+            ids = engine.live_ids()
+        else:
+            ids = {*engine.scheduler.requests, *engine.scheduler.held, *engine.reservations.ids}
         return sum(engine.abort(rid) for rid in ids)
 
     # -- the KV handoff's engine calls and sends --------------------------------------------
