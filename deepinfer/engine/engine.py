@@ -31,7 +31,8 @@ scheduled. Who decides that the group steps (while any rank has work) is the cal
 `has_unfinished()` stays local. A failure inside the forward (a peer died, a collective timed out)
 raises `ExpertParallelError` from `step()`, carrying the terminal outputs of the step's requests; the
 engine refuses to step again. Not available under expert parallelism: a draft-model speculator (its
-forwards would not be collective; n-gram and suffix guessers are fine) and `prompt_logits`.
+forwards would not be collective; n-gram and suffix guessers are fine), `prompt_logits` and
+`generate` (they run forwards on this rank's schedule alone).
 
 The device tier of the prefix cache (DESIGN §4) lives in the block pool: a block full of computed KV
 is named by its chain hash (`block_hashes`, salted per tenant with `cache_salt`) and stays cached after
@@ -658,7 +659,11 @@ class LLMEngine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Submit every prompt at once, run until all finish; final outputs in input order."""
+        """Submit every prompt at once, run until all finish; final outputs in input order. Not under
+        expert parallelism: it steps until this rank's prompts finish, which the other ranks cannot know."""
+        if self.ep_group is not None:
+            raise NotImplementedError("generate steps on this rank's schedule alone; under expert parallelism "
+                                      "the group steps together (add_request, then step() in lockstep)")
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         ids: list[str] = []

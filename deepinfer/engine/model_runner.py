@@ -17,7 +17,7 @@ from deepinfer.engine.attention import Segment, StepLayout, layout
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.models.base import CausalLM
-from deepinfer.engine.models.moe import moe_blocks
+from deepinfer.engine.models.moe import Routing, moe_blocks
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -72,16 +72,19 @@ class ModelRunner:
         return inputs.sampled, logits
 
     def execute_empty(self) -> None:
-        """A forward of zero tokens, for a rank of an expert-parallel group with nothing scheduled: the
-        attention of an empty batch is nothing (and the model's forward is not asked to cope with T=0),
-        so only the sparse blocks run, each on zero rows, in forward order — the rank still joins every
-        MoE layer's collectives, sending nothing and computing what the other ranks send it."""
+        """A forward of zero tokens, for a rank of an expert-parallel group with nothing scheduled. Of an
+        empty batch's forward only the sparse blocks' expert executors do anything — they join their
+        layer's collectives, sending nothing and computing what the other ranks send here — so exactly
+        they are called, in forward order, with an empty routing: attention, routers and shared experts
+        are never asked to cope with zero rows."""
         hidden = self.model.config.hidden_size
-        empty = torch.zeros(0, hidden, dtype=torch.float32, device=self.kv.device)
+        device = self.kv.device
+        empty = torch.zeros(0, hidden, dtype=torch.float32, device=device)
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        routing = Routing(none, none, torch.zeros(0, dtype=torch.float32, device=device))
         with torch.inference_mode():
             for block in moe_blocks(self.model):
-                block(empty)
-
+                block.experts(empty, routing)
 
 def _token_at(req: Request, pos: int) -> int:
     n_prompt = len(req.prompt_token_ids)

@@ -107,7 +107,9 @@ def init_ep_group(size: int, rank: int, master: str, device: str = "cpu",
 
 def cpu_threads_per_rank(size: int, cores: int | None = None) -> int:
     """A CPU rank's share of the machine's cores when `size` ranks share it: cores // size, at least 1."""
-    cores = cores if cores is not None else (os.cpu_count() or 1)
+    if cores is None:
+        # The cores this process may run on (a cgroup or taskset may allow fewer than the machine has).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // size)
 
 

@@ -29,8 +29,10 @@ import torch.multiprocessing as mp
 
 from deepinfer.engine.config import ConfigError, EngineConfig
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.weights import load_model_weights
+from deepinfer.parallel.ep_moe import ExpertParallelExperts
 from deepinfer.parallel.group import EpGroup, ExpertParallelError, init_ep_group
 from deepinfer.parallel.placement import ExpertPlacement
 from tests.engine.moe_models import VOCAB, build_hf_moe, save
@@ -117,6 +119,12 @@ def lockstep(engine: LLMEngine, group: EpGroup, requests: list[Req]) -> dict[str
             return final
 
 
+def held(engine: LLMEngine) -> list[list[int]]:
+    """Per MoE layer, the logical experts this rank's executor holds."""
+    banks = [b.experts.bank for b in moe_blocks(engine.runner.model)]  # type: ignore[attr-defined]
+    return [[] if bank is None else bank.ids.tolist() for bank in banks]
+
+
 def rank_scenarios(rank: int, master: str, model_dirs: dict[str, str], out: str) -> None:
     torch.set_num_threads(1)
     group = init_ep_group(WORLD, rank, master, timeout_s=TIMEOUT_S)
@@ -135,15 +143,27 @@ def rank_scenarios(rank: int, master: str, model_dirs: dict[str, str], out: str)
             outputs = lockstep(engine, group, [r for r in sc.requests if r.rank == rank])
             stats = engine.ep_stats()
             assert stats is not None
-            results[name] = {"outputs": outputs, "counts": engine.expert_counts().tolist(),
+            results[name] = {"outputs": outputs, "counts": engine.expert_counts().tolist(), "held": held(engine),
                              "empty_steps": engine.stats.ep_empty_steps, "exchanges": stats.exchanges,
                              "rows_sent": stats.rows_sent, "rows_received": stats.rows_received}
         # Refusals, checked on a live group.
         engine = LLMEngine(loaded["mixtral"], config=engine_config(), ep_group=group)
+        # A share built straight from the state dict is the share copied out of the full bank.
+        assert engine.ep_placement is not None
+        sd = {k: v.float() for k, v in loaded["mixtral"].state_dict.items()}
+        direct = ExpertParallelExperts.from_state(sd, "layers.1.", engine.ep_placement, 1, group)
+        sharded = moe_blocks(engine.runner.model)[1].experts
+        assert isinstance(sharded, ExpertParallelExperts) and direct.bank is not None and sharded.bank is not None
+        results["from_state_matches"] = bool(torch.equal(direct.bank.gate_up, sharded.bank.gate_up)
+                                             and torch.equal(direct.bank.down, sharded.bank.down))
         try:
             engine.prompt_logits([5, 6, 7])
         except NotImplementedError as exc:
             results["prompt_logits_refused"] = str(exc)
+        try:
+            engine.generate([[5, 6, 7]])
+        except NotImplementedError as exc:
+            results["generate_refused"] = str(exc)
         try:
             LLMEngine(loaded["mixtral"], config=engine_config("self:1"), ep_group=group)
         except ConfigError as exc:
@@ -248,6 +268,18 @@ def test_expert_counts_sum_to_single_process(scenario: str, ranks: list[dict[str
     assert torch.equal(summed, expected)
 
 
+def test_each_rank_holds_its_share(ranks: list[dict[str, Any]]) -> None:
+    # Mixtral: 8 experts in every one of 3 layers; Qwen2-MoE: 6 experts, layer 1 dense (2 MoE layers).
+    assert ranks[0]["mixtral-split"]["held"] == [[0, 1, 2, 3]] * 3
+    assert ranks[1]["mixtral-split"]["held"] == [[4, 5, 6, 7]] * 3
+    assert ranks[0]["qwen2moe-split"]["held"] == [[0, 1, 2]] * 2
+    assert ranks[1]["qwen2moe-split"]["held"] == [[3, 4, 5]] * 2
+    # Three replicas: one each of 0, 4 and 1, on the rank after their home.
+    assert ranks[0]["mixtral-replicas"]["held"] == [[0, 1, 2, 3, 4]] * 3
+    assert ranks[1]["mixtral-replicas"]["held"] == [[4, 5, 6, 7, 0, 1]] * 3
+    assert all(ranks[r]["from_state_matches"] for r in range(WORLD))
+
+
 def test_ranks_step_in_lockstep_and_idle_ranks_join_empty(ranks: list[dict[str, Any]]) -> None:
     for name in SCENARIOS:
         # Every rank ran the same MoE-layer exchanges: one per MoE layer per step, empty steps included.
@@ -255,6 +287,8 @@ def test_ranks_step_in_lockstep_and_idle_ranks_join_empty(ranks: list[dict[str, 
     # Rank 1 waited three steps for its request, then finished early; with everything on rank 1, rank 0
     # only ever joined with empty batches yet still computed its experts for rank 1's tokens.
     assert ranks[1]["mixtral-split"]["empty_steps"] > 3
+    for r in range(WORLD):  # tokens did cross between the ranks both ways
+        assert ranks[r]["mixtral-split"]["rows_sent"] > 0 and ranks[r]["mixtral-split"]["rows_received"] > 0
     assert ranks[0]["mixtral-one-rank"]["rows_sent"] == 0
     assert ranks[0]["mixtral-one-rank"]["rows_received"] > 0
     assert ranks[1]["mixtral-one-rank"]["empty_steps"] == 0
@@ -263,6 +297,7 @@ def test_ranks_step_in_lockstep_and_idle_ranks_join_empty(ranks: list[dict[str, 
 def test_refusals_under_expert_parallelism(ranks: list[dict[str, Any]]) -> None:
     for r in range(WORLD):
         assert "collective" in ranks[r]["prompt_logits_refused"]
+        assert "lockstep" in ranks[r]["generate_refused"]
         assert "ngram or suffix" in ranks[r]["self_draft_refused"]
 
 

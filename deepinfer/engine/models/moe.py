@@ -4,7 +4,7 @@ A sparse block routes each token to `num_experts_per_tok` experts (softmax over 
 top-k, optionally renormalised) and adds their SwiGLU outputs weighted by the routing weights; a
 Qwen2-MoE block adds a shared expert every token passes through, scaled by a sigmoid gate.
 
-The block is split where expert parallelism will cut it:
+The block is split where expert parallelism cuts it:
 
 * `route_softmax_topk` turns router logits into a `Routing`: flat (token, expert, weight)
   assignments, T·k of them.
@@ -12,6 +12,10 @@ The block is split where expert parallelism will cut it:
   weighted sum per token, zero for tokens with nothing routed there. A bank may hold any subset of
   the logical experts; with all of them (the single-process case) the result is the whole routed
   output, and with a rank's share it is that rank's partial sum, to be combined across ranks.
+
+`LocalExperts` runs one bank of every expert; `deepinfer.parallel.ep_moe.ExpertParallelExperts` (installed
+by `shard_experts` on every block `moe_blocks` finds) spreads them over ranks. Both count assignments per
+expert (`take_counts`).
 
 `run_experts` sorts the assignments by expert, gathers each expert's tokens into one contiguous
 batch and runs that expert's SwiGLU over it (two matmuls), so the cost is one loop over the experts
