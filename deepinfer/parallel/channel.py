@@ -17,12 +17,13 @@ period (`group_engine.KEEPALIVE_S`); 300 s does both with room to spare.
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from deepinfer.parallel.group import EpGroup, init_ep_group
 
 CONTROL_TIMEOUT_S = float(os.environ.get("DEEPINFER_EP_CONTROL_TIMEOUT_S", "300"))
 
@@ -34,7 +35,7 @@ class GroupBroken(RuntimeError):
 class ControlChannel:
     """Bytes and tensors between rank 0 and the other ranks of `group` (one gloo group, all ranks)."""
 
-    def __init__(self, rank: int, size: int, group: Any = None, ep_group: Any = None) -> None:
+    def __init__(self, rank: int, size: int, group: Any = None, ep_group: EpGroup | None = None) -> None:
         self.rank = rank
         self.size = size
         self.group = group  # None: the default (world) group
@@ -106,22 +107,10 @@ def _bytes_tensor(payload: bytes) -> torch.Tensor:
 
 
 def join_group(size: int, rank: int, master: str, device: str = "cpu",
-               timeout_s: float = CONTROL_TIMEOUT_S) -> tuple[ControlChannel, Any]:
-    """Join the group of `size` ranks whose rendezvous is `master` ("host:port", served by rank 0);
-    returns the control channel and the expert-parallel group handle for the engine (None until the
-    engine's EP groups exist: a dense model needs none).
-
-    The channel runs on the group's gloo control group (`EpGroup.cpu_group`), apart from the expert
-    traffic. Without `deepinfer.parallel.group` it falls back to a plain gloo world group (CPU only),
-    which is all a dense model's data-parallel attention needs. `timeout_s` bounds the rendezvous and,
-    after it, every operation of the channel."""
-    try:
-        from deepinfer.parallel.group import init_ep_group
-    except ImportError:
-        init_ep_group = None
-    if init_ep_group is not None:
-        ep_group = init_ep_group(size, rank, master, device, timeout_s=timeout_s)
-        return ControlChannel(rank, size, ep_group.cpu_group, ep_group), ep_group
-    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return ControlChannel(rank, size), None
+               timeout_s: float = CONTROL_TIMEOUT_S) -> tuple[ControlChannel, EpGroup]:
+    """Join the group of `size` ranks whose rendezvous is `master` ("host:port", served by rank 0); returns
+    the control channel and the expert-parallel group the engine of an MoE model runs over. The channel
+    uses the group's gloo control group (`EpGroup.cpu_group`), apart from the expert traffic, and closing
+    it leaves the whole group. `timeout_s` bounds the rendezvous and every later operation."""
+    ep_group = init_ep_group(size, rank, master, device, timeout_s=timeout_s)
+    return ControlChannel(rank, size, ep_group.cpu_group, ep_group), ep_group

@@ -1,10 +1,11 @@
 """A worker group of two ranks in real processes: the leader (`GroupEngine`) in this process, one follower
-(`follow`) spawned, joined over gloo on 127.0.0.1, one torch thread each, on a tiny dense Llama.
+(`follow`) spawned, joined over gloo on 127.0.0.1, one torch thread each, on a tiny dense Llama (data-
+parallel attention only) and a tiny Mixtral (expert-parallel: each rank holds half the experts).
 
-Greedy outputs of requests spread over both ranks equal a single engine's; an abort on the follower frees
-its blocks; a P/D handoff exports from and installs into the follower; a follower that dies breaks the
-group at the leader's next step (no hang), and a follower exits 0 when its leader ends the group and 1
-when the leader vanishes."""
+Greedy outputs of requests spread over both ranks equal a single engine's (and the Mixtral group's expert
+counts the single engine's); an abort on the follower frees its blocks; a P/D handoff exports from and
+installs into the follower; a follower that dies breaks the group at the leader's next step (no hang),
+and a follower exits 0 when its leader ends the group and 1 when the leader vanishes."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from deepinfer.engine.weights import load_model_weights
 from deepinfer.parallel.channel import GroupBroken, join_group
 from deepinfer.parallel.follower import EXIT_BROKEN, EXIT_STOPPED, follow
 from deepinfer.parallel.group_engine import GroupEngine, rank_engine
+from tests.engine.moe_models import build_hf_moe, save
 
 TIMEOUT_S = 60.0  # the channel's: a rank that hangs fails the test instead of hanging it
 CONFIG = dict(num_kv_blocks=48, block_size=8, max_num_seqs=8, num_threads=1)
@@ -48,6 +50,13 @@ def follower_main(path: str, master: str) -> None:
     torch.set_num_threads(1)
     channel, ep_group = join_group(2, 1, master, timeout_s=TIMEOUT_S)
     os._exit(follow(channel, make_engine(path, ep_group)))
+
+
+def vanishing_leader_main(path: str, master: str) -> None:
+    torch.set_num_threads(1)
+    channel, ep_group = join_group(2, 0, master, timeout_s=TIMEOUT_S)
+    GroupEngine(make_engine(path, ep_group), channel, ep_group=ep_group).greet()
+    os._exit(3)
 
 
 @contextlib.contextmanager
@@ -87,22 +96,38 @@ def model(tiny_hf_model) -> Path:
 
 
 @pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Path:
+    return save(build_hf_moe("mixtral-8e-top2"), tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.fixture(scope="module")
 def reference(model) -> list[list[int]]:
     engine = make_engine(str(model))
     return [o.token_ids for o in engine.generate(prompts(6), PARAMS)]
 
 
-def test_requests_spread_over_ranks_equal_one_engine(model, reference):
-    with group_of_two(model) as (group, _):
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_requests_spread_over_ranks_equal_one_engine(request, kind):
+    path = request.getfixturevalue({"llama": "model", "mixtral": "mixtral"}[kind])
+    single = make_engine(str(path))
+    expected = [o.token_ids for o in single.generate(prompts(6), PARAMS)]
+    with group_of_two(path) as (group, _):
+        assert (group.local.ep_group is not None) == (kind == "mixtral")
         free = group.num_free_blocks
         for i, p in enumerate(prompts(6)):
             group.add_request(f"r{i}", p, PARAMS)
         assert {group.rank_of(f"r{i}") for i in range(6)} == {0, 1}
         final = run(group)
-        assert [final[f"r{i}"].token_ids for i in range(6)] == reference
+        assert [final[f"r{i}"].token_ids for i in range(6)] == expected
         assert all(final[f"r{i}"].finish_reason is FinishReason.LENGTH for i in range(6))
         assert group.num_free_blocks == free and not group.live_ids()
         assert group.stats.tokens_generated == 6 * PARAMS.max_tokens > group.local.stats.tokens_generated
+        counts, per_rank = group.take_expert_load()
+        assert sum(per_rank) == single.stats.tokens_computed and min(per_rank) > 0
+        if kind == "mixtral":  # every rank counts its own tokens' choices: summed, the single engine's
+            assert counts == single.expert_counts().tolist()
+        else:
+            assert counts is None
 
 
 def test_abort_on_the_follower_frees_its_blocks(model):
@@ -150,8 +175,10 @@ def test_handoff_exports_from_and_installs_into_the_follower(model, reference, m
         torch.testing.assert_close(kv, single.export_kv("p"))
 
 
-def test_a_dead_follower_breaks_the_group_at_the_next_step(model):
-    with group_of_two(model) as (group, proc):
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_a_dead_follower_breaks_the_group_at_the_next_step(request, kind):
+    path = request.getfixturevalue({"llama": "model", "mixtral": "mixtral"}[kind])
+    with group_of_two(path) as (group, proc):
         for i, p in enumerate(prompts(4, seed=2)):
             group.add_request(f"k{i}", p, SamplingParams(max_tokens=40, ignore_eos=True))
         group.step()
@@ -170,8 +197,13 @@ def test_follower_exit_codes(model):
         run(group)
     assert proc.exitcode == EXIT_STOPPED  # the leader closed the group
 
-    with group_of_two(model) as (group, proc):
-        group.channel.close()  # the leader vanishes without a word
-        proc.join(timeout=TIMEOUT_S)
-        assert proc.exitcode == EXIT_BROKEN
-        group.broken = GroupBroken("left")  # nothing left to close
+    # A leader process that dies without a word: its follower notices at once and exits 1.
+    master = f"127.0.0.1:{free_port()}"
+    spawn = mp.get_context("spawn")
+    follower = spawn.Process(target=follower_main, args=(str(model), master), daemon=True)
+    leader = spawn.Process(target=vanishing_leader_main, args=(str(model), master), daemon=True)
+    follower.start()
+    leader.start()
+    leader.join(timeout=TIMEOUT_S)
+    follower.join(timeout=TIMEOUT_S)
+    assert (leader.exitcode, follower.exitcode) == (3, EXIT_BROKEN)
