@@ -27,8 +27,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     speculative = "ngram"                 # speculative decoding: "ngram", "suffix", "self:L", "draft:PATH"
     num_speculative_tokens = 4            # the most draft tokens per request per step (1..32)
     adaptive_speculation = true           # let the controller choose each step's k (false: always the cap)
-    ep = 2                                # expert parallelism: a group of 2 ranks, a process each (default 1)
-    ep_master = "10.0.0.2:29500"          # the group's torch.distributed rendezvous (required when ep > 1)
+    ep = 1                                # expert parallelism: a group of N ranks, a process each (default 1;
+    ep_master = "10.0.0.2:29500"          #   N > 1 needs this rendezvous, host:port, and no kvcache yet)
     [[kvcache]]
     name = "kvcache-0"
     endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here
