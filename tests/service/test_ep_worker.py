@@ -1,0 +1,101 @@
+"""A mesh whose worker is an expert-parallel group of two ranks, on smollm2-moe (SmolLM2's weights split
+into experts): router, tokenizer and the group's rank 0 in this process (InprocMesh over ipc://), rank 1 a
+follower started as the supervisor starts it (`deepinfer-launch service worker --rank 1`).
+
+Greedy answers equal the single engine's; the router sees one worker with both ranks' blocks; the group
+reports its expert load, which the router keeps; stopping the mesh ends the follower with exit code 0.
+Also the wire record of that report, round-tripped."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.fetch import fetch_smollm2_moe
+from deepinfer.engine.request import SamplingParams
+from deepinfer.launch.mesh import InprocMesh
+from deepinfer.launch.topology import Topology
+from deepinfer.parallel.follower import EXIT_STOPPED
+from deepinfer.parallel.group_engine import GroupEngine
+from deepinfer.protocol import messages as m
+from deepinfer.protocol.client import AsyncClient
+from deepinfer.protocol.codec import decode, encode
+
+QUESTIONS = ["What is 2 + 2?", "Name a colour.", "Write one word about the sea.", "Who wrote Hamlet?"]
+MAX_TOKENS = 8
+KV_MB = 32
+
+
+def test_expert_load_round_trips() -> None:
+    msg = m.ExpertLoad("worker-0", 3, 5.0, [[1, 0, 7], [2, 2, 4]], [10, 6])
+    assert decode(*encode(msg)) == msg
+    assert decode(*encode(m.ExpertLoad("w", 0, 0.5))) == m.ExpertLoad("w", 0, 0.5, [], [])
+
+
+@pytest.fixture(scope="module")
+def moe_path(smollm2_path) -> Path:
+    return fetch_smollm2_moe(progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(moe_path) -> list[list[int]]:
+    engine = LLMEngine.load(moe_path, EngineConfig(kv_cache_bytes=KV_MB * 1024 * 1024))
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
+
+
+async def until(check: Any, timeout_s: float = 60.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.smollm2
+def test_an_expert_parallel_worker_answers_like_the_engine(moe_path, reference, tmp_path):
+    topo = Topology.local(str(moe_path), "ipc", run_dir=tmp_path, disaggregated=False, ep=2, threads=2,
+                          kv_cache_mb=KV_MB)
+    path = tmp_path / "topology.toml"
+    path.write_text(topo.to_toml())
+    follower = subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", "service", "worker", "--topology",
+                                 str(path), "--name", "worker-0", "--rank", "1"])
+
+    async def run() -> tuple[list[Any], m.ExpertLoad]:
+        mesh = InprocMesh(topo)  # rank 0 waits here for rank 1 to join
+        worker, router = mesh.service("worker-0"), mesh.service("router")
+        assert isinstance(worker.engine, GroupEngine) and worker.engine.local.ep_group is not None
+        worker.expert_load_period_s = 0.5
+        await mesh.start()
+        try:
+            group = worker.engine
+            free = group.num_free_blocks
+            assert free == 2 * group.local.num_free_blocks
+            await until(lambda: getattr(router.core.table.instances.get("worker-0"), "load", None) is not None)
+            assert router.core.table.instances["worker-0"].load.total_blocks == group.pool.num_blocks == free
+            async with AsyncClient(topo.frontend, ctx=mesh.ctx, timeout_s=300) as c:
+                results = await asyncio.gather(*[
+                    c.generate(messages=[{"role": "user", "content": q}], max_tokens=MAX_TOKENS) for q in QUESTIONS])
+            await until(lambda: group.num_free_blocks == free and not group.has_unfinished())
+            await until(lambda: sum(map(sum, getattr(router.expert_load.get("worker-0"), "expert_tokens", []))) > 0)
+            return results, router.expert_load["worker-0"]
+        finally:
+            await mesh.stop()
+
+    try:
+        results, load = asyncio.run(run())
+        code = follower.wait(timeout=120)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert [r.token_ids for r in results] == reference
+    assert code == EXIT_STOPPED
+    assert load.worker == "worker-0" and len(load.rank_tokens) == 2
+    assert all(len(layer) == 16 for layer in load.expert_tokens)  # smollm2-moe's default: 16 experts a layer
