@@ -4,11 +4,13 @@ follower started as the supervisor starts it (`deepinfer-launch service worker -
 
 Greedy answers equal the single engine's; the router sees one worker with both ranks' blocks; the group
 reports its expert load, which the router keeps; stopping the mesh ends the follower with exit code 0.
-Also the wire record of that report, round-tripped."""
+A follower that dies ends rank 0's service with GroupBroken (on a tiny Mixtral). Also the wire record of
+the expert-load report, round-tripped."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +24,13 @@ from deepinfer.engine.fetch import fetch_smollm2_moe
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.mesh import InprocMesh
 from deepinfer.launch.topology import Topology
+from deepinfer.parallel.channel import GroupBroken
 from deepinfer.parallel.follower import EXIT_STOPPED
 from deepinfer.parallel.group_engine import GroupEngine
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient
 from deepinfer.protocol.codec import decode, encode
+from tests.engine.moe_models import build_hf_moe, save
 
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "Write one word about the sea.", "Who wrote Hamlet?"]
 MAX_TOKENS = 8
@@ -99,3 +103,52 @@ def test_an_expert_parallel_worker_answers_like_the_engine(moe_path, reference, 
     assert code == EXIT_STOPPED
     assert load.worker == "worker-0" and len(load.rank_tokens) == 2
     assert all(len(layer) == 16 for layer in load.expert_tokens)  # smollm2-moe's default: 16 experts a layer
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_with_tokenizer(tmp_path_factory, moe_path) -> Path:
+    """A tiny random Mixtral (vocab 320) with smollm2-moe's tokenizer beside it: prompts go in as token
+    ids below 320, so the mesh runs end to end in seconds."""
+    path = save(build_hf_moe("mixtral-8e-top2"), tmp_path_factory.mktemp("tiny-moe"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(moe_path / name, path / name)
+    return path
+
+
+@pytest.mark.smollm2
+def test_a_dead_follower_ends_the_worker(tiny_moe_with_tokenizer, tmp_path):
+    """The follower dies mid-generation: rank 0's service ends at once with GroupBroken (its process would
+    exit nonzero), so the supervisor restarts the group and the router moves the requests."""
+    topo = Topology.local(str(tiny_moe_with_tokenizer), "ipc", run_dir=tmp_path, disaggregated=False, ep=2,
+                          threads=2, kv_cache_mb=4)
+    path = tmp_path / "topology.toml"
+    path.write_text(topo.to_toml())
+    follower = subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", "service", "worker", "--topology",
+                                 str(path), "--name", "worker-0", "--rank", "1"])
+
+    async def run() -> BaseException | None:
+        mesh = InprocMesh(topo)
+        index = [s.instance for s in mesh.services].index("worker-0")
+        await mesh.start()
+        try:
+            async with AsyncClient(topo.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                calls = [asyncio.ensure_future(c.generate(prompt_token_ids=[5 + i, 40, 41, 42], max_tokens=200,
+                                                          ignore_eos=True)) for i in range(4)]
+                group = mesh.service("worker-0").engine
+                await until(lambda: group.stats.tokens_generated > 8)
+                follower.kill()
+                task = mesh._tasks[index]
+                await until(task.done)
+                for call in calls:
+                    call.cancel()
+                await asyncio.gather(*calls, return_exceptions=True)
+                return task.exception()
+        finally:
+            await mesh.stop()
+
+    try:
+        error = asyncio.run(run())
+    finally:
+        follower.kill()
+        follower.wait()
+    assert isinstance(error, GroupBroken)
