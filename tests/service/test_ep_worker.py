@@ -4,13 +4,16 @@ follower started as the supervisor starts it (`deepinfer-launch service worker -
 
 Greedy answers equal the single engine's; the router sees one worker with both ranks' blocks; the group
 reports its expert load, which the router keeps; stopping the mesh ends the follower with exit code 0.
-A follower that dies ends rank 0's service with GroupBroken (on a tiny Mixtral). Also the wire record of
+A follower that dies ends rank 0's service with GroupBroken, and a decode worker that is a group takes
+P/D handoffs on either rank (on a tiny Mixtral). Also the wire record of
 the expert-load report, round-tripped."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +155,49 @@ def test_a_dead_follower_ends_the_worker(tiny_moe_with_tokenizer, tmp_path):
         follower.kill()
         follower.wait()
     assert isinstance(error, GroupBroken)
+
+
+@pytest.mark.smollm2
+def test_a_decode_worker_group_takes_handoffs(tiny_moe_with_tokenizer, tmp_path):
+    """P/D: a plain prefill worker hands each request's KV to a decode worker that is a 2-rank group; the
+    KV lands on whichever rank reserved it, and the answers equal one engine's."""
+    model = tiny_moe_with_tokenizer
+    topo = Topology.local(str(model), "ipc", run_dir=tmp_path, disaggregated=True, threads=1, kv_cache_mb=4,
+                          kvcache=False)
+    prefill, decode_ = topo.workers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master = f"127.0.0.1:{s.getsockname()[1]}"
+    topo = dataclasses.replace(topo, workers=(prefill, dataclasses.replace(decode_, ep=2, ep_master=master)))
+    path = tmp_path / "topology.toml"
+    path.write_text(topo.to_toml())
+    prompts = [[5 + i, 40 + i, 41, 42, 43, 44, 45, 46, 47, 48, 49] for i in range(6)]
+    engine = LLMEngine.load(model, EngineConfig(kv_cache_bytes=4 * 1024 * 1024, num_threads=1))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    reference = [o.token_ids for o in engine.generate(prompts, params)]
+    follower = subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", "service", "worker", "--topology",
+                                 str(path), "--name", "decode-0", "--rank", "1"])
+
+    async def run() -> tuple[list[Any], int, int]:
+        mesh = InprocMesh(topo)
+        await mesh.start()
+        try:
+            group = mesh.service("decode-0").engine
+            free = group.num_free_blocks
+            async with AsyncClient(topo.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                results = await asyncio.gather(*[c.generate(prompt_token_ids=p, max_tokens=10, ignore_eos=True)
+                                                 for p in prompts])
+            await until(lambda: group.num_free_blocks == free and not group.has_unfinished())
+            return results, group.stats.handoffs_in, group.local.stats.handoffs_in
+        finally:
+            await mesh.stop()
+
+    try:
+        results, handoffs, on_rank0 = asyncio.run(run())
+        code = follower.wait(timeout=120)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert [r.token_ids for r in results] == reference
+    assert handoffs == len(prompts) > on_rank0  # some went to the follower
+    assert code == EXIT_STOPPED
