@@ -440,7 +440,11 @@ class LLMEngine:
             if self.ep_group is not None:
                 # The group's step is collective: join every MoE layer with zero tokens.
                 self.stats.ep_empty_steps += 1
-                self._forward(sched)
+                try:
+                    self._forward(sched)
+                except ExpertParallelError as exc:
+                    exc.outputs = outputs  # aborted requests' terminal outputs, still owed
+                    raise
             return outputs
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(sched.preempted)
@@ -458,7 +462,13 @@ class LLMEngine:
             if spec is not None:
                 spec.record_step(sched.num_batched_tokens, time.perf_counter() - started)
         except Exception as exc:  # a failed step fails its requests, never the engine
-            log.exception("step failed", requests=[c.request.request_id for c in sched.chunks])
+            failed = [c.request.request_id for c in sched.chunks]
+            if isinstance(exc, ExpertParallelError):
+                # The cause is the message (a peer's closed connection, a timeout); a traceback rendered
+                # with its frames' locals would take seconds while the caller waits to tear the group down.
+                log.error("expert-parallel step failed", error=str(exc), requests=failed)
+            else:
+                log.exception("step failed", requests=failed)
             for chunk in sched.chunks:
                 req = chunk.request
                 if not req.is_finished:

@@ -72,6 +72,18 @@ class EpStats:
         return taken
 
 
+@dataclass
+class _Rows:
+    """This rank's send rows for one layer call: one per (destination rank, token) pair that has an
+    assignment, destination-major then token order."""
+
+    token: torch.Tensor  # [R] the token each row carries
+    per_dest: torch.Tensor  # [n] rows for each rank
+    of: torch.Tensor  # [A] each assignment's row
+    place: torch.Tensor  # [A] each assignment's column among its row's (expert, weight) pairs
+    width: torch.Tensor  # () int64, the most assignments in one row
+
+
 class ExpertParallelExperts:
     """An `ExpertExecutor` (x [T, hidden], routing) -> [T, hidden] for MoE layer `layer` of `placement`,
     holding `bank`: this rank's experts of that layer (None when the placement gives it none). Every rank
@@ -121,48 +133,28 @@ class ExpertParallelExperts:
         return taken
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        st = self.stats
         started = self._now()
-        n, rank, hidden = self.group.size, self.group.rank, x.shape[1]
+        n, hidden = self.group.size, x.shape[1]
         self.counts += count_assignments(routing, self.num_experts)
+        rows = self._rows(routing, x.shape[0])
 
-        # 1. Rows: one per (destination, token), sorted by destination then token (the send order).
-        token, expert, weight = routing.token, routing.expert, routing.weight
-        dest = self._replica_ranks[expert, (token + rank) % self._num_replicas[expert]]
-        key = dest * x.shape[0] + token
-        row_keys, row_of = torch.unique(key, sorted=True, return_inverse=True)
-        row_token, row_dest = row_keys % max(x.shape[0], 1), row_keys // max(x.shape[0], 1)
-        # Each assignment's place among its row's: its rank in a stable sort by row.
-        order = torch.argsort(row_of, stable=True)
-        per_row = torch.bincount(row_of, minlength=row_keys.shape[0])
-        first = torch.cumsum(per_row, 0) - per_row
-        place = torch.empty_like(order)
-        place[order] = torch.arange(order.shape[0], device=order.device) - first[row_of[order]]
-        rows_to = torch.bincount(row_dest, minlength=n)
-        width = per_row.max() if per_row.numel() else torch.zeros((), dtype=torch.int64, device=x.device)
-        header = torch.stack([rows_to, width.expand(n)], dim=1)  # [n, 2]: rows and width per destination
-
-        # 2. Header exchange; its result sizes every split below (one host sync).
+        # Header: rows and width per destination; what comes back sizes every split below (one host sync).
+        header = torch.stack([rows.per_dest, rows.width.expand(n)], dim=1)  # [n, 2]
         header_in = torch.empty_like(header)
         dist.all_to_all_single(header_in, header, group=self.group.data)
         (send_rows, widths), (recv_rows, recv_widths) = torch.stack([header, header_in]).transpose(1, 2).tolist()
         w = widths[0]
 
-        # 3. Pack and dispatch.
-        ids = torch.full((row_keys.shape[0], w), -1, dtype=_ID, device=x.device)
-        ids[row_of, place] = expert.to(_ID)
-        weights = torch.zeros((row_keys.shape[0], w), dtype=_WEIGHT, device=x.device)
-        weights[row_of, place] = weight.to(_WEIGHT)
-        packed = torch.cat([_bytes(x[row_token].to(self.dtype)), _bytes(ids), _bytes(weights)], dim=1).reshape(-1)
+        # Dispatch the packed rows.
         send_bytes = [r * _row_bytes(hidden, self.dtype, w) for r in send_rows]
         recv_bytes = [r * _row_bytes(hidden, self.dtype, rw) for r, rw in zip(recv_rows, recv_widths)]
         got = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(got, packed, output_split_sizes=recv_bytes, input_split_sizes=send_bytes,
-                               group=self.group.data)
+        dist.all_to_all_single(got, self._pack(x, routing, rows, w), output_split_sizes=recv_bytes,
+                               input_split_sizes=send_bytes, group=self.group.data)
         recv_x, recv_routing = self._unpack(got, recv_rows, recv_widths, hidden)
         dispatched = self._now()
 
-        # 4. This rank's experts on what it received: one partial sum per received row.
+        # This rank's experts on what it received: one partial sum per received row.
         if recv_x.shape[0]:
             assert self.bank is not None, "rows arrived at a rank holding no experts of this layer"
             partial = run_experts(recv_x, recv_routing, self.bank)
@@ -170,24 +162,50 @@ class ExpertParallelExperts:
             partial = recv_x
         computed = self._now()
 
-        # 5. Partial sums back to their senders, in the order they were sent; sum per token.
-        back = torch.empty((row_keys.shape[0], hidden), dtype=self.dtype, device=x.device)
+        # Combine: partial sums back to their senders (in the order sent), summed per token.
+        back = torch.empty((rows.token.shape[0], hidden), dtype=self.dtype, device=x.device)
         dist.all_to_all_single(back, partial.contiguous(), output_split_sizes=send_rows,
                                input_split_sizes=recv_rows, group=self.group.data)
         out = torch.zeros_like(x)
-        out.index_add_(0, row_token, back.to(x.dtype))
+        out.index_add_(0, rows.token, back.to(x.dtype))
         combined = self._now()
 
-        others = [r for r in range(n) if r != rank]
+        st, others = self.stats, [r for r in range(n) if r != self.group.rank]
         st.exchanges += 1
         st.dispatch_s += dispatched - started
         st.compute_s += computed - dispatched
         st.combine_s += combined - computed
-        st.dispatch_bytes += sum(header[r].numel() * 8 + send_bytes[r] for r in others)
+        st.dispatch_bytes += sum(header[r].numel() * header.element_size() + send_bytes[r] for r in others)
         st.combine_bytes += sum(recv_rows[r] for r in others) * hidden * _itemsize(self.dtype)
         st.rows_sent += sum(send_rows[r] for r in others)
         st.rows_received += sum(recv_rows[r] for r in others)
         return out
+
+    def _rows(self, routing: Routing, num_tokens: int) -> _Rows:
+        """Group the assignments into send rows by (destination rank, token), per the replica rule."""
+        token, expert = routing.token, routing.expert
+        dest = self._replica_ranks[expert, (token + self.group.rank) % self._num_replicas[expert]]
+        stride = max(num_tokens, 1)
+        # Sorted unique keys are destination-major, token-minor: the send order.
+        keys, row_of = torch.unique(dest * stride + token, sorted=True, return_inverse=True)
+        # An assignment's column is its rank among its row's assignments (a stable sort by row).
+        order = torch.argsort(row_of, stable=True)
+        per_row = torch.bincount(row_of, minlength=keys.shape[0])
+        first = torch.cumsum(per_row, 0) - per_row
+        place = torch.empty_like(order)
+        place[order] = torch.arange(order.shape[0], device=order.device) - first[row_of[order]]
+        width = per_row.max() if per_row.numel() else torch.zeros((), dtype=torch.int64, device=token.device)
+        return _Rows(keys % stride, torch.bincount(keys // stride, minlength=self.group.size), row_of, place, width)
+
+    def _pack(self, x: torch.Tensor, routing: Routing, rows: _Rows, width: int) -> torch.Tensor:
+        """The send rows as one flat byte tensor: per row the token's hidden state, then `width` expert
+        ids (int32, -1 = padding), then `width` weights (fp32)."""
+        r = rows.token.shape[0]
+        ids = torch.full((r, width), -1, dtype=_ID, device=x.device)
+        ids[rows.of, rows.place] = routing.expert.to(_ID)
+        weights = torch.zeros((r, width), dtype=_WEIGHT, device=x.device)
+        weights[rows.of, rows.place] = routing.weight.to(_WEIGHT)
+        return torch.cat([_bytes(x[rows.token].to(self.dtype)), _bytes(ids), _bytes(weights)], dim=1).reshape(-1)
 
     def _unpack(self, got: torch.Tensor, rows: list[int], widths: list[int],
                 hidden: int) -> tuple[torch.Tensor, Routing]:
