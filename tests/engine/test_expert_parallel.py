@@ -33,7 +33,7 @@ from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.weights import load_model_weights
 from deepinfer.parallel.ep_moe import ExpertParallelExperts
-from deepinfer.parallel.group import EpGroup, ExpertParallelError, init_ep_group
+from deepinfer.parallel.group import EpGroup, ExpertParallelError, cpu_threads_per_rank, init_ep_group
 from deepinfer.parallel.placement import ExpertPlacement
 from tests.engine.moe_models import VOCAB, build_hf_moe, save
 
@@ -308,3 +308,32 @@ def test_dead_rank_makes_survivor_step_raise(model_dirs: dict[str, str], tmp_pat
     # The step's request ended with an error output, carried by the exception; the engine stays refused.
     assert survivor["outputs"] == [["long", True, "error"]]
     assert "failed earlier" in survivor["refused_after"]
+
+
+# -- without processes ------------------------------------------------------------------------------
+
+
+def test_cpu_share_is_cores_over_ranks_at_least_one() -> None:
+    assert [cpu_threads_per_rank(n, cores=16) for n in (1, 2, 3, 16, 32)] == [16, 8, 5, 1, 1]
+
+
+@pytest.mark.parametrize("size, rank, master, device, match", [
+    (2, 2, "127.0.0.1:1", "cpu", "outside a group"),
+    (2, 0, "127.0.0.1", "cpu", "host:port"),
+    (2, 0, ":29500", "cpu", "host:port"),
+    (2, 0, "127.0.0.1:1", "mps", "cpu or cuda"),
+])
+def test_init_refuses_bad_arguments(size: int, rank: int, master: str, device: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        init_ep_group(size, rank, master, device)
+    assert not dist.is_initialized()
+
+
+def test_engine_refuses_a_dense_model_and_a_foreign_device(tiny_llama: Any) -> None:
+    """Checked before any collective, so a group that was never joined will do."""
+    fake = EpGroup(2, 0, torch.device("cpu"), data=None, cpu_group=None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="no sparse blocks"):
+        LLMEngine(tiny_llama, config=engine_config(), ep_group=fake)
+    on_gpu = EpGroup(2, 0, torch.device("cuda", 0), data=None, cpu_group=None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not the expert-parallel group's"):
+        LLMEngine(tiny_llama, config=engine_config(), ep_group=on_gpu)
