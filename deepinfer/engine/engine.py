@@ -425,14 +425,15 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self._ep_failure is not None:
+            owed, self._pending = self._pending, []
+            raise ExpertParallelError(f"the expert-parallel group failed earlier: {self._ep_failure}", owed)
         # Leases hold even where no timer runs: a lost transfer's blocks come back here.
         self.expire_reservations()
         outputs, self._pending = self._pending, []
         spec = self.speculator
         if spec is not None:
             spec.plan(self.scheduler.running, self.scheduler.max_num_batched_tokens)
-        if self._ep_failure is not None:
-            raise ExpertParallelError(f"the expert-parallel group failed earlier: {self._ep_failure}")
         sched = self.scheduler.schedule()
         if spec is not None:
             spec.clear_plan()
