@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from deepinfer.engine.config import ConfigError, EngineConfig, ModelConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.kv_spec import KvSpec
-from deepinfer.engine.models.deepseek import DeepseekModel
+from deepinfer.engine.models.deepseek import DeepseekModel, DeepseekRouter
+from deepinfer.engine.models.moe import LocalExperts, SparseMoE
 from deepinfer.engine.request import FinishReason, RequestOutput, SamplingParams
 from deepinfer.engine.weights import load_model_weights
 from tests.engine.deepseek_models import FUSED, TIED_LAYER, VARIANTS, VOCAB, build_hf_deepseek, save
@@ -105,6 +106,10 @@ def test_loaded_as_deepseek_with_a_latent_cache(ds_case):  # type: ignore[no-unt
     assert isinstance(e.runner.model, DeepseekModel)
     sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert [i for i in range(c.num_layers) if c.moe.is_sparse_layer(i)] == sparse
+    # moe.py's blocks, so expert parallelism (which swaps a block's `experts`) applies to DeepSeek too.
+    blocks = [layer.mlp for layer in e.runner.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert len(blocks) == len(sparse) and all(isinstance(b.experts, LocalExperts) for b in blocks)
+    assert all((b.shared is not None) == bool(hc.n_shared_experts) and b.shared_gate is None for b in blocks)
     latent = hc.kv_lora_rank + hc.qk_rope_head_dim
     assert e.kv_spec.components == ("latent",) and e.kv_spec.token_shape == (latent,)
     assert e.runner.kv.shape == (8, c.num_layers, 1, BLOCK, latent)
@@ -223,6 +228,36 @@ def test_router_chooses_and_weighs_like_transformers(ds_case):  # type: ignore[n
             assert torch.all(routing.weight == 0.5 * loaded.config.moe.routed_scaling_factor)
         checked += 1
     assert checked
+
+
+@pytest.mark.parametrize("cls_name, kwargs", [
+    ("DeepseekV2Config", dict(n_routed_experts=10, num_experts_per_tok=3)),  # V2 greedy: top-k of softmax
+    ("DeepseekV3Config", dict(n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1,
+                              routed_scaling_factor=1.0, norm_topk_prob=True)),  # one group: plain biased top-k
+])
+def test_router_on_its_own_against_transformers_gate(cls_name, kwargs):  # type: ignore[no-untyped-def]
+    """The routing settings no model variant above uses, router against gate alone (no model built)."""
+    import transformers
+
+    config = getattr(transformers, cls_name)(hidden_size=16, num_attention_heads=4, **kwargs)
+    ours = ModelConfig.from_hf_dict(config.to_dict()).moe
+    gate_cls = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter
+    if cls_name == "DeepseekV2Config":
+        gate_cls = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter
+    torch.manual_seed(3)
+    gate = gate_cls(config)
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.25)
+        if hasattr(gate, "e_score_correction_bias"):
+            gate.e_score_correction_bias.normal_(0, 0.1)
+    router = DeepseekRouter(gate.weight.detach().clone(), getattr(gate, "e_score_correction_bias", None), ours)
+    h = torch.randn(200, 16)
+    routing = router(h)
+    with torch.inference_mode():
+        _, ref_w, ref_e = gate(h)
+    k = ours.num_experts_per_tok
+    assert {(int(t), int(x)): float(w) for t, x, w in zip(routing.token, routing.expert, routing.weight)} == {
+        (t, int(ref_e[t, j])): float(ref_w[t, j]) for t in range(h.shape[0]) for j in range(k)}
 
 
 # -- configs and checkpoints ------------------------------------------------------------------
