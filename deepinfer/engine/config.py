@@ -335,7 +335,7 @@ def _deepseek_moe(model_type: str, d: dict[str, Any]) -> MoEConfig:
     grouped = method != "greedy"
     return MoEConfig(
         num_experts=int(experts),
-        num_experts_per_tok=int(d["num_experts_per_tok"]),
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),  # unset: 0, refused by MoEConfig
         expert_intermediate_size=int(d["moe_intermediate_size"]),
         norm_topk_prob=norm,
         shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * int(d["moe_intermediate_size"]),
