@@ -1,5 +1,6 @@
 """Expert parallelism across real processes: two ranks (spawned, gloo over tcp on 127.0.0.1, one torch
-thread each) serving tiny seeded random Mixtral and Qwen2-MoE models, each rank holding half the experts.
+thread each) serving tiny seeded random Mixtral, Qwen2-MoE and DeepSeek-V3 (MLA, group-limited routing)
+models, each rank holding half the experts.
 
 * Requests split across the ranks (different lengths, one rank idle at first and finishing early, so it
   joins steps with empty batches) give greedy outputs token for token equal to one engine holding every
@@ -35,12 +36,15 @@ from deepinfer.engine.weights import load_model_weights
 from deepinfer.parallel.ep_moe import ExpertParallelExperts
 from deepinfer.parallel.group import EpGroup, ExpertParallelError, cpu_threads_per_rank, init_ep_group
 from deepinfer.parallel.placement import ExpertPlacement
+from tests.engine.deepseek_models import build_hf_deepseek
+from tests.engine.deepseek_models import save as save_deepseek
 from tests.engine.moe_models import VOCAB, build_hf_moe, save
 
 WORLD = 2
 TIMEOUT_S = 20.0  # gloo's: a dead peer is usually noticed at once (closed socket), at worst after this
 JOIN_LIMIT_S = 600.0  # the parent's guard against a hung child, far above any expected run
 MODELS = {"mixtral": "mixtral-8e-top2", "qwen2moe": "qwen2moe-shared-norm-dense1"}
+DEEPSEEK = "v3-qlora-dense1-yarn"
 
 
 def engine_config(speculative: str | None = None) -> EngineConfig:
@@ -83,6 +87,8 @@ SCENARIOS: dict[str, Scenario] = {
     "mixtral-replicas": Scenario("mixtral", SPLIT, redundant=3),
     "mixtral-ngram": Scenario("mixtral", SPLIT, speculative="ngram"),
     "qwen2moe-split": Scenario("qwen2moe", SPLIT),
+    # DeepSeek-V3: MLA attention, a dense first layer, a shared expert, group-limited sigmoid routing.
+    "deepseek-split": Scenario("deepseek", SPLIT),
 }
 
 
@@ -223,8 +229,10 @@ def spawn(target: Any, args: tuple[Any, ...], tmp: Path, ok_exit: tuple[set[int]
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return {name: str(save(build_hf_moe(variant, seed=7), tmp_path_factory.mktemp(name)))
+    dirs = {name: str(save(build_hf_moe(variant, seed=7), tmp_path_factory.mktemp(name)))
             for name, variant in MODELS.items()}
+    dirs["deepseek"] = str(save_deepseek(build_hf_deepseek(DEEPSEEK, seed=7), tmp_path_factory.mktemp("deepseek")))
+    return dirs
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +282,9 @@ def test_each_rank_holds_its_share(ranks: list[dict[str, Any]]) -> None:
     assert ranks[1]["mixtral-split"]["held"] == [[4, 5, 6, 7]] * 3
     assert ranks[0]["qwen2moe-split"]["held"] == [[0, 1, 2]] * 2
     assert ranks[1]["qwen2moe-split"]["held"] == [[3, 4, 5]] * 2
+    # DeepSeek: 8 routed experts, layer 0 dense (one MoE layer per remaining layer).
+    assert ranks[0]["deepseek-split"]["held"][0] == [0, 1, 2, 3]
+    assert ranks[1]["deepseek-split"]["held"][0] == [4, 5, 6, 7]
     # Three replicas: one each of 0, 4 and 1, on the rank after their home.
     assert ranks[0]["mixtral-replicas"]["held"] == [[0, 1, 2, 3, 4]] * 3
     assert ranks[1]["mixtral-replicas"]["held"] == [[4, 5, 6, 7, 0, 1]] * 3
