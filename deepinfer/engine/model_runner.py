@@ -1,9 +1,10 @@
 """The model runner: owns the KV tensor and turns a scheduler step into one forward pass.
 
 KV layout: one tensor [num_blocks, *spec.block_shape] as the engine's `KvSpec` describes it (for a
-Llama-family model [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]). A block is
-therefore one contiguous slab holding every layer's KV for `block_size` tokens, which is the unit the
-cache tiers store and the P/D transfer moves; a layer's K (or V) is the strided view `kv[:, layer, 0]`.
+Llama-family model [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]; for MLA one
+latent component per token). A block is therefore one contiguous slab holding every layer's KV for
+`block_size` tokens, which is the unit the cache tiers store and the P/D transfer moves; a layer's
+component c is the strided view `kv[:, layer, c]`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ class CausalLM(Protocol):
 
     * `config`: the architecture it was built for; the runner sizes the KV tensor from the `KvSpec`
       derived from it ([num_blocks, *spec.block_shape]; for Llama-family attention [num_blocks,
-      num_layers, 2, block_size, num_kv_heads, head_dim], fp32).
+      num_layers, 2, block_size, num_kv_heads, head_dim], fp32; for MLA [num_blocks, num_layers, 1,
+      block_size, kv_lora_rank + qk_rope_head_dim]).
     * `max_positions`: the longest context its position tables cover.
     * `forward(input_ids, positions, kv, meta, logits_rows)`: input_ids and positions are [T] int64
       (the step's tokens, requests concatenated); kv the runner's tensor; meta the step's attention
