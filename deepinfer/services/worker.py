@@ -326,6 +326,10 @@ class WorkerService(Service):
                                         resume_output_ids=action.resumed)
 
             await self._thread.call(add)
+        except GroupBroken:
+            # Not this request's fault: the group is over and this process exits, so the router moves the
+            # request to another worker as for any dead worker. An error reply would end it at the client.
+            return
         except Exception as exc:
             if not isinstance(exc, InvalidRequestError):
                 self.log.exception("adding the request failed", request_id=job.request_id)
