@@ -11,7 +11,7 @@ import os
 import signal
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import zmq.asyncio
@@ -76,21 +76,21 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
     raise ValueError(f"unknown role {role!r}")
 
 
-def all_services(topology: Topology, ctx: zmq.asyncio.Context) -> list[Service]:
-    services = [build_service(topology, "router", "router", ctx)]
-    services += [build_service(topology, "kvcache", k.name, ctx) for k in topology.kvcaches]
-    services += [build_service(topology, "tokenizer", t.name, ctx) for t in topology.tokenizers]
-    services += [build_service(topology, "worker", w.name, ctx) for w in topology.workers]
-    return services
+def all_services(topology: Topology, ctx: zmq.asyncio.Context, skip: Collection[str] = ()) -> list[Service]:
+    """Every service of the topology but those named in `skip` (run elsewhere), router first."""
+    named = [("router", "router"), *(("kvcache", k.name) for k in topology.kvcaches),
+             *(("tokenizer", t.name) for t in topology.tokenizers), *(("worker", w.name) for w in topology.workers)]
+    return [build_service(topology, role, name, ctx) for role, name in named if name not in skip]
 
 
 class InprocMesh:
-    """Every service as a task in the running event loop; `await start()` returns once all are serving."""
+    """Every service as a task in the running event loop; `await start()` returns once all are serving.
+    `skip` names services run elsewhere (e.g. a second worker group: a process leads at most one)."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, skip: Collection[str] = ()) -> None:
         self.topology = topology
         self.ctx = zmq.asyncio.Context()
-        self.services = all_services(topology, self.ctx)
+        self.services = all_services(topology, self.ctx, skip)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self, timeout_s: float = 300.0) -> None:

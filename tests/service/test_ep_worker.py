@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,47 +159,68 @@ def test_a_dead_follower_ends_the_worker(tiny_moe_with_tokenizer, tmp_path):
     assert isinstance(error, GroupBroken)
 
 
+def _free_master() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
 @pytest.mark.smollm2
-def test_a_decode_worker_group_takes_handoffs(tiny_moe_with_tokenizer, tmp_path):
-    """P/D: a plain prefill worker hands each request's KV to a decode worker that is a 2-rank group; the
-    KV lands on whichever rank reserved it, and the answers equal one engine's."""
+@pytest.mark.parametrize("prefill_ep", [1, 2], ids=["plain-prefill", "prefill-group"])
+def test_a_decode_worker_group_takes_handoffs(tiny_moe_with_tokenizer, tmp_path, prefill_ep):
+    """P/D: a prefill worker (plain, or itself a 2-rank group) hands each request's KV to a decode worker
+    that is a 2-rank group; the KV leaves from whichever prefill rank computed it, lands on whichever decode
+    rank reserved it, and the answers equal one engine's. One process can lead only one group (one
+    torch.distributed membership per process), so a prefill group runs as its own two processes, as `up`
+    runs it, and the rest of the mesh in this one."""
     model = tiny_moe_with_tokenizer
     topo = Topology.local(str(model), "ipc", run_dir=tmp_path, disaggregated=True, threads=1, kv_cache_mb=4,
                           kvcache=False)
     prefill, decode_ = topo.workers
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        master = f"127.0.0.1:{s.getsockname()[1]}"
-    topo = dataclasses.replace(topo, workers=(prefill, dataclasses.replace(decode_, ep=2, ep_master=master)))
+    if prefill_ep > 1:
+        prefill = dataclasses.replace(prefill, ep=prefill_ep, ep_master=_free_master())
+    topo = dataclasses.replace(topo, workers=(prefill, dataclasses.replace(decode_, ep=2, ep_master=_free_master())))
     path = tmp_path / "topology.toml"
     path.write_text(topo.to_toml())
     prompts = [[5 + i, 40 + i, 41, 42, 43, 44, 45, 46, 47, 48, 49] for i in range(6)]
     engine = LLMEngine.load(model, EngineConfig(kv_cache_bytes=4 * 1024 * 1024, num_threads=1))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     reference = [o.token_ids for o in engine.generate(prompts, params)]
-    follower = subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", "service", "worker", "--topology",
-                                 str(path), "--name", "decode-0", "--rank", "1"])
+    def rank(name: str, r: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", "service", "worker", "--topology",
+                                 str(path), "--name", name, *(["--rank", str(r)] if r else [])])
 
-    async def run() -> tuple[list[Any], int, int]:
-        mesh = InprocMesh(topo)
+    followers = [rank(w.name, 1) for w in topo.workers if w.ep > 1]
+    apart = [rank(prefill.name, 0)] if prefill_ep > 1 else []  # the prefill group's leader
+
+    async def run() -> tuple[list[Any], int, int, int | None]:
+        mesh = InprocMesh(topo, skip=[prefill.name] if apart else [])
         await mesh.start()
         try:
             group = mesh.service("decode-0").engine
             free = group.num_free_blocks
+            table = mesh.service("router").core.table
+            await until(lambda: table.has_live("prefill", time.monotonic()), timeout_s=120)  # the group apart
             async with AsyncClient(topo.frontend, ctx=mesh.ctx, timeout_s=120) as c:
                 results = await asyncio.gather(*[c.generate(prompt_token_ids=p, max_tokens=10, ignore_eos=True)
                                                  for p in prompts])
             await until(lambda: group.num_free_blocks == free and not group.has_unfinished())
-            return results, group.stats.handoffs_in, group.local.stats.handoffs_in
+            sent = None if apart else mesh.service(prefill.name).engine.stats.handoffs_out
+            return results, group.stats.handoffs_in, group.local.stats.handoffs_in, sent
         finally:
             await mesh.stop()
 
     try:
-        results, handoffs, on_rank0 = asyncio.run(run())
-        code = follower.wait(timeout=120)
+        results, handoffs, on_rank0, sent = asyncio.run(run())
+        for p in apart:
+            p.send_signal(signal.SIGTERM)  # its drain ends the group: its follower exits 0
+        codes = [f.wait(timeout=120) for f in [*followers, *apart]]
     finally:
-        if follower.poll() is None:
-            follower.kill()
+        for f in [*followers, *apart]:
+            if f.poll() is None:
+                f.kill()
     assert [r.token_ids for r in results] == reference
     assert handoffs == len(prompts) > on_rank0  # some went to the follower
-    assert code == EXIT_STOPPED
+    assert sent in (None, len(prompts))
+    assert codes[:len(followers)] == [EXIT_STOPPED] * len(followers)
+    assert codes[len(followers):] == [0] * len(apart)
