@@ -569,6 +569,7 @@ class BalancerCore:
         self.pending: ExpertPlacement | None = None
         self._reports: list[_Report] = []
         self._top_version = current.version  # the highest version issued, adopted or reported
+        self._reported_version = current.version  # the highest version a report was counted under
 
     @classmethod
     def for_group(cls, num_layers: int, num_experts: int, num_ranks: int, redundant: int = 0, *,
@@ -590,6 +591,7 @@ class BalancerCore:
         _check_loads(report_layers, self.current.num_experts)
         self._reports.append(_Report(now, version, tuple(tuple(int(x) for x in row) for row in report_layers)))
         self._top_version = max(self._top_version, version)
+        self._reported_version = max(self._reported_version, version)
         self._expire(now)
 
     def _expire(self, now: float) -> None:
@@ -617,7 +619,7 @@ class BalancerCore:
         in the window, a decision pending, a report from a placement not adopted here, or no layer
         improving by `threshold`."""
         loads = self.window_loads(now)
-        if self.pending is not None or not self._reports or self._top_version > self.current.version:
+        if self.pending is not None or not self._reports or self._reported_version > self.current.version:
             return None
         cur = self.current
         rpn = self.ranks_per_node if _hierarchical(cur.num_experts, cur.num_ranks, self.replicas,

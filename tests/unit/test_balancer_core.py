@@ -1,0 +1,259 @@
+"""The expert balancer's pure core: hand-checked cases, DeepSeek EPLB's published example, the window,
+and properties of every placement and every plan."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer.parallel.placement import EMPTY, ExpertPlacement
+from deepinfer.services.balancer_core import (
+    BalancerCore,
+    lower_bound,
+    max_over_mean,
+    rank_loads,
+    rebalance,
+    replica_counts,
+)
+
+# EPLB's README (deepseek-ai/EPLB): 2 layers of 12 experts, 16 replicas, 4 groups, 2 nodes of 4 GPUs.
+EPLB_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+               [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+EPLB_OUTPUT = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+               [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+
+
+def ratios(p: ExpertPlacement, loads: list[list[int]]) -> list[float]:
+    return [max_over_mean(r) for r in rank_loads(p, loads)]
+
+
+def test_rank_loads_split_an_expert_over_its_replicas() -> None:
+    # Rank 0: experts 0, 1; rank 1: experts 2, 0. Expert 0's 10 tokens go 5 and 5.
+    p = ExpertPlacement(2, 3, 2, ((0, 1, 2, 0),))
+    assert rank_loads(p, [[10, 4, 6]]) == [[9.0, 11.0]]
+    assert max_over_mean([9.0, 11.0]) == pytest.approx(1.1)
+    assert max_over_mean([0.0, 0.0]) == 1.0
+
+
+def test_replica_counts_go_to_the_highest_load_per_replica() -> None:
+    # 4 extra: 100 -> 50 (2), then 60 -> 30 (2), then 100 -> 33.3 (3), then 40 vs 33.3 vs 30: 40 (2).
+    assert replica_counts([100, 60, 40, 10], 8, cap=4) == [3, 2, 2, 1]
+    # The cap (one replica per rank) holds, and a tie goes to the lower id.
+    assert replica_counts([100, 1], 5, cap=2) == [2, 2]
+    assert replica_counts([5, 5], 3, cap=3) == [2, 1]
+
+
+def test_lower_bound_is_the_mean_or_the_heaviest_replica() -> None:
+    # 2 ranks, 4 replicas of [100, 60, 40, 10]: one each; the heaviest replica (100) is under the mean
+    # (105), so the bound is the mean. 3 ranks of one slot and [90, 10, 10]: 90 against a mean of 110/3.
+    assert lower_bound([100, 60, 40, 10], 2, 4) == pytest.approx(1.0)
+    assert lower_bound([90, 10, 10], 3, 3) == pytest.approx(90 / (110 / 3))
+    assert lower_bound([0, 0], 2, 2) == 1.0
+
+
+def test_hand_checked_global_packing() -> None:
+    # 2 ranks of 3 slots, loads [60, 30, 20, 10], 2 extra replicas. Counts: 60 -> 2 (30 each; expert 0
+    # is then at its cap of 2 ranks), then 30 -> 2: [2, 2, 1, 1]. No rank holds an expert twice, so each
+    # rank has a 30 and a 15; the 20 and the 10 go one each: 65 and 55, max/mean 65/60. No placement of
+    # 6 replicas does better here ([2, 1, 2, 1] gives 70/50, [2, 1, 1, 2] 65/55 again), though the
+    # slot-blind lower bound says 1.0.
+    loads = [[60, 30, 20, 10]]
+    p = rebalance(loads, num_ranks=2, slots_per_rank=3)
+    assert Counter(p.layers[0]) == Counter({0: 2, 1: 2, 2: 1, 3: 1})
+    assert sorted(rank_loads(p, loads)[0]) == [55.0, 65.0]
+    assert ratios(p, loads)[0] == pytest.approx(65 / 60)
+    assert lower_bound(loads[0], 2, 6) == 1.0
+
+
+def test_eplb_readme_example_same_replicas_and_no_worse() -> None:
+    ours = rebalance(EPLB_WEIGHT, num_ranks=8, slots_per_rank=2, ranks_per_node=4, num_groups=4)
+    published = ExpertPlacement(8, 12, 2, tuple(tuple(s) for s in EPLB_OUTPUT))
+    for layer in range(2):
+        assert Counter(ours.layers[layer]) == Counter(published.layers[layer])
+        # Hierarchical: each group of 3 experts stays within one node of 4 GPUs (8 slots).
+        for node in range(2):
+            held = set(ours.layers[layer][node * 8:(node + 1) * 8])
+            assert all({3 * g, 3 * g + 1, 3 * g + 2} <= held or not {3 * g, 3 * g + 1, 3 * g + 2} & held
+                       for g in range(4))
+    mine, theirs = ratios(ours, EPLB_WEIGHT), ratios(published, EPLB_WEIGHT)
+    assert all(m <= t + 1e-9 for m, t in zip(mine, theirs, strict=True))
+    assert theirs[0] == pytest.approx(1.2081, abs=1e-4)  # the published table's own figure
+
+
+def test_global_policy_when_nodes_do_not_divide_groups() -> None:
+    # 3 groups over 2 nodes: global policy, replicas may cross nodes; still every expert placed.
+    p = rebalance(EPLB_WEIGHT, num_ranks=8, slots_per_rank=2, ranks_per_node=4, num_groups=3)
+    assert all(set(layer) == set(range(12)) for layer in p.layers)
+
+
+def test_redundant_fewer_than_the_slots_leaves_empty_slots() -> None:
+    p = rebalance([[5, 4, 3, 2, 1]], num_ranks=2, slots_per_rank=4, redundant=1)
+    assert p.layers[0].count(EMPTY) == 2 and Counter(p.layers[0])[0] == 2
+
+
+# --- the core -------------------------------------------------------------------------------------------
+
+
+def skewed(num_layers: int, num_experts: int, hot: int = 0) -> list[list[int]]:
+    return [[1000 if e == hot else 10 for e in range(num_experts)] for _ in range(num_layers)]
+
+
+def test_plan_replicates_the_hot_expert_and_bumps_the_version() -> None:
+    core = BalancerCore.for_group(2, 8, 4, redundant=4, window_s=60.0)
+    assert core.plan(0.0) is None  # nothing reported yet
+    core.observe(skewed(2, 8), version=0, now=0.0)
+    d = core.plan(1.0)
+    assert d is not None and d.placement.version == 1 and d.changed == (0, 1)
+    assert all(a < b for a, b in zip(d.after, d.before, strict=True))
+    assert Counter(d.placement.layers[0])[0] == 4  # one replica per rank: the most it can have
+    assert core.plan(2.0) is None  # pending until adopted
+    core.adopt(d.placement)
+    assert core.current is d.placement
+    assert core.plan(3.0) is None  # nothing left worth a move
+
+
+def test_threshold_keeps_a_good_placement() -> None:
+    core = BalancerCore.for_group(1, 4, 2, window_s=60.0, threshold=0.05)
+    core.observe([[10, 10, 10, 11]], version=0, now=0.0)  # static: 20 vs 21, max/mean 1.024
+    assert core.plan(0.0) is None
+
+
+def test_abandon_frees_the_next_plan_with_a_new_version() -> None:
+    core = BalancerCore.for_group(1, 8, 4, redundant=4, window_s=60.0)
+    core.observe(skewed(1, 8), version=0, now=0.0)
+    first = core.plan(0.0)
+    core.abandon()
+    second = core.plan(0.0)
+    assert first is not None and second is not None
+    assert second.placement.version == 2 and second.placement.layers == first.placement.layers
+
+
+def test_a_report_from_an_unknown_newer_version_stops_plans_until_adopted() -> None:
+    core = BalancerCore.for_group(1, 8, 4, redundant=4, window_s=60.0)
+    core.observe(skewed(1, 8), version=7, now=0.0)
+    assert core.plan(0.0) is None
+    running = ExpertPlacement(4, 8, 3, core.current.layers, version=7)
+    core.adopt(running)
+    d = core.plan(0.0)
+    assert d is not None and d.placement.version == 8
+
+
+def test_window_drops_old_reports() -> None:
+    core = BalancerCore.for_group(1, 4, 2, window_s=10.0)
+    core.observe([[1, 2, 3, 4]], version=0, now=0.0)
+    core.observe([[10, 0, 0, 0]], version=0, now=5.0)
+    assert core.window_loads(10.0) == [[11, 2, 3, 4]]  # exactly window_s old still counts
+    assert core.window_loads(10.5) == [[10, 0, 0, 0]]
+    assert core.window_loads(15.5) == [[0, 0, 0, 0]] and core.reports == 0
+    assert core.plan(15.5) is None
+
+
+def test_bad_reports_are_refused() -> None:
+    core = BalancerCore.for_group(2, 4, 2, window_s=10.0)
+    with pytest.raises(ValueError):
+        core.observe([[1, 2, 3, 4]], version=0, now=0.0)  # one layer of two
+    with pytest.raises(ValueError):
+        core.observe([[1, 2, 3], [1, 2, 3]], version=0, now=0.0)
+    with pytest.raises(ValueError):
+        core.observe([[1, 2, 3, -4], [1, 2, 3, 4]], version=0, now=0.0)
+
+
+def test_max_moves_converges_over_rounds() -> None:
+    core = BalancerCore.for_group(1, 16, 4, redundant=4, window_s=60.0, max_moves=2)
+    loads = [[(e * 37) % 101 + (500 if e in (3, 7) else 0) for e in range(16)]]
+    core.observe(loads, version=0, now=0.0)
+    start = ratios(core.current, loads)[0]
+    for _ in range(40):
+        d = core.plan(0.0)
+        if d is None:
+            break
+        assert max(d.moves) <= 2
+        core.adopt(d.placement)
+    assert ratios(core.current, loads)[0] < start * 0.95
+
+
+# --- properties -----------------------------------------------------------------------------------------
+
+
+@st.composite
+def groups(draw: st.DrawFn) -> tuple[int, int, int, list[list[int]]]:
+    experts = draw(st.integers(1, 12))
+    ranks = draw(st.integers(1, 6))
+    redundant = draw(st.integers(0, min(experts * (ranks - 1), 2 * ranks)))
+    layers = draw(st.integers(1, 3))
+    loads = draw(st.lists(st.lists(st.integers(0, 1000), min_size=experts, max_size=experts),
+                          min_size=layers, max_size=layers))
+    return experts, ranks, redundant, loads
+
+
+def check_valid(p: ExpertPlacement) -> None:
+    # The constructor checks coverage, duplicates and width; re-check them here in plain words.
+    for layer in p.layers:
+        assert set(range(p.num_experts)) <= set(layer)
+        for r in range(p.num_ranks):
+            held = [e for e in layer[r * p.slots_per_rank:(r + 1) * p.slots_per_rank] if e != EMPTY]
+            assert len(held) == len(set(held)) <= p.slots_per_rank
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups())
+def test_rebalance_is_valid_deterministic_and_never_below_the_bound(g: tuple) -> None:
+    experts, ranks, redundant, loads = g
+    static = ExpertPlacement.static(len(loads), experts, ranks, redundant)
+    p = rebalance(loads, ranks, static.slots_per_rank, redundant=redundant)
+    check_valid(p)
+    assert all(sum(1 for e in layer if e != EMPTY) == experts + redundant for layer in p.layers)
+    assert p == rebalance(loads, ranks, static.slots_per_rank, redundant=redundant)
+    for ratio, w in zip(ratios(p, loads), loads, strict=True):
+        assert ratio >= lower_bound(w, ranks, experts + redundant) - 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups(), st.one_of(st.none(), st.integers(1, 6)), st.sampled_from([0.0, 0.05, 0.2]))
+def test_plan_is_valid_bounded_never_worse_and_deterministic(g: tuple, max_moves: int | None,
+                                                            threshold: float) -> None:
+    experts, ranks, redundant, loads = g
+
+    def run() -> tuple[BalancerCore, object]:
+        core = BalancerCore.for_group(len(loads), experts, ranks, redundant, window_s=30.0, threshold=threshold,
+                                      max_moves=max_moves)
+        core.observe(loads, version=0, now=0.0)
+        return core, core.plan(1.0)
+
+    core, d = run()
+    assert run()[1] == d
+    if d is None:
+        return
+    check_valid(d.placement)
+    assert d.placement.version == core.current.version + 1
+    before, after = ratios(core.current, loads), ratios(d.placement, loads)
+    for i in range(len(loads)):
+        assert after[i] <= before[i] + 1e-9  # never worse, threshold or not
+        assert d.after[i] == pytest.approx(after[i]) and d.before[i] == pytest.approx(before[i])
+        moved = sum(1 for a, b in zip(core.current.layers[i], d.placement.layers[i], strict=True)
+                    if a != b and b != EMPTY)
+        assert moved == d.moves[i]
+        if max_moves is not None:
+            assert moved <= max_moves
+        if i not in d.changed:
+            assert d.placement.layers[i] == core.current.layers[i]
+    # A changed layer came from a rebalance whose whole gain reached the threshold.
+    assert d.changed
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 100), st.integers(0, 50)), min_size=1, max_size=8),
+       st.floats(1, 50), st.floats(0, 200))
+def test_window_keeps_exactly_the_recent_reports(reports: list, window: float, now: float) -> None:
+    core = BalancerCore.for_group(1, 2, 1, window_s=window)
+    for at, x in reports:
+        core.observe([[x, 1]], version=0, now=at)
+    # Each observe(now=at) expires too: a report is gone once any later call's time is past its window.
+    got = core.window_loads(now)[0][0]
+    kept = [(at, x) for i, (at, x) in enumerate(reports)
+            if all(later - at <= window for later, _ in reports[i:]) and now - at <= window]
+    assert got == sum(x for _, x in kept)
+    assert core.reports == len(kept)
