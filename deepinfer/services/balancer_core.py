@@ -25,14 +25,21 @@ The policy (per MoE layer), after DeepSeek's EPLB:
    the slots. The replicas of an expert then stay in the node of its group, which is what group-limited
    routing wants. Otherwise the global policy: 1 and 2 over all ranks.
 
+After the greedy packing a swap search (`_refine_slots`) trades replicas between the busiest rank and
+the others while that lowers the pair's maximum; replica counts stay as step 1 set them.
+
 A plan (`BalancerCore.plan`) then fits the ideal placement to the current one: candidate ranks are
 matched to current ranks by the experts they share (greedy, largest overlap first), and an expert kept on
 a rank keeps its slot there, so only slots whose expert really changes count as moves (each move loads
-one expert's weights). When the ideal needs more than `max_moves` moves in a layer, a bounded subset is
-applied instead: one slot at a time, always the move giving the lowest predicted (max, sum of squares)
-of the rank loads, each intermediate placement valid (every expert keeps a replica, no rank holds an
-expert twice), and the best prefix kept. A layer changes only when its predicted max/mean improves by
-at least `threshold` (relative); otherwise moving weights costs more than it gains.
+one expert's weights). Under the global policy a second candidate is built from the current placement
+itself (fix the replica counts in place, then the swap search), and the one needing fewer moves wins
+unless the other predicts a max/mean better by `threshold`. A layer changes only when that candidate's
+predicted max/mean improves on the current one by at least `threshold` (relative): below it, moving
+weights costs more than it gains. When the candidate needs more than `max_moves` moves, a bounded
+subset is applied instead (`_bounded`): step by step, the change (or pair of changes, for two experts
+trading ranks) with the lowest predicted (max, sum of squares) of the rank loads, every intermediate
+placement valid, the best prefix kept — a down payment on the whole gain, taken when it is strictly
+better; later plans continue from where it left the group.
 """
 
 from __future__ import annotations
