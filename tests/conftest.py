@@ -7,6 +7,8 @@
   cache directory.
 * structlog's configuration is put back after every test: an in-process CLI call installs a WARNING
   filter, which would otherwise hide the info events a later test captures with `capture_logs`.
+* hypothesis runs without its per-example deadline: a deadline is a timed assertion, and on a shared
+  2-core machine any example can be slow.
 * `tiny_hf_model` — a factory for tiny random-weight Hugging Face models (`llama` or `qwen2`) saved
   with `save_pretrained`; each distinct configuration is built once per session.
 """
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+from hypothesis import settings
 
 from deepinfer.engine.fetch import fetch_smollm2
 
@@ -44,6 +47,10 @@ class TinyModel:
     path: Path  # the save_pretrained directory
     config: Any  # the transformers config
     state_dict: dict[str, torch.Tensor]  # Hugging Face names, fp32
+
+
+settings.register_profile("deepinfer", deadline=None)
+settings.load_profile("deepinfer")
 
 
 @pytest.fixture(autouse=True)
