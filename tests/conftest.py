@@ -5,8 +5,8 @@
 * every test gets its own KV-cache disk directory (`$DEEPINFER_KVCACHE_DIR`, inherited by the processes
   it starts), so no test reads blocks another test left behind and nothing is written to the user's
   cache directory.
-* structlog's configuration is put back after every test: an in-process CLI call installs a WARNING
-  filter, which would otherwise hide the info events a later test captures with `capture_logs`.
+* every test starts with structlog's defaults: an in-process CLI call (also from a module-scoped fixture)
+  installs a WARNING filter, which would otherwise hide the info events a later test captures.
 * hypothesis runs without its per-example deadline: a deadline is a timed assertion, and on a shared
   2-core machine any example can be slow.
 * `tiny_hf_model` — a factory for tiny random-weight Hugging Face models (`llama` or `qwen2`) saved
@@ -61,11 +61,12 @@ def private_kvcache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
 
 
 @pytest.fixture(autouse=True)
-def restore_structlog() -> Iterator[None]:
-    saved = structlog.get_config()
+def default_structlog() -> Iterator[None]:
+    # Reset, not restore a snapshot: a module- or session-scoped fixture (set up before this one) may
+    # have configured structlog through the CLI, and a snapshot taken here would keep its filter.
+    structlog.reset_defaults()
     yield
     structlog.reset_defaults()
-    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")
