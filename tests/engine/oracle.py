@@ -7,6 +7,8 @@ the test fails. After such a tie the two continuations legitimately diverge and 
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 NEAR_TIE = 1e-3
@@ -90,3 +92,41 @@ def smollm2_case(path, questions: list[str], new_tokens: int):  # type: ignore[n
     hf = hf_model_from_loaded(loaded.config, loaded.state_dict)
     return loaded, tok, hf, prompts, [hf_greedy(hf, p, new_tokens) for p in prompts]
 
+
+def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
+    """n seeded token ids in [3, vocab) (below 3: the tiny configs' special ids)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def oracle_prompts(vocab: int) -> list[list[int]]:
+    """The MoE oracle tests' prompts: lengths around block and chunk edges."""
+    return [random_tokens(n, n, vocab) for n in (1, 3, 7, 16, 17, 33, 48, 64, 70)]
+
+
+def run_staggered(e, batch: list[list[int]], params, stagger: bool = True) -> list:  # type: ignore[no-untyped-def]
+    """Final outputs in prompt order, each run to max_tokens; with `stagger`, three prompts join every third step."""
+    from deepinfer.engine.request import FinishReason
+
+    pending = list(enumerate(batch))
+    ids: dict[str, int] = {}
+    final: dict[int, object] = {}
+    steps = 0
+    while pending or e.has_unfinished():
+        if pending and (not stagger or steps % 3 == 0):
+            for _ in range(3 if stagger else len(pending)):
+                if pending:
+                    i, p = pending.pop(0)
+                    ids[e.add_request(f"p{i}", p, params)] = i
+        for out in e.step():
+            if out.finished:
+                assert out.finish_reason == FinishReason.LENGTH
+                final[ids[out.request_id]] = out
+        steps += 1
+    return [final[i] for i in range(len(batch))]
+
+
+def assert_whole(e) -> None:  # type: ignore[no-untyped-def]
+    """Nothing running and every KV block back in the pool, the pool's books consistent."""
+    assert not e.has_unfinished() and e.num_free_blocks == e.pool.num_blocks
+    e.pool.check_integrity()

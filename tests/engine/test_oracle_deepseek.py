@@ -11,7 +11,6 @@ the latent: one vector of kv_lora_rank + qk_rope_head_dim floats per token and l
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
@@ -23,10 +22,17 @@ from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.models.deepseek import DeepseekModel, DeepseekRouter
 from deepinfer.engine.models.moe import LocalExperts, SparseMoE
-from deepinfer.engine.request import FinishReason, RequestOutput, SamplingParams
+from deepinfer.engine.request import RequestOutput, SamplingParams
 from deepinfer.engine.weights import load_model_weights
 from tests.engine.deepseek_models import FUSED, TIED_LAYER, VARIANTS, VOCAB, build_hf_deepseek, save
-from tests.engine.oracle import assert_same_greedy, hf_greedy
+from tests.engine.oracle import (
+    assert_same_greedy,
+    assert_whole,
+    hf_greedy,
+    oracle_prompts,
+    random_tokens,
+    run_staggered,
+)
 
 NEW_TOKENS = 24
 BLOCK = 4
@@ -66,37 +72,15 @@ def ds_case(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
+    return random_tokens(n, seed, VOCAB)
 
 
 def prompts() -> list[list[int]]:
-    return [tokens(n, seed=n) for n in (1, 3, 7, 16, 17, 33, 48, 64, 70)]
+    return oracle_prompts(VOCAB)
 
 
 def run(e: LLMEngine, batch: list[list[int]], stagger: bool = True) -> list[RequestOutput]:
-    """Final outputs in prompt order; with `stagger`, three prompts join every third step."""
-    pending = list(enumerate(batch))
-    ids: dict[str, int] = {}
-    final: dict[int, RequestOutput] = {}
-    steps = 0
-    while pending or e.has_unfinished():
-        if pending and (not stagger or steps % 3 == 0):
-            for _ in range(3 if stagger else len(pending)):
-                if pending:
-                    i, p = pending.pop(0)
-                    ids[e.add_request(f"p{i}", p, GREEDY)] = i
-        for out in e.step():
-            if out.finished:
-                assert out.finish_reason == FinishReason.LENGTH
-                final[ids[out.request_id]] = out
-        steps += 1
-    return [final[i] for i in range(len(batch))]
-
-
-def assert_whole(e: LLMEngine) -> None:
-    assert not e.has_unfinished() and e.num_free_blocks == e.pool.num_blocks
-    e.pool.check_integrity()
+    return run_staggered(e, batch, GREEDY, stagger)
 
 
 def test_loaded_as_deepseek_with_a_latent_cache(ds_case):  # type: ignore[no-untyped-def]

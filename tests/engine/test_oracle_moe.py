@@ -9,18 +9,23 @@ with chunked prefill, with preemption and on prefix-cache hits; one forward's lo
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.models.moe import MoEModel
-from deepinfer.engine.request import FinishReason, RequestOutput, SamplingParams
+from deepinfer.engine.request import RequestOutput, SamplingParams
 from deepinfer.engine.weights import load_model_weights
 from tests.engine.moe_models import VARIANTS, VOCAB, build_hf_moe, save
-from tests.engine.oracle import assert_same_greedy, hf_greedy
+from tests.engine.oracle import (
+    assert_same_greedy,
+    assert_whole,
+    hf_greedy,
+    oracle_prompts,
+    random_tokens,
+    run_staggered,
+)
 
 NEW_TOKENS = 24
 BLOCK = 4
@@ -52,37 +57,15 @@ def moe_case(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
+    return random_tokens(n, seed, VOCAB)
 
 
 def prompts() -> list[list[int]]:
-    return [tokens(n, seed=n) for n in (1, 3, 7, 16, 17, 33, 48, 64, 70)]
+    return oracle_prompts(VOCAB)
 
 
 def run(e: LLMEngine, batch: list[list[int]], stagger: bool = True) -> list[RequestOutput]:
-    """Final outputs in prompt order; with `stagger`, three prompts join every third step."""
-    pending = list(enumerate(batch))
-    ids: dict[str, int] = {}
-    final: dict[int, RequestOutput] = {}
-    steps = 0
-    while pending or e.has_unfinished():
-        if pending and (not stagger or steps % 3 == 0):
-            for _ in range(3 if stagger else len(pending)):
-                if pending:
-                    i, p = pending.pop(0)
-                    ids[e.add_request(f"p{i}", p, GREEDY)] = i
-        for out in e.step():
-            if out.finished:
-                assert out.finish_reason == FinishReason.LENGTH
-                final[ids[out.request_id]] = out
-        steps += 1
-    return [final[i] for i in range(len(batch))]
-
-
-def assert_whole(e: LLMEngine) -> None:
-    assert not e.has_unfinished() and e.num_free_blocks == e.pool.num_blocks
-    e.pool.check_integrity()
+    return run_staggered(e, batch, GREEDY, stagger)
 
 
 def test_loaded_as_moe(moe_case):  # type: ignore[no-untyped-def]
