@@ -77,14 +77,17 @@ class Mesh:
         self.task: asyncio.Task[None] | None = None
 
     async def start_daemon(self) -> KvCacheService:
-        # inproc:// does not reconnect to a re-bound endpoint (ipc:// and tcp:// do): a new worker socket.
+        # inproc:// does not reconnect to a re-bound endpoint (ipc:// and tcp:// do): a new worker socket,
+        # connected only once the daemon has bound. Connecting earlier can attach it to the previous daemon's
+        # socket while libzmq is still tearing it down; that pipe then dies and a DEALER with no peer blocks
+        # its sends forever (a CI run hung here for 900 s).
         self.worker.close(linger=0)
-        self.worker = make_dealer(self.ctx, "inproc://kvcache", b"worker-0")
         self.daemon = KvCacheService("kvcache-0", "inproc://router", self.ctx, str(self.model), "inproc://kvcache",
                                      self.directory, self.host_mb, self.disk_mb, heartbeat_s=0.2, **self.daemon_kw)
         ready = asyncio.Event()
         self.task = asyncio.ensure_future(self.daemon.run(ready))
         await asyncio.wait_for(ready.wait(), 30)
+        self.worker = make_dealer(self.ctx, "inproc://kvcache", b"worker-0")
         return self.daemon
 
     async def stop_daemon(self) -> None:
@@ -93,7 +96,7 @@ class Mesh:
         await asyncio.wait_for(self.task, 30)
 
     async def ask(self, msg: Any) -> Any:
-        await asend_msg(self.worker, msg)
+        await asyncio.wait_for(asend_msg(self.worker, msg), 30)
         return await asyncio.wait_for(arecv_msg(self.worker), 30)
 
     async def flushed(self) -> None:
