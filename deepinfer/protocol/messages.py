@@ -7,7 +7,7 @@ Type bytes are grouped by edge; a range is reserved for each part still to come:
   0x20–0x2F  router ↔ tokenizer ↔ decode worker
   0x30–0x3F  router → prefill worker ↔ decode worker (P/D handoff)
   0x40–0x4F  KV cache: worker ↔ cache daemon (lookup, fetch, store), KV events → router
-  0x50–0x5F  expert parallelism: load reports (placements and the balancer's messages to come)
+  0x50–0x5F  expert parallelism: load reports, the expert balancer's placements and their results
   0xF0–0xFF  reserved: tests and experiments
 
 Conventions: request ids are the router's strings, unique per router incarnation. Times named `*_time`
@@ -19,7 +19,8 @@ not know, so even an added optional field would break an older peer mid-stream i
 A field added with a default still decodes when a message lacks it.
 
 Version history: 3 added speculative decoding's counts (UsageWire, DetokenizeItem, TextDeltaItem,
-Heartbeat); 6 added ExpertLoad.
+Heartbeat); 6 added ExpertLoad; 7 added the expert balancer's messages (PlacementTable in ExpertLoad,
+PlacementUpdate, PlacementResult).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ __all__ = [
     "KvResync",
     "KvTransfer",
     "LogprobWire",
+    "PlacementResult",
+    "PlacementTable",
+    "PlacementUpdate",
     "PrefillDone",
     "PrefillJob",
     "RequestFinished",
@@ -71,7 +75,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -176,6 +180,19 @@ class TextDeltaItem:
     logprobs: list[LogprobWire] | None = None
     spec_proposed_tokens: int = 0  # the request's totals so far, as its DetokenizeItem carried them
     spec_accepted_tokens: int = 0
+
+
+@record
+class PlacementTable:
+    """Wire twin of parallel.placement.ExpertPlacement (its `to_dict` keys): per MoE layer, the logical
+    expert in each global slot (-1: empty), slot g on rank g // slots_per_rank. Checked against the
+    placement's invariants where it is turned back into one (`ExpertPlacement.from_dict`), not here."""
+
+    version: int
+    num_ranks: int
+    num_experts: int
+    slots_per_rank: int
+    layers: list[list[int]] = field(default_factory=list)
 
 
 # --- session and control 0x01–0x0F --------------------------------------------------------------------------
@@ -559,15 +576,43 @@ class KvResync:
 
 @message(0x50)
 class ExpertLoad:
-    """Worker group (its leader, rank 0) → router, every few seconds: the load since the last report, for
-    metrics and the expert balancer. `expert_tokens[l][e]`: tokens routed to logical expert e of the l-th
-    MoE layer, summed over ranks (empty for a dense model); `rank_tokens[r]`: tokens rank r computed."""
+    """Worker group (its leader, rank 0) → router (→ expert balancer, forwarded), every few seconds: the
+    load since the last report, for metrics and the balancer. `expert_tokens[l][e]`: tokens routed to
+    logical expert e of the l-th MoE layer, summed over ranks (empty for a dense model); `rank_tokens[r]`:
+    tokens rank r computed."""
 
     worker: str
     placement_version: int  # the expert placement the counts were made under
     period_s: float  # the time the counts cover
     expert_tokens: list[list[int]] = field(default_factory=list)
     rank_tokens: list[int] = field(default_factory=list)
+    # The table the ranks run now (None for a dense model): a balancer that restarted resumes from it.
+    placement: PlacementTable | None = None
+
+
+@message(0x51)
+class PlacementUpdate:
+    """Expert balancer → router → worker group `worker`: switch to `placement` (its version above the
+    group's). The router forwards it only from the balancer it welcomed. `before[l]` / `after[l]`: the
+    balancer's predicted max/mean rank load of MoE layer l under the current table and under this one,
+    over its load window (for logs and metrics; the group does not need them)."""
+
+    worker: str
+    placement: PlacementTable
+    before: list[float] = field(default_factory=list)
+    after: list[float] = field(default_factory=list)
+
+
+@message(0x52)
+class PlacementResult:
+    """Worker group → router → expert balancer: how the move to placement `version` ended. ok: the ranks
+    run it now; not ok: they still run the table they had, and `reason` says why (refused at once, or
+    the move failed). The router forwards it only from the worker it names."""
+
+    worker: str
+    version: int
+    ok: bool
+    reason: str = ""
 
 
 compile_all(__name__)  # a bad annotation fails at import, not on the first message

@@ -9,6 +9,13 @@ Handshake: every connection starts with Hello; the router answers Welcome, refus
 other than its own and, once the first service has named the mesh's model fingerprint or block-hash
 scheme (`MeshPins`), any service with another one: blocks hashed under two namespaces could never be
 shared, and the router's prefix index would compare unrelated hashes.
+
+Expert balancing: the router relays between worker groups and the expert balancer (a service whose Hello
+says "balancer"; the last one welcomed is the mesh's). Each ExpertLoad is kept (`expert_status`: per
+group, the placement version and the tokens per rank) and forwarded to the balancer; a PlacementUpdate
+goes to the worker it names only when the balancer sent it (from anyone else it is refused and counted as
+forged); a PlacementResult goes to the balancer only from the worker it names. The balancer holds no
+requests and is no worker: losing it changes nothing for them (they keep their last placement).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.base import DRAIN_TIMEOUT_S, BaseService, Handler
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
 
-__all__ = ["MeshPins", "RouterConfig", "RouterService"]
+__all__ = ["ExpertStatus", "MeshPins", "RouterConfig", "RouterService"]
 
 TICK_S = 0.1
 SUPERVISOR_PREFIX = "supervisor"  # the backend identities a supervisor's exit notes come from
@@ -43,7 +50,23 @@ STATE_LOG_S = 10.0  # how often the router logs the mesh's state
 MAX_BACKLOG = 4096  # messages kept for one slow client, in order; past that they are dropped
 # The field naming the instance a message speaks for: it must be the sender's own identity.
 SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
-                               m.KvEvents: "publisher", m.ExpertLoad: "worker"}
+                               m.KvEvents: "publisher", m.ExpertLoad: "worker", m.PlacementResult: "worker"}
+BALANCER_ROLE = "balancer"  # the Hello service name of the expert balancer
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertStatus:
+    """One worker group's latest load report as the router shows it: the placement version the ranks
+    ran, and the tokens each rank computed over the report's period."""
+
+    placement_version: int
+    rank_tokens: tuple[int, ...]
+
+    @property
+    def max_over_mean(self) -> float:
+        """The busiest rank's tokens over the mean (1.0 when idle): what the balancer tries to lower."""
+        total = sum(self.rank_tokens)
+        return max(self.rank_tokens) * len(self.rank_tokens) / total if total > 0 else 1.0
 
 
 async def recv_client(sock: Any) -> tuple[bytes, Any]:
@@ -100,8 +123,9 @@ class RouterService(BaseService):
         self._asked: dict[bytes, float] = {}  # identities asked for a Hello, and when (monotonic)
         self.forged = 0
         self._backlog: dict[bytes, collections.deque[Any]] = {}  # slow clients: what they are still owed
-        # Each worker group's latest expert-load report (metrics now, the expert balancer later).
+        # Each worker group's latest expert-load report, and what it says (see `expert_status`).
         self.expert_load: dict[str, m.ExpertLoad] = {}
+        self.balancer: bytes | None = None  # the welcomed expert balancer's identity, if any
 
     async def open(self) -> bool:
         self.frontend = self.socket(make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,
@@ -218,9 +242,11 @@ class RouterService(BaseService):
             m.TextDeltas: lambda _, deltas, now: core.on_text_deltas(deltas, now),
             m.ErrorReply: core.on_error,
             m.ExpertLoad: self._keep_expert_load,
+            m.PlacementResult: lambda _, result, now: self._to_balancer(result),
         }
         table = {kind: self._from_member(event) for kind, event in from_members.items()}
-        return {**table, m.Hello: self._welcome, m.ServiceExited: self._service_exited}
+        return {**table, m.Hello: self._welcome, m.ServiceExited: self._service_exited,
+                m.PlacementUpdate: self._placement_update}
 
     def _from_member(self, event: Callable[[str, Any, float], list[Outbound]] | None) -> Handler:
         """A handler for what only a welcomed service may send, and only about itself, fed to the core
@@ -245,9 +271,36 @@ class RouterService(BaseService):
             self.log.info("kv resync asked", publisher=o.dest, reason=o.msg.reason)
         return out
 
+    # -- expert balancing --------------------------------------------------------------------
+
+    def expert_status(self) -> dict[str, ExpertStatus]:
+        """Per worker group that reported its expert load: its placement version and rank loads."""
+        return {name: ExpertStatus(load.placement_version, tuple(load.rank_tokens))
+                for name, load in self.expert_load.items()}
+
     def _keep_expert_load(self, sender: str, load: m.ExpertLoad, now: float) -> list[Outbound]:
         self.expert_load[sender] = load
-        return []
+        return self._to_balancer(load)
+
+    def _to_balancer(self, msg: Any) -> list[Outbound]:
+        """`msg` to the welcomed balancer while it is alive (none, or a dead one: dropped; a balancer
+        that comes back resumes from the next reports)."""
+        if self.balancer is None:
+            return []
+        name = self.balancer.decode(errors="replace")
+        inst = self.core.table.get(name)
+        return [Outbound(name, msg)] if inst is not None and inst.alive else []
+
+    async def _placement_update(self, ident: bytes, update: m.PlacementUpdate) -> None:
+        """Only the welcomed balancer may move a group's experts: from anyone else it is forged."""
+        if ident not in self.greeted:
+            await self._ask_hello(ident)
+        elif ident != self.balancer:
+            self.forged += 1
+            self.log.warning("placement update not from the balancer refused", sender=ident.decode(errors="replace"),
+                             worker=update.worker)
+        else:
+            await self._send([Outbound(update.worker, update)])
 
     async def _service_exited(self, ident: bytes, note: m.ServiceExited) -> None:
         if ident.startswith(SUPERVISOR_PREFIX.encode()):  # only a supervisor may say a service exited
@@ -275,6 +328,10 @@ class RouterService(BaseService):
         if welcome.accepted:
             self.greeted.add(ident)
             self._asked.pop(ident, None)
+            if hello.service == BALANCER_ROLE:
+                self.balancer = ident
+            elif ident == self.balancer:  # the name came back as something else
+                self.balancer = None
             await self._send(self.core.on_hello(hello, self._now()))
         else:
             self.greeted.discard(ident)
@@ -299,4 +356,9 @@ class RouterService(BaseService):
         self.log.info("mesh state", inflight=self.core.num_inflight, free_blocks=workers,
                       live=sorted(i.name for i in self.core.table.instances.values() if i.alive),
                       moves=self.core.metrics.moves, malformed=self.malformed, forged=self.forged,
-                      slow_clients=len(self._backlog))
+                      slow_clients=len(self._backlog), experts=self._expert_summary())
+
+    def _expert_summary(self) -> dict[str, str]:
+        """Per worker group: "v<placement version> max/mean <ratio> ranks <tokens,...>"."""
+        return {name: f"v{st.placement_version} max/mean {st.max_over_mean:.2f} ranks "
+                      f"{','.join(map(str, st.rank_tokens))}" for name, st in self.expert_status().items()}

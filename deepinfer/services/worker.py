@@ -23,10 +23,11 @@ its own thread (`EngineThread`); this module only moves messages.
 A worker group (`ep` > 1, expert parallelism with data-parallel attention): this process is rank 0 and its
 engine is a `GroupEngine` spanning every rank (deepinfer.parallel.group_engine); the router sees one worker
 with the group's summed capacity. A group reports its load (`ExpertLoad`: tokens per rank and, for an
-MoE model, per expert) every `EXPERT_LOAD_PERIOD_S`. When the group breaks (a rank died) the worker ends
-at once with `GroupBroken`, so its process exits nonzero: the supervisor restarts the whole group and the
-router moves its requests elsewhere, resumed (answering each with ErrorReply would instead end them at
-their clients).
+MoE model, per expert, with the placement table the ranks run) every `EXPERT_LOAD_PERIOD_S`, and takes
+the expert balancer's placement updates (`worker_experts.ExpertLink`). When the group breaks (a rank
+died) the worker ends at once with `GroupBroken`, so its process exits nonzero: the supervisor restarts
+the whole group and the router moves its requests elsewhere, resumed (answering each with ErrorReply
+would instead end them at their clients).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from deepinfer.services.worker_core import (
     ToTokenizer,
     WorkerCore,
 )
+from deepinfer.services.worker_experts import ExpertLink, refuse_not_a_group
 
 __all__ = ["WorkerService"]
 
@@ -104,6 +106,7 @@ class WorkerService(Service):
         self._thread: EngineThread | None = None
         self._broken: asyncio.Future[BaseException] | None = None
         self.expert_load_period_s = EXPERT_LOAD_PERIOD_S
+        self.experts: ExpertLink | None = None  # a group's link to the expert balancer (set at start)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -122,6 +125,8 @@ class WorkerService(Service):
         self._thread = EngineThread(self.engine, loop, self._on_outputs, self.instance,
                                     on_failure=self._on_engine_failure, fatal=(GroupBroken,))
         self._thread.start()
+        if isinstance(self.engine, GroupEngine):
+            self.experts = ExpertLink(self.instance, self.engine, self._thread.call, self.send_router, self.log)
         if self.kvcache is not None:
             self.cache = CacheClient(self.instance, self.kvcache[1], self.ctx, self.engine, self._thread,
                                      auth=self.auth.for_connect(self.kvcache[1], self.kvcache[0]))
@@ -164,6 +169,7 @@ class WorkerService(Service):
             m.AbortRequest: self._on_abort,
             m.Shutdown: self._on_shutdown,
             m.KvResync: self._on_resync,
+            m.PlacementUpdate: self._on_placement_update,
         }
 
     def load(self) -> Load:
@@ -195,16 +201,19 @@ class WorkerService(Service):
         raise await self._broken
 
     async def _expert_load_loop(self) -> None:
-        assert isinstance(self.engine, GroupEngine)
-        engine, last = self.engine, time.monotonic()
+        assert self.experts is not None
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.expert_load_period_s)
-            assert self._thread is not None
-            counts, per_rank = await self._thread.call(engine.take_expert_load)
             now = time.monotonic()
-            await self.send_router(m.ExpertLoad(self.instance, engine.placement_version, now - last,
-                                                counts or [], per_rank))
+            await self.experts.report(now - last)
             last = now
+
+    async def _on_placement_update(self, update: m.PlacementUpdate) -> None:
+        if self.experts is None:
+            await refuse_not_a_group(self.instance, update, self.send_router)
+        else:
+            await self.experts.on_update(update)
 
     async def _on_shutdown(self, msg: m.Shutdown) -> None:
         self.stop()
