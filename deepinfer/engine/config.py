@@ -392,6 +392,11 @@ class EngineConfig:
     # n-gram matching: the shortest and longest suffix of a request's tokens looked up.
     ngram_min: int = 1
     ngram_max: int = 4
+    # Expert parallelism: extra replicas per MoE layer in the static placement the engine starts with
+    # when none is given (ExpertPlacement.static's `redundant`; a balancer later moves them to the hot
+    # experts). None: max(1, num_experts // 8), capped at num_experts · (ranks - 1); 0: one copy of each
+    # expert. More than the group can hold (num_experts · (ranks - 1)) is refused when the engine starts.
+    redundant_experts: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -402,6 +407,8 @@ class EngineConfig:
             raise ConfigError(f"num_speculative_tokens must be in [{MIN_SPECULATIVE_TOKENS}, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max")
+        if self.redundant_experts is not None and self.redundant_experts < 0:
+            raise ConfigError(f"redundant_experts must not be negative, got {self.redundant_experts}")
         if self.speculative is not None:
             from deepinfer.engine.spec.base import parse_speculative
 

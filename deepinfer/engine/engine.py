@@ -90,7 +90,8 @@ from deepinfer.engine.spec.speculator import Speculator, build_proposer
 from deepinfer.engine.spec.verify import VerifyGroup, VerifyResult, verify
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import LoadedModel, load_model_weights
-from deepinfer.parallel.ep_moe import EpStats, shard_experts
+from deepinfer.parallel.ep_moe import EpStats
+from deepinfer.parallel.expert_move import PlacementRefused, PlacementStager, shard_movable
 from deepinfer.parallel.group import EpGroup, ExpertParallelError
 from deepinfer.parallel.placement import ExpertPlacement
 
@@ -149,8 +150,10 @@ class LLMEngine:
         self.ep_placement: ExpertPlacement | None = None
         self._ep_stats: EpStats | None = None
         self._ep_failure: ExpertParallelError | None = None
+        self._ep_moves: PlacementStager | None = None
         if ep_group is not None:
-            self.ep_placement, self._ep_stats = shard_experts(model, ep_group, ep_placement)
+            self.ep_placement, self._ep_stats, self._ep_moves = shard_movable(
+                model, loaded, ep_group, ep_placement, self.config.redundant_experts)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(
             self.pool, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -521,6 +524,32 @@ class LLMEngine:
         """Expert-parallel dispatch/compute/combine times and bytes since the last call (then zero);
         None without an expert-parallel group."""
         return self._ep_stats.take() if self._ep_stats is not None else None
+
+    # -- expert placement moves (deepinfer.parallel.expert_move; the group decides when to switch) ---------
+
+    def stage_placement(self, placement: ExpertPlacement) -> None:
+        """Start loading this rank's experts of `placement` in the background; the current placement
+        keeps serving. PlacementRefused without expert parallelism or for a table that cannot follow
+        the current one."""
+        self._placement_stager().stage(placement)
+
+    def staged_placement(self) -> tuple[int | None, str | None]:
+        """(the version staged and ready to switch to, or None; why the staging failed, or None)."""
+        return self._ep_moves.status() if self._ep_moves is not None else (None, None)
+
+    def switch_placement(self, version: int) -> None:
+        """Between steps: serve from the staged placement `version` from the next step on (every rank of
+        the group must switch before the same step)."""
+        self.ep_placement = self._placement_stager().switch(version)
+
+    def drop_staged_placement(self) -> None:
+        if self._ep_moves is not None:
+            self._ep_moves.drop()
+
+    def _placement_stager(self) -> PlacementStager:
+        if self._ep_moves is None:
+            raise PlacementRefused("this engine is not a rank of an expert-parallel group")
+        return self._ep_moves
 
     def _verify_group(self, chunk: ScheduledChunk) -> VerifyGroup:
         r = chunk.request

@@ -42,6 +42,8 @@ class Op(enum.IntEnum):
     INSTALL = 7  # request_id, prompt_ids, first_token, params, [dtype, shape], reservation_id, priority,
     #              first_logprob, cache_salt, resumed  (the KV follows from the leader, before it is applied)
     EXPERT_LOAD = 8  # (result: per-layer per-expert token counts since the last EXPERT_LOAD, or None)
+    STAGE = 9  # placement dict: start loading that expert placement (expert_move.py); reports say when ready
+    UNSTAGE = 10  # drop whatever placement is staged
 
 
 Command = list[Any]
@@ -52,14 +54,17 @@ class Round:
     step: bool  # every rank calls engine.step() once after applying its commands
     stop: bool = False  # followers exit (0) after answering this round
     commands: list[list[Command]] = field(default_factory=list)  # by rank; rank 0's entry is unused
+    # The expert placement version every rank (rank 0 too) switches to before this round's commands and
+    # step; only ever one every rank reported staged and ready (expert_move.py).
+    switch: int | None = None
 
     def encode(self) -> bytes:
-        return _pack([self.step, self.stop, self.commands])
+        return _pack([self.step, self.stop, self.commands, self.switch])
 
     @classmethod
     def decode(cls, data: bytes) -> Round:
-        step, stop, commands = _unpack(data)
-        return cls(step, stop, commands)
+        step, stop, commands, switch = _unpack(data)
+        return cls(step, stop, commands, switch)
 
 
 @dataclass
@@ -91,15 +96,19 @@ class Report:
     expired: list[str] = field(default_factory=list)  # reservations whose lease ran out
     load: Load = field(default_factory=Load)
     stats: dict[str, int] = field(default_factory=dict)  # EngineStats' counters, as totals
+    # The rank's expert placement staging after this round: [version staged and ready, or None; the
+    # staging's error, or None] (LLMEngine.staged_placement).
+    staged: list[Any] = field(default_factory=lambda: [None, None])
 
     def encode(self) -> bytes:
         return _pack([self.results, [encode_output(o) for o in self.outputs], self.stored, self.evicted,
-                      self.expired, dataclasses.astuple(self.load), self.stats])
+                      self.expired, dataclasses.astuple(self.load), self.stats, self.staged])
 
     @classmethod
     def decode(cls, data: bytes) -> Report:
-        results, outputs, stored, evicted, expired, load, stats = _unpack(data)
-        return cls(results, [decode_output(o) for o in outputs], stored, evicted, expired, Load(*load), stats)
+        results, outputs, stored, evicted, expired, load, stats, staged = _unpack(data)
+        return cls(results, [decode_output(o) for o in outputs], stored, evicted, expired, Load(*load), stats,
+                   staged)
 
 
 @dataclass

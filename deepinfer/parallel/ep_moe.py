@@ -41,7 +41,7 @@ from deepinfer.engine.models.moe import (
     run_experts,
 )
 from deepinfer.parallel.group import EpGroup
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.parallel.placement import EMPTY, ExpertPlacement
 
 _ID = torch.int32  # expert ids on the wire
 _WEIGHT = torch.float32  # routing weights on the wire
@@ -86,45 +86,48 @@ class _Rows:
 
 class ExpertParallelExperts:
     """An `ExpertExecutor` (x [T, hidden], routing) -> [T, hidden] for MoE layer `layer` of `placement`,
-    holding `bank`: this rank's experts of that layer (None when the placement gives it none). Every rank
-    of `group` must call it for the same layers in the same order, each with its own batch (T may be 0)."""
+    holding `bank`: this rank's rows of that layer, row i = local slot i of the placement (an empty slot
+    is an empty row). Every rank of `group` must call it for the same layers in the same order, each with
+    its own batch (T may be 0). `switch` moves it to another placement of the same group shape."""
 
-    def __init__(self, bank: ExpertBank | None, placement: ExpertPlacement, layer: int, group: EpGroup,
-                 stats: EpStats | None = None, dtype: torch.dtype = torch.float32) -> None:
-        held = placement.experts_on(layer, group.rank)
-        if (bank is None) != (not held) or (bank is not None and bank.ids.tolist() != held):
-            raise ValueError(f"rank {group.rank} of MoE layer {layer} must hold experts {held}, "
-                             f"not {None if bank is None else bank.ids.tolist()}")
+    def __init__(self, bank: ExpertBank, placement: ExpertPlacement, layer: int, group: EpGroup,
+                 stats: EpStats | None = None) -> None:
+        check_bank(bank, placement, layer, group.rank)
         self.bank = bank
         self.layer = layer
         self.group = group
         self.num_experts = placement.num_experts
-        self.dtype = bank.down.dtype if bank is not None else dtype
+        self.dtype = bank.down.dtype
         self.stats = stats if stats is not None else EpStats()
-        dev = group.device
-        ranks = placement.replica_ranks(layer)
-        # [E, max replicas]: the ranks of each expert's replicas, padded with -1 (never indexed:
-        # replica_index stays below the expert's own count).
-        width = max(len(r) for r in ranks)
-        self._replica_ranks = torch.tensor([r + [-1] * (width - len(r)) for r in ranks], dtype=torch.int64,
-                                           device=dev)
-        self._num_replicas = torch.tensor([len(r) for r in ranks], dtype=torch.int64, device=dev)
-        self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=dev)
+        # [E, num_ranks]: the ranks of each expert's replicas in slot order, padded with -1 (never indexed:
+        # replica_index stays below the expert's own count). A fixed width (an expert has at most one replica
+        # per rank) lets `switch` rewrite the tables in place.
+        self._replica_ranks, self._num_replicas = _replica_tables(placement, layer, group.device)
+        self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=group.device)
 
     @classmethod
     def from_state(cls, sd: dict[str, torch.Tensor], prefix: str, placement: ExpertPlacement, layer: int,
                    group: EpGroup, stats: EpStats | None = None) -> ExpertParallelExperts:
         """This rank's share of `{prefix}experts.{e}.*` (see `ExpertBank.from_state`)."""
-        held = placement.experts_on(layer, group.rank)
-        bank = ExpertBank.from_state(sd, prefix, placement.num_experts, held) if held else None
-        return cls(bank, placement, layer, group, stats)
+        slots = local_slots(placement, layer, group.rank)
+        held = [e for e in slots if e != EMPTY]
+        # A rank holding nothing of the layer still needs the rows' shapes: read expert 0 for them.
+        source = ExpertBank.from_state(sd, prefix, placement.num_experts, held or [0])
+        return cls(source.slotted(slots), placement, layer, group, stats)
 
     @classmethod
     def from_bank(cls, full: ExpertBank, placement: ExpertPlacement, layer: int, group: EpGroup,
                   stats: EpStats | None = None) -> ExpertParallelExperts:
         """This rank's share copied out of a bank holding (at least) its experts."""
-        held = placement.experts_on(layer, group.rank)
-        return cls(full.subset(held) if held else None, placement, layer, group, stats, full.down.dtype)
+        return cls(full.slotted(local_slots(placement, layer, group.rank)), placement, layer, group, stats)
+
+    def switch(self, placement: ExpertPlacement) -> None:
+        """Route by `placement` from now on. The bank's rows must already hold this rank's slots of it
+        (`ExpertBank.install`); the replica tables are rewritten in place."""
+        check_bank(self.bank, placement, self.layer, self.group.rank)
+        ranks, counts = _replica_tables(placement, self.layer, self.group.device)
+        self._replica_ranks.copy_(ranks)
+        self._num_replicas.copy_(counts)
 
     def take_counts(self) -> torch.Tensor:
         """Assignments of this rank's tokens per logical expert since the last take (host), then zero."""
@@ -156,7 +159,6 @@ class ExpertParallelExperts:
 
         # This rank's experts on what it received: one partial sum per received row.
         if recv_x.shape[0]:
-            assert self.bank is not None, "rows arrived at a rank holding no experts of this layer"
             partial = run_experts(recv_x, recv_routing, self.bank)
         else:
             partial = recv_x
@@ -237,6 +239,42 @@ class ExpertParallelExperts:
         return time.perf_counter()
 
 
+def local_slots(placement: ExpertPlacement, layer: int, rank: int) -> list[int]:
+    """The logical expert in each of `rank`'s slots of MoE layer `layer` (-1 = empty), in slot order."""
+    s = placement.slots_per_rank
+    return list(placement.layers[layer][rank * s : (rank + 1) * s])
+
+
+def check_bank(bank: ExpertBank, placement: ExpertPlacement, layer: int, rank: int) -> None:
+    """ValueError unless `bank`'s rows are `rank`'s slots of MoE layer `layer`, slot by slot."""
+    slots = local_slots(placement, layer, rank)
+    if bank.slots.tolist() != slots:
+        raise ValueError(f"rank {rank} of MoE layer {layer} must hold slots {slots}, not {bank.slots.tolist()}")
+
+
+def _replica_tables(placement: ExpertPlacement, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([E, num_ranks] replica ranks padded with -1, [E] replica counts) of MoE layer `layer`."""
+    ranks = placement.replica_ranks(layer)
+    width = placement.num_ranks
+    table = torch.tensor([r + [-1] * (width - len(r)) for r in ranks], dtype=torch.int64, device=device)
+    return table, torch.tensor([len(r) for r in ranks], dtype=torch.int64, device=device)
+
+
+def redundant_replicas(requested: int | None, num_experts: int, num_ranks: int) -> int:
+    """The static placement's extra replicas per layer for `EngineConfig.redundant_experts`: None picks
+    max(1, num_experts // 8), capped at what the group can hold (num_experts · (num_ranks - 1): a rank
+    holds at most one replica of an expert); ConfigError for a negative or too large request."""
+    most = num_experts * (num_ranks - 1)
+    if requested is None:
+        return min(max(1, num_experts // 8), most)
+    if requested < 0:
+        raise ConfigError(f"redundant_experts must not be negative, got {requested}")
+    if requested > most:
+        raise ConfigError(f"redundant_experts={requested} is more than {num_ranks} ranks can hold for "
+                          f"{num_experts} experts (at most {most}: one replica of an expert per rank)")
+    return requested
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -251,11 +289,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def shard_experts(model: object, group: EpGroup, placement: ExpertPlacement | None = None,
-                  stats: EpStats | None = None) -> tuple[ExpertPlacement, EpStats]:
+                  stats: EpStats | None = None, redundant: int = 0) -> tuple[ExpertPlacement, EpStats]:
     """Replace the executor of every sparse block of `model` (`moe_blocks` order) by this rank's
     `ExpertParallelExperts`, its share copied out of the block's `LocalExperts` bank (the full bank is
-    then free to go). `placement` defaults to `ExpertPlacement.static` over the group. Works for any
-    model whose sparse blocks are `SparseMoE`s with `LocalExperts`, whatever their router."""
+    then free to go). `placement` defaults to `ExpertPlacement.static` over the group with `redundant`
+    extra replicas per layer. Works for any model whose sparse blocks are `SparseMoE`s with
+    `LocalExperts`, whatever their router."""
     blocks = moe_blocks(model)
     if not blocks:
         raise ConfigError("expert parallelism needs a mixture-of-experts model; this one has no sparse blocks")
@@ -268,7 +307,7 @@ def shard_experts(model: object, group: EpGroup, placement: ExpertPlacement | No
         raise ConfigError(f"the sparse blocks disagree on the number of experts: {sorted(num_experts)}")
     (experts,) = num_experts
     if placement is None:
-        placement = ExpertPlacement.static(len(blocks), experts, group.size)
+        placement = ExpertPlacement.static(len(blocks), experts, group.size, redundant)
     if (placement.num_ranks, placement.num_layers, placement.num_experts) != (group.size, len(blocks), experts):
         raise ConfigError(f"placement for {placement.num_ranks} ranks, {placement.num_layers} MoE layers of "
                           f"{placement.num_experts} experts; the group has {group.size} ranks and the model "

@@ -6,7 +6,8 @@ It joins the group (rendezvous `ep_master`), loads the same model with the same 
 leader (its share of the threads), says Hello (what the leader checks is the same on every rank), then
 serves rounds until told to stop:
 
-    receive Round → receive install KV → apply my commands → [engine.step()] → report → send exported KV
+    receive Round → receive install KV → [switch placement] → apply my commands → [engine.step()] → report
+    → send exported KV
 
 Each command's result goes back in the report at its position; a command that raises answers with the
 error (the leader raises it again as the engine's type) and the engine is left as the call left it.
@@ -41,6 +42,7 @@ from deepinfer.parallel.control import (
     kv_meta,
 )
 from deepinfer.parallel.group_engine import build_engine, take_expert_counts
+from deepinfer.parallel.placement import ExpertPlacement
 
 log = structlog.get_logger("deepinfer.follower")
 
@@ -55,6 +57,7 @@ class Follower:
         self.engine = engine
         self.channel = channel
         self.rank = channel.rank
+        self._stage_error: str | None = None  # a STAGE this engine refused outright, until the next STAGE/UNSTAGE
 
     def hello(self) -> None:
         e = self.engine
@@ -73,6 +76,8 @@ class Follower:
         mine = rnd.commands[self.rank] if rnd.commands else []
         # The leader sends install KV right after the round, in command order: take it all before applying.
         kvs = {i: self.channel.recv_kv(0, *kv_from_meta(c[5])) for i, c in enumerate(mine) if c[0] == Op.INSTALL}
+        if rnd.switch is not None:  # before the commands and the step, as on every rank (a failure breaks the group)
+            engine.switch_placement(rnd.switch)
         exports: list[torch.Tensor] = []
         results = [self._apply(c, kvs.get(i), exports) for i, c in enumerate(mine)]
         expired = engine.expire_reservations()
@@ -82,7 +87,9 @@ class Follower:
             outputs = engine.step()
             expired += sorted(before - set(engine.reservations.ids))  # leases step() itself expired
         stored, evicted = engine.pool.drain_events()
-        report = Report(results, outputs, stored, evicted, expired, engine_load(engine), engine_stats(engine))
+        staged = [None, self._stage_error] if self._stage_error else list(engine.staged_placement())
+        report = Report(results, outputs, stored, evicted, expired, engine_load(engine), engine_stats(engine),
+                        staged)
         self.channel.report(report.encode())
         for kv in exports:
             self.channel.send_kv(kv, 0)
@@ -118,6 +125,18 @@ class Follower:
                     return None
                 case Op.EXPERT_LOAD:
                     return take_expert_counts(e)
+                case Op.STAGE:
+                    self._stage_error = None
+                    try:
+                        e.stage_placement(ExpertPlacement.from_dict(args[0]))
+                    except Exception as exc:  # the leader learns it from the report's staged state
+                        self._stage_error = f"rank {self.rank} refused the placement: {exc}"
+                        raise
+                    return None
+                case Op.UNSTAGE:
+                    self._stage_error = None
+                    e.drop_staged_placement()
+                    return None
                 case _:
                     raise ValueError(f"unknown command {op!r}")
         except Exception as exc:  # the leader raises it again, as the engine's own type

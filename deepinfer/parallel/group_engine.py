@@ -30,9 +30,14 @@ prefix cache, among ranks within `AFFINITY_SLACK` requests of the least loaded; 
 most free blocks. A KV reservation goes to the rank with the most free blocks, and the install that
 follows to the rank holding the reservation.
 
+Expert placement moves (`begin_placement`, `take_placement_results`): `PlacementMoves` in expert_move.py
+keeps the books; a round carries `switch` once every rank has staged the new placement, and every rank
+switches before that round's step.
+
 Idle and failure. When no rank has work, the engine thread calls `keepalive()`, which runs an empty
-round when commands are queued or every `KEEPALIVE_S`, so a follower waiting for the next round never
-runs into the channel timeout and notices a dead leader. Any channel failure raises `GroupBroken`, and
+round when commands are queued, at every call while a placement move is pending (so an idle group still
+finishes it), and every `KEEPALIVE_S`, so a follower waiting for the next round never runs into the
+channel timeout and notices a dead leader. Any channel failure raises `GroupBroken`, and
 the group is then unusable (every later call raises it): the worker exits and the supervisor restarts
 the group.
 """
@@ -79,6 +84,8 @@ from deepinfer.parallel.control import (
     kv_meta,
     raise_if_error,
 )
+from deepinfer.parallel.expert_move import MoveResult, PlacementMoves
+from deepinfer.parallel.placement import ExpertPlacement
 
 __all__ = ["GroupBroken", "GroupEngine", "build_engine"]
 
@@ -156,6 +163,7 @@ class GroupEngine:
         self._changes: dict[BlockHash, bool] = {}  # net group-level changes since the worker last drained
         self._last_round = time.monotonic()
         self._last_tokens = [0] * self.size  # tokens_computed at the last expert-load report
+        self._moves = PlacementMoves(local, self.size, lambda rank, command: self._queued[rank].append(command))
 
     @classmethod
     def start(cls, model: str, config: EngineConfig, size: int, master: str) -> GroupEngine:
@@ -343,9 +351,10 @@ class GroupEngine:
         return outputs + self._round(step=True)[0]
 
     def keepalive(self) -> None:
-        """While idle (no rank has work): send queued commands now, and an empty round every KEEPALIVE_S."""
+        """While idle (no rank has work): send queued commands now, run a round at every call while a
+        placement move is pending, and an empty round every KEEPALIVE_S."""
         self._check()
-        if any(self._queued) or time.monotonic() - self._last_round >= KEEPALIVE_S:
+        if any(self._queued) or self._moves.pending or time.monotonic() - self._last_round >= KEEPALIVE_S:
             self._round(step=False)
 
     def close(self) -> None:
@@ -379,6 +388,22 @@ class GroupEngine:
         """The version of the expert placement the ranks run (0 for a dense model)."""
         placement = self.local.ep_placement
         return placement.version if placement is not None else 0
+
+    @property
+    def placement(self) -> ExpertPlacement | None:
+        """The expert placement every rank runs now (None for a dense model)."""
+        return self.local.ep_placement
+
+    def begin_placement(self, placement: ExpertPlacement) -> None:
+        """Start moving the group to `placement` (staged on every rank, then switched at one round).
+        PlacementRefused: a dense model, another group shape, a version not newer than the current one,
+        or a move already in progress."""
+        self._check()
+        self._moves.begin(placement)
+
+    def take_placement_results(self) -> list[MoveResult]:
+        """The moves that ended (switched, or dropped with the old placement kept) since the last call."""
+        return self._moves.take_results()
 
     def take_expert_load(self) -> tuple[list[list[int]] | None, list[int]]:
         """(tokens routed to each logical expert of each MoE layer since the last call, summed over ranks —
@@ -441,12 +466,15 @@ class GroupEngine:
         commands, self._queued = self._queued, [[] for _ in range(self.size)]
         kv_out, self._kv_out = self._kv_out, []
         outputs: list[RequestOutput] = []
+        switch = None if stop else self._moves.switch_due()
         self.rounds += 1
         self._last_round = time.monotonic()
         try:
-            self.channel.broadcast(Round(step, stop, commands).encode())
+            self.channel.broadcast(Round(step, stop, commands, switch).encode())
             for dst, kv in kv_out:  # in command order per rank: each follower receives its own in that order
                 self.channel.send_kv(kv, dst)
+            if switch is not None:
+                self.local.switch_placement(switch)
             if step:
                 before = set(self.local.reservations.ids)
                 self._forget_reservations(0, self.local.expire_reservations())
@@ -463,6 +491,7 @@ class GroupEngine:
         for r, report in reports.items():
             self._absorb(r, commands[r], report)
             outputs += report.outputs
+        self._moves.after_round(switch, {r: report.staged for r, report in reports.items()})
         self._absorb_local_events()
         for out in outputs:
             self._track_output(out)

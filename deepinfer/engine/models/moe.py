@@ -57,12 +57,16 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool)
 
 @dataclass
 class ExpertBank:
-    """SwiGLU weights of the experts held here, stacked by slot: slot s holds logical expert ids[s]."""
+    """SwiGLU weights of the experts held here, stacked by row: row s holds logical expert slots[s].
+
+    A row may be empty (slots[s] == -1): its weights are zeros and `slot_of` never points at it, so no
+    assignment is ever computed there. An expert-parallel rank's bank has one row per local slot of its
+    placement, empty slots included, so a placement change rewrites rows in place (`install`)."""
 
     gate_up: torch.Tensor  # [S, 2 * expert_intermediate, hidden]: gate rows, then up rows
     down: torch.Tensor  # [S, hidden, expert_intermediate]
-    ids: torch.Tensor  # [S] int64, logical expert ids
-    slot_of: torch.Tensor  # [num_experts] int64: the slot of each logical expert, -1 where not held here
+    slots: torch.Tensor  # [S] int64, the logical expert of each row, -1 = empty
+    slot_of: torch.Tensor  # [num_experts] int64: the row of each logical expert, -1 where not held here
 
     @classmethod
     def from_state(cls, sd: dict[str, torch.Tensor], prefix: str, num_experts: int,
@@ -77,32 +81,81 @@ class ExpertBank:
         return cls._of(gate_up, down, held, num_experts)
 
     @classmethod
-    def _of(cls, gate_up: torch.Tensor, down: torch.Tensor, held: list[int], num_experts: int) -> ExpertBank:
+    def _of(cls, gate_up: torch.Tensor, down: torch.Tensor, slots: list[int], num_experts: int) -> ExpertBank:
         device = down.device
         slot_of = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
-        slot_of[torch.tensor(held, device=device)] = torch.arange(len(held), device=device)
-        return cls(gate_up, down, torch.tensor(held, dtype=torch.int64, device=device), slot_of)
+        bank = cls(gate_up, down, torch.tensor(slots, dtype=torch.int64, device=device), slot_of)
+        bank._index()
+        return bank
+
+    def _index(self) -> None:
+        """`slot_of` from `slots`, in place (an executor may hold references to it)."""
+        rows = (self.slots >= 0).nonzero().squeeze(1)
+        self.slot_of.fill_(-1)
+        self.slot_of[self.slots[rows]] = rows
 
     @property
     def num_experts(self) -> int:
         """The number of logical experts of the layer (held here or not)."""
         return self.slot_of.shape[0]
 
+    @property
+    def ids(self) -> torch.Tensor:
+        """The logical experts held here, in row order (empty rows skipped)."""
+        return self.slots[self.slots >= 0]
+
     def subset(self, ids: Sequence[int]) -> ExpertBank:
         """A bank of copies of experts `ids` (all held here), slot s holding ids[s]: a rank's share."""
         held = list(ids)
         if not held or len(set(held)) != len(held) or not all(0 <= e < self.num_experts for e in held):
             raise ValueError(f"expert ids {held} are not one or more distinct ids below {self.num_experts}")
-        slots = self.slot_of[torch.tensor(held, device=self.slot_of.device)]
-        if bool((slots < 0).any()):
+        return self.slotted(held)
+
+    def slotted(self, slots: Sequence[int]) -> ExpertBank:
+        """A bank of len(slots) rows: row s a copy of expert slots[s] (held here), zeros where slots[s] is
+        -1. Distinct experts; all rows may be empty (a rank with nothing of a layer)."""
+        wanted = list(slots)
+        held = [e for e in wanted if e != -1]
+        if len(set(held)) != len(held) or not all(0 <= e < self.num_experts for e in held):
+            raise ValueError(f"slots {wanted} are not distinct expert ids below {self.num_experts} (or -1)")
+        if not set(held) <= set(self.ids.tolist()):
             raise ValueError(f"expert ids {held} are not all held by this bank ({self.ids.tolist()})")
-        # Indexing copies: the share owns its memory and the full bank can be freed.
-        return ExpertBank._of(self.gate_up[slots], self.down[slots], held, self.num_experts)
+        # Fresh tensors: the share owns its memory and the full bank can be freed.
+        gate_up = self.gate_up.new_zeros((len(wanted), *self.gate_up.shape[1:]))
+        down = self.down.new_zeros((len(wanted), *self.down.shape[1:]))
+        if held:
+            device = self.slot_of.device
+            dst = torch.tensor([s for s, e in enumerate(wanted) if e != -1], device=device)
+            src = self.slot_of[torch.tensor(held, device=device)]
+            gate_up[dst] = self.gate_up[src]
+            down[dst] = self.down[src]
+        return ExpertBank._of(gate_up, down, wanted, self.num_experts)
+
+    def install(self, rows: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]]) -> None:
+        """Rewrite rows in place: row -> (expert, gate_up, down), or (-1, None, None) to empty it. The
+        bank must be valid afterwards (each expert in at most one row); `slot_of` follows the new rows."""
+        slots = self.slots.tolist()
+        for row, (expert, _, _) in rows.items():
+            slots[row] = expert
+        held = [e for e in slots if e != -1]
+        if len(set(held)) != len(held) or not all(0 <= e < self.num_experts for e in held):
+            raise ValueError(f"rows {slots} would not be distinct expert ids below {self.num_experts} (or -1)")
+        for row, (expert, gate_up, down) in rows.items():
+            if expert == -1:
+                self.gate_up[row].zero_()
+                self.down[row].zero_()
+            else:
+                assert gate_up is not None and down is not None
+                self.gate_up[row].copy_(gate_up)
+                self.down[row].copy_(down)
+            self.slots[row] = expert
+        self._index()
 
 
 def run_experts(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Tensor:
     """Σ over the assignments to experts `bank` holds of weight · expert(x[token]), per token row:
-    [T, hidden]. Assignments to experts held elsewhere contribute nothing here."""
+    [T, hidden]. Assignments to experts held elsewhere contribute nothing here; empty rows are never
+    computed (`slot_of` never names them)."""
     out = torch.zeros_like(x)
     slot = bank.slot_of[routing.expert]
     token, weight = routing.token, routing.weight
@@ -114,7 +167,7 @@ def run_experts(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Te
     # Expert-major order: each expert's tokens are one contiguous run of the gathered batch.
     order = torch.argsort(slot, stable=True)
     token, weight = token[order], weight[order]
-    counts = torch.bincount(slot[order], minlength=bank.ids.shape[0]).tolist()
+    counts = torch.bincount(slot[order], minlength=bank.slots.shape[0]).tolist()
     xs = x[token]
     ys = torch.empty_like(xs)
     start = 0
