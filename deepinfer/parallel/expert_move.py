@@ -152,7 +152,10 @@ class ExpertSource:
         names: dict[str, tuple[Path, str]] = {}
         fused: dict[str, tuple[Path, str]] = {}
         mla = self.config.mla is not None
-        for shard in _safetensors_files(self.path):
+        shards = _safetensors_files(self.path)
+        if not shards:
+            raise FileNotFoundError(f"no *.safetensors files in {str(self.path)!r} any more")
+        for shard in shards:
             with safe_open(str(shard), framework="pt") as f:
                 for hf in f.keys():
                     m = _HF_FUSED_EXPERTS.fullmatch(hf)
