@@ -30,7 +30,9 @@ number of times, and each call runs exactly one forward — of zero tokens when 
 scheduled. Who decides that the group steps (while any rank has work) is the caller's business:
 `has_unfinished()` stays local. A failure inside the forward (a peer died, a collective timed out)
 raises `ExpertParallelError` from `step()`, carrying the terminal outputs of the step's requests; the
-engine refuses to step again. Not available under expert parallelism: a draft-model speculator (its
+engine refuses to step again. Between steps the group can move the engine to a new expert placement
+(`stage_placement` in the background, then `switch_placement` at a step the whole group agrees on; see
+`deepinfer.parallel.expert_move`). Not available under expert parallelism: a draft-model speculator (its
 forwards would not be collective; n-gram and suffix guessers are fine), `prompt_logits` and
 `generate` (they run forwards on this rank's schedule alone).
 

@@ -358,9 +358,9 @@ def shard_movable(model: object, loaded: LoadedModel, group: EpGroup, placement:
     `redundant_replicas(redundant, ...)` extra replicas), and its stager, holding the digests of the
     experts as loaded."""
     moe = loaded.config.moe
-    if moe is None:  # shard_experts says why this cannot be
-        shard_experts(model, group, placement)
-        raise AssertionError("unreachable")
+    if moe is None:
+        shard_experts(model, group, placement)  # raises the ConfigError that says why (no sparse blocks)
+        raise ConfigError("expert parallelism needs a mixture-of-experts model")
     extra = redundant_replicas(redundant, moe.num_experts, group.size) if placement is None else 0
     digests = expert_digests(loaded.state_dict, loaded.config)
     placement, stats = shard_experts(model, group, placement, redundant=extra)

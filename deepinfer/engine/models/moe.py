@@ -217,7 +217,7 @@ class LocalExperts:
     counts: torch.Tensor = field(init=False)  # [num_experts] int64
 
     def __post_init__(self) -> None:
-        self.counts = torch.zeros(self.bank.num_experts, dtype=torch.int64, device=self.bank.ids.device)
+        self.counts = torch.zeros(self.bank.num_experts, dtype=torch.int64, device=self.bank.slots.device)
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         self.counts += count_assignments(routing, self.bank.num_experts)
