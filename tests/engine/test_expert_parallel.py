@@ -49,8 +49,10 @@ DEEPSEEK = "v3-qlora-dense1-yarn"
 
 def engine_config(speculative: str | None = None) -> EngineConfig:
     # Fixed draft lengths: the adaptive controller would pick them from measured (machine-dependent) times.
+    # No redundant replicas: the shares checked below are the static table's contiguous blocks.
     return EngineConfig(block_size=4, num_kv_blocks=160, max_num_batched_tokens=48, use_native_kernels=False,
-                        speculative=speculative, num_speculative_tokens=3, adaptive_speculation=False)
+                        speculative=speculative, num_speculative_tokens=3, adaptive_speculation=False,
+                        redundant_experts=0)
 
 
 @dataclass(frozen=True)
