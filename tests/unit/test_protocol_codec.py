@@ -26,10 +26,14 @@ from deepinfer.protocol.messages import (
     DetokenizeBatch,
     DetokenizeItem,
     ErrorReply,
+    ExpertLoad,
     GenerateRequest,
     Heartbeat,
     Hello,
     KvTransfer,
+    PlacementResult,
+    PlacementTable,
+    PlacementUpdate,
     RequestFinished,
     SamplingParamsWire,
     Shutdown,
@@ -193,6 +197,23 @@ def test_int64_bounds() -> None:
     assert decode_frames(ok).seq == -(2**63)
     for bad in (2**63, 2**64 - 1):  # msgpack's uint64 range
         assert code_of(frames_for(Heartbeat, {**wire(_heartbeat()), "seq": bad})) == "bad_field"
+
+
+def test_expert_balancer_messages_round_trip() -> None:
+    table = PlacementTable(version=3, num_ranks=2, num_experts=4, slots_per_rank=3, layers=[[0, 1, -1, 2, 3, 0]])
+    sent = [ExpertLoad("worker-0", 3, 5.0, [[1, 2, 3, 4]], [3, 7], table),
+            PlacementUpdate("worker-0", table, before=[1.5], after=[1.1]),
+            PlacementResult("worker-0", 3, False, "a move is in flight")]
+    back = [decode_frames(encode_frames(msg)) for msg in sent]
+    assert back == sent and back[0].placement.layers == [[0, 1, -1, 2, 3, 0]]
+    # A report without a table (a dense model) still decodes; a table of anything but ints does not.
+    old = decode_frames(frames_for(ExpertLoad, {"worker": "w", "placement_version": 0, "period_s": 1.0}))
+    assert old.placement is None and old.expert_tokens == []
+    bad = {"worker": "w", "placement": {**wire(sent[1])["placement"], "layers": [[0, "1"]]}}
+    with pytest.raises(proto.ProtocolError) as info:
+        decode_frames(frames_for(PlacementUpdate, bad))
+    assert info.value.where == "PlacementUpdate.placement.layers[0][1]"
+    assert PROTOCOL_VERSION >= 7  # the balancer's messages came with a bump
 
 
 def test_unknown_missing_and_mistyped_fields() -> None:
