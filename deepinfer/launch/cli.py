@@ -35,6 +35,7 @@ from deepinfer.engine.config import (
 # Every option default below is a named constant defined once (engine.config, launch.specs), the one the
 # topology and the services use too; the light specs module keeps `--help` from importing the mesh.
 from deepinfer.launch.specs import DEFAULT_DISK_CACHE_MB, DEFAULT_HOST_CACHE_MB, DEFAULT_MODEL
+from deepinfer.services.balancer_config import BALANCER_DEFAULTS
 
 
 def configure_logging(as_json: bool, level: str) -> None:
@@ -370,17 +371,34 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
               help="Disk tier of the KV cache.")
 @click.option("--no-kvcache", is_flag=True, help="Run without a cache daemon (workers still reuse their own pool).")
 @click.option("--no-prefix-caching", is_flag=True, help="No KV reuse at all: every prompt is computed in full.")
+@click.option("--redundant-experts", type=click.IntRange(min=0), default=None,
+              help="MoE with --ep: extra expert replicas per layer in each group's starting placement, the room the "
+                   "expert balancer moves hot experts into. Default: max(1, experts // 8); 0: none.")
+@click.option("--no-balancer", is_flag=True,
+              help="No expert balancer. By default one runs when the workers are --ep groups of an MoE model.")
+@click.option("--balancer-interval", type=click.FloatRange(min=0, min_open=True), default=None,
+              help=f"Seconds between the expert balancer's looks at each group. "
+                   f"Default: {BALANCER_DEFAULTS.interval_s}.")
+@click.option("--balancer-window", type=click.FloatRange(min=0, min_open=True), default=None,
+              help=f"Seconds of expert-load reports it weighs. Default: {BALANCER_DEFAULTS.window_s}.")
 @speculation_options
 def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
        num_tokenizers: int, threads: int | None, ep: int | None, kv_cache_mb: int, run_dir: Path | None,
        log_dir: Path | None, cache_dir: Path | None, host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool,
-       no_prefix_caching: bool, speculative: str | None, num_speculative_tokens: int,
+       no_prefix_caching: bool, redundant_experts: int | None, no_balancer: bool, balancer_interval: float | None,
+       balancer_window: float | None, speculative: str | None, num_speculative_tokens: int,
        no_adaptive_speculation: bool) -> None:
     """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM.
-    With --topology, every worker option (speculation and --ep too) comes from the file, per worker."""
+    With --topology, every worker option (speculation, --ep and the expert balancer's too) comes from the
+    file, per worker (and its [balancer] table)."""
     from deepinfer.launch.topology import Topology
 
-    for given, option, key in ((speculative, "--speculative", "`speculative`"), (ep, "--ep", "`ep` and `ep_master`")):
+    balancing = (redundant_experts, "--redundant-experts", "`redundant_experts`"), \
+        (balancer_interval, "--balancer-interval", "[balancer] interval_s"), \
+        (balancer_window, "--balancer-window", "[balancer] window_s"), \
+        (no_balancer or None, "--no-balancer", "a [balancer] table, or none")
+    for given, option, key in ((speculative, "--speculative", "`speculative`"), (ep, "--ep", "`ep` and `ep_master`"),
+                               *balancing):
         if topology is not None and given is not None:  # it would be silently ignored
             raise click.UsageError(f"{option} configures the workers `up` builds; with --topology, set {key} "
                                    f"per worker in the file")
@@ -408,7 +426,9 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
         if topology is None:
             topology = run_dir / "topology.toml"
             made.append(topology)
-            topology.write_text(Topology.local(model, "ipc", run_dir, ep=ep or 1, **local).to_toml())
+            balancer = expert_balancer(model, ep or 1, no_balancer, balancer_interval, balancer_window)
+            topology.write_text(Topology.local(model, "ipc", run_dir, ep=ep or 1, redundant_experts=redundant_experts,
+                                               balancer=balancer, **local).to_toml())
         made += _ipc_paths(Topology.load(topology), run_dir)
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -416,6 +436,21 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
         _supervise(topology, log_dir or run_dir, logs)
     finally:
         _remove_run_files(run_dir, temporary, made)
+
+
+def expert_balancer(model: str, ep: int, off: bool, interval_s: float | None,
+                    window_s: float | None) -> Any:
+    """The `[balancer]` settings `up` gives its topology: a BalancerConfig when the workers are expert-parallel
+    groups (ep > 1) of an MoE model (its config says so) and `off` is not set, else None."""
+    if off or ep <= 1:
+        return None
+    from deepinfer.engine.fetch import resolve_model
+    from deepinfer.engine.identity import model_config_at
+
+    if model_config_at(resolve_model(model)).moe is None:
+        return None  # a dense model has no experts to balance
+    given = {k: v for k, v in (("interval_s", interval_s), ("window_s", window_s)) if v is not None}
+    return dataclasses.replace(BALANCER_DEFAULTS, **given)
 
 
 def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
@@ -474,7 +509,7 @@ def _announce(endpoint: str, extra: str = "") -> None:
 
 
 @main.command()
-@click.argument("role", type=click.Choice(["router", "tokenizer", "worker", "kvcache"]))
+@click.argument("role", type=click.Choice(["router", "tokenizer", "worker", "kvcache", "balancer"]))
 @click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
 @click.option("--name", default=None, help="The service's name in the topology.")
 @click.option("--index", type=int, default=None, help="Or its position among the topology's services of ROLE.")
@@ -488,7 +523,8 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
     topo = Topology.load(topology)
     if name is None:
         names = {"router": ["router"], "tokenizer": [t.name for t in topo.tokenizers],
-                 "worker": [w.name for w in topo.workers], "kvcache": [k.name for k in topo.kvcaches]}[role]
+                 "worker": [w.name for w in topo.workers], "kvcache": [k.name for k in topo.kvcaches],
+                 "balancer": ["balancer"] if topo.balancer is not None else []}[role]
         if index is None or not 0 <= index < len(names):
             raise click.UsageError(f"give --name or --index in [0, {len(names)}) for {role}")
         name = names[index]

@@ -42,6 +42,7 @@ from deepinfer.protocol.auth import (
     read_client_keys,
     secured,
 )
+from deepinfer.services.balancer_config import BALANCER_NAME
 
 ROUTER = ROUTER_KEY_NAME
 SUPERVISOR = "supervisor"  # its routing ids are `supervisor-<pid>` (see exit_notes)
@@ -50,7 +51,12 @@ SUPERVISOR = "supervisor"  # its routing ids are `supervisor-<pid>` (see exit_no
 def key_owners(topology: Topology) -> list[str]:
     """Every name that gets a service key pair."""
     return [ROUTER, *(t.name for t in topology.tokenizers), *(w.name for w in topology.workers),
-            *(k.name for k in topology.kvcaches), SUPERVISOR]
+            *(k.name for k in topology.kvcaches), *_balancer(topology), SUPERVISOR]
+
+
+def _balancer(topology: Topology) -> list[str]:
+    """The expert balancer's name, if the topology runs one."""
+    return [BALANCER_NAME] if topology.balancer is not None else []
 
 
 def _private_dir(path: Path) -> Path:
@@ -79,7 +85,7 @@ def make_keys(directory: str | os.PathLike[str], topology: Topology) -> list[Pat
 
 
 def service_auth(topology: Topology, role: str, name: str) -> ServiceAuth:
-    """What service `name` (role router, tokenizer, worker or kvcache) needs: its key pair, the public keys of
+    """What service `name` (role router, tokenizer, worker, kvcache or balancer) needs: its key pair, the public keys of
     the servers it connects to, and the allow-list of each socket it binds. NO_AUTH without [security]."""
     if topology.security is None:
         return NO_AUTH
@@ -97,7 +103,7 @@ def service_auth(topology: Topology, role: str, name: str) -> ServiceAuth:
     lists: dict[str, AllowList] = {}
     if role == "router":
         daemons = [k.name for k in topology.kvcaches]
-        backend = allow("backend", [t.name for t in topology.tokenizers] + workers + daemons)
+        backend = allow("backend", [t.name for t in topology.tokenizers] + workers + daemons + _balancer(topology))
         backend.allow(public(SUPERVISOR), f"{SUPERVISOR}-*")
         client_keys = topology.security.client_keys or Path(topology.security.keys_dir) / CLIENTS_DIR / CLIENTS_ALLOWED
         lists = {"backend": backend, "frontend": client_allow_list(f"{name}/frontend", read_client_keys(client_keys))}
@@ -107,6 +113,8 @@ def service_auth(topology: Topology, role: str, name: str) -> ServiceAuth:
         lists = {"kv": allow("kv", [w.name for w in topology.workers if w.role == "prefill"])}
     elif role == "kvcache":
         lists = {"cache": allow("cache", [w.name for w in topology.workers if w.kvcache == name])}
+    elif role == "balancer":
+        lists = {}  # it binds nothing: it only connects to the router
     else:
         raise ValueError(f"unknown role {role!r}")
     return ServiceAuth(KeyPair.load(services / f"{name}.key_secret"), {s: public(s) for s in servers}, lists)

@@ -21,6 +21,8 @@ from deepinfer.launch.keys import service_auth
 from deepinfer.launch.supervisor import watch_lifeline
 from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir
 from deepinfer.launch.tuning import tune_malloc
+from deepinfer.services.balancer import BalancerService
+from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import Service
 from deepinfer.services.kvcache import KvCacheService
 from deepinfer.services.router import RouterService
@@ -42,7 +44,7 @@ def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int
                         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
                         device=w.rank_device(rank), num_threads=threads, enable_prefix_caching=w.prefix_caching,
                         speculative=w.speculative, num_speculative_tokens=w.num_speculative_tokens,
-                        adaptive_speculation=w.adaptive_speculation)
+                        adaptive_speculation=w.adaptive_speculation, redundant_experts=w.redundant_experts)
 
 
 def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Context) -> Service:
@@ -73,13 +75,18 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
         return KvCacheService(k.name, topology.backend, ctx, topology.model, k.endpoint,
                               k.dir if k.dir is not None else default_kvcache_dir(), k.host_mb, k.disk_mb,
                               block_size=topology.block_size, auth=auth)
+    if role == "balancer":
+        if topology.balancer is None or name != BALANCER_NAME:
+            raise ValueError(f"the topology has no balancer named {name!r} (a [balancer] table runs {BALANCER_NAME!r})")
+        return BalancerService(BALANCER_NAME, topology.backend, ctx, config=topology.balancer, auth=auth)
     raise ValueError(f"unknown role {role!r}")
 
 
 def all_services(topology: Topology, ctx: zmq.asyncio.Context, skip: Collection[str] = ()) -> list[Service]:
     """Every service of the topology but those named in `skip` (run elsewhere), router first."""
     named = [("router", "router"), *(("kvcache", k.name) for k in topology.kvcaches),
-             *(("tokenizer", t.name) for t in topology.tokenizers), *(("worker", w.name) for w in topology.workers)]
+             *(("tokenizer", t.name) for t in topology.tokenizers), *(("worker", w.name) for w in topology.workers),
+             *([("balancer", BALANCER_NAME)] if topology.balancer is not None else [])]
     return [build_service(topology, role, name, ctx) for role, name in named if name not in skip]
 
 

@@ -80,6 +80,9 @@ class WorkerSpec:
     # its ranks (at least one each; mesh.engine_config divides it).
     ep: int = 1
     ep_master: str = ""
+    # An MoE group's redundant expert replicas per layer in its starting (static) placement, the slots the
+    # expert balancer moves hot experts into: None = automatic (EngineConfig: max(1, E // 8)), 0 = none.
+    redundant_experts: int | None = None
 
     def rank_device(self, rank: int) -> str:
         """The device rank `rank` runs on: "cuda" gives rank R cuda:R (a group takes devices 0..ep-1 of its
@@ -93,6 +96,8 @@ class WorkerSpec:
         checked; collisions with other endpoints are the topology's to find)."""
         if self.ep < 1:
             return f"ep = {self.ep}: must be an integer >= 1"
+        if self.redundant_experts is not None and self.redundant_experts < 0:
+            return f"redundant_experts = {self.redundant_experts}: must not be negative"
         if self.ep == 1:
             return None
         if self.device not in EP_DEVICES:

@@ -1,10 +1,11 @@
 """A process supervisor for the one-host mesh: one child process per service, restarted with
-exponential backoff when it dies, drained and stopped in order (router, workers, tokenizers).
+exponential backoff when it dies, drained and stopped in order (router, workers, tokenizers, the expert
+balancer and cache daemons).
 
 Each child is `python -m deepinfer.launch.cli service ROLE --topology F --name NAME`, the same command a
 systemd unit runs. CPU threads are a budget: every worker gets its share of the host's cores (torch's
 OpenMP threads spin while waiting, and oversubscribed they slow matmuls by orders of magnitude);
-router and tokenizers get one.
+router, tokenizers, cache daemons and the expert balancer get one.
 
 Children live in groups that die and restart together. A service is a group of one; an expert-parallel
 worker (`ep = N`) is a group of N ranks: child NAME is rank 0 (started as any worker is), children
@@ -41,6 +42,7 @@ import structlog
 
 from deepinfer.launch.topology import Topology, TopologyError
 from deepinfer.launch.tuning import MALLOC_ENV
+from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 
 log = structlog.get_logger("deepinfer.supervisor")
@@ -118,7 +120,7 @@ def watch_lifeline(loop: asyncio.AbstractEventLoop, on_lost: Callable[[], None])
 
 @dataclass
 class Child:
-    role: str  # "router", "tokenizer", "worker" or "kvcache"
+    role: str  # "router", "tokenizer", "worker", "kvcache" or "balancer"
     name: str  # unique among the children: the service's name, NAME.rankR for an expert-parallel follower
     threads: int
     proc: subprocess.Popen[bytes] | None = None
@@ -182,6 +184,8 @@ class Supervisor:
         self.groups = [Group([Child("router", "router", 1)])]
         self.groups += [Group([Child("kvcache", k.name, 1)]) for k in self.topology.kvcaches]
         self.groups += [Group([Child("tokenizer", t.name, 1)]) for t in self.topology.tokenizers]
+        if self.topology.balancer is not None:
+            self.groups.append(Group([Child("balancer", BALANCER_NAME, 1)]))
         self.groups += [Group([Child("worker", rank_child_name(w.name, r), shares[w.name], service=w.name, rank=r)
                                for r in range(w.ep)]) for w in self.topology.workers]
         self.children = [c for g in self.groups for c in g.members]
@@ -302,7 +306,7 @@ class Supervisor:
         log.info("stopping", children=[c.proc.pid for c in self.children if c.proc and c.proc.poll() is None])
         stages: list[Callable[[Child], bool]] = [
             lambda c: c.role == "router", lambda c: c.role == "worker" and c.rank == 0,
-            lambda c: c.role == "worker" and c.rank > 0, lambda c: c.role == "tokenizer",
+            lambda c: c.role == "worker" and c.rank > 0, lambda c: c.role in ("tokenizer", "balancer"),
             lambda c: c.role == "kvcache"]
         for stage in stages:
             procs = [c.proc for c in self.children if stage(c) and c.proc and c.proc.poll() is None]

@@ -4,7 +4,8 @@
     systemctl daemon-reload && systemctl enable --now deepinfer.target
 
 Templates take the service's name in the topology as the instance (`deepinfer-worker@prefill-0`), so one
-template serves every device of a host. Tokenizers and workers start after the router (they connect to it,
+template serves every device of a host. The expert balancer, when the topology has one, is
+`deepinfer-balancer@balancer`. Tokenizers, workers and the balancer start after the router (they connect to it,
 and retry until the handshake succeeds anyway); every unit restarts on failure with a delay and is
 part of `deepinfer.target`, which stops them all together.
 
@@ -31,6 +32,7 @@ import sys
 from pathlib import Path
 
 from deepinfer.launch.topology import Topology, TopologyError, WorkerSpec
+from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 
 DEFAULT_USER = "deepinfer"
@@ -109,8 +111,9 @@ def _under_home(path: str) -> bool:
 
 def unit_files(topology_path: Path, topology: Topology, launcher: str | None = None,
                user: str = DEFAULT_USER) -> dict[str, str]:
-    """File name → contents: the target, the four templates, and nothing per instance (instances are
-    enabled through the target's Wants=)."""
+    """File name → contents: the target, the templates (the balancer's only when the topology has one),
+    the rank units of expert-parallel workers, and nothing per template instance (instances are enabled
+    through the target's Wants=)."""
     launcher = launcher or f"{shlex.quote(sys.executable)} -m deepinfer.launch.cli"
     topo = shlex.quote(str(topology_path.resolve()))
     writable = _writable_dirs(topology)
@@ -139,6 +142,9 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
     instances += [f"deepinfer-worker@{w.name}.service" for w in topology.workers if w.ep == 1]
     instances += list(groups)
     instances += [f"deepinfer-kvcache@{k.name}.service" for k in topology.kvcaches]
+    # The balancer holds no requests: a worker group keeps its last placement while it is down.
+    balancer = {"deepinfer-balancer@.service": unit("balancer")} if topology.balancer is not None else {}
+    instances += [f"deepinfer-balancer@{BALANCER_NAME}.service"] if balancer else []
     return {
         "deepinfer.target": _TARGET.format(wants=" ".join(instances)),
         "deepinfer-router@.service": unit("router", after=""),
@@ -146,6 +152,7 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
         "deepinfer-worker@.service": unit("worker"),
         # Workers do not wait for the cache daemon: without it they compute every prompt in full.
         "deepinfer-kvcache@.service": unit("kvcache"),
+        **balancer,
         **groups,
     }
 

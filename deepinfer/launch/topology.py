@@ -29,17 +29,26 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     adaptive_speculation = true           # let the controller choose each step's k (false: always the cap)
     ep = 1                                # expert parallelism: a group of N ranks, a process each (default 1;
     ep_master = "10.0.0.2:29500"          #   N > 1 needs this rendezvous, host:port, and no kvcache yet)
+    redundant_experts = 2                 # MoE: extra expert replicas per layer (default: max(1, E // 8); 0: none)
     [[kvcache]]
     name = "kvcache-0"
     endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here
     dir = "/mnt/nvme/deepinfer-kv"        # the disk tier (default: the user's cache directory)
     host_mb = 4096                        # DRAM tier capacity
     disk_mb = 200000                      # disk tier capacity (watermarks keep usage below it)
+    [balancer]                            # optional: the expert balancer for the MoE worker groups (one per mesh,
+    interval_s = 30.0                     #   named "balancer"): how often it reconsiders each group's placement
+    window_s = 120.0                      # the load reports it weighs: the last window_s seconds
+    threshold = 0.05                      # the relative max/mean gain a layer must promise before experts move
+    max_moves = 8                         # at most this many slots per layer load new weights at once (default:
+                                          #   no bound)
+    move_timeout_s = 60.0                 # a placement unanswered by then is given up
     [security]                            # optional: CURVE on every tcp:// endpoint
     keys_dir = "/etc/deepinfer/keys"      # from `deepinfer-launch keys DIR --topology F` (relative: to this file)
     client_keys = "/etc/deepinfer/clients.allowed"  # the tenants' public keys (default: DIR/clients/allowed)
 
-Every table is one frozen dataclass (TokenizerSpec, WorkerSpec, KvCacheSpec, SecuritySpec, RouterConfig),
+Every table is one frozen dataclass (TokenizerSpec, WorkerSpec, KvCacheSpec, SecuritySpec, RouterConfig,
+BalancerConfig),
 read by `tables.from_table`: an unknown key or a value of the wrong type is refused when the file is read,
 naming the file, the entry and the key. A key left out takes its default, and every default is defined once
 (deepinfer.engine.config's DEFAULT_*, the KvCacheSpec defaults here, RouterConfig's), so the file, the
@@ -57,6 +66,11 @@ for the group to the mesh and ranks 1..N-1 following it (`service worker --rank 
 or "cuda" (rank R on cuda:R; `WorkerSpec.rank_device`), its `threads` are shared equally by the ranks, and
 `ep_master` is where the ranks rendezvous (torch.distributed's store, on rank 0): an address no other
 endpoint of the topology uses. `Topology.local` gives each group a free 127.0.0.1 port.
+
+The expert balancer (`[balancer]`, an empty table for every default) reads the MoE groups' expert loads
+through the router and sends them better placements (deepinfer.services.balancer); it binds nothing.
+Without it every group keeps its static placement, whose `redundant_experts` replicas then stay where
+the static layout put them.
 """
 
 from __future__ import annotations
@@ -91,15 +105,17 @@ from deepinfer.launch.specs import (
     split_host_port,
 )
 from deepinfer.launch.tables import TopologyError, check_fields, from_table, toml_string, toml_table
+from deepinfer.services.balancer_config import BALANCER_NAME, BalancerConfig
 from deepinfer.services.router_state import RouterConfig
 
 # The sections are re-exported: the tree is read and built from this module.
-__all__ = ["DEFAULT_DISK_CACHE_MB", "DEFAULT_HOST_CACHE_MB", "DEFAULT_MODEL", "KvCacheSpec", "RouterConfig",
+__all__ = ["DEFAULT_DISK_CACHE_MB", "DEFAULT_HOST_CACHE_MB", "DEFAULT_MODEL", "BalancerConfig", "KvCacheSpec",
+           "RouterConfig",
            "SecuritySpec", "TokenizerSpec", "Topology", "TopologyError", "WorkerSpec", "default_kvcache_dir",
            "speculative_problem"]
 
 T = TypeVar("T")
-TOP_LEVEL_KEYS = ("model", "block_size", "router", "tokenizer", "worker", "kvcache", "security")
+TOP_LEVEL_KEYS = ("model", "block_size", "router", "tokenizer", "worker", "kvcache", "balancer", "security")
 # RouterConfig fields a [router] table may not set: they are derived, so they cannot disagree with their source.
 ROUTER_DERIVED = {"block_size": "set block_size at the top level: it is every service's, the router's included",
                   "id_prefix": "the router chooses it, anew at every start"}
@@ -120,6 +136,7 @@ class Topology:
     kvcaches: tuple[KvCacheSpec, ...] = ()
     block_size: int = DEFAULT_BLOCK_SIZE
     security: SecuritySpec | None = None  # None: no CURVE (loopback or ipc:// only, as DESIGN §3 advises)
+    balancer: BalancerConfig | None = None  # None: no expert balancer (groups keep their static placement)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -132,6 +149,7 @@ class Topology:
         if self.router.block_size != self.block_size:
             object.__setattr__(self, "router", dataclasses.replace(self.router, block_size=self.block_size))
         names = [t.name for t in self.tokenizers] + [w.name for w in self.workers] + [k.name for k in self.kvcaches]
+        names += [BALANCER_NAME] if self.balancer is not None else []
         if len(set(names)) != len(names):
             raise TopologyError(f"service names must be unique: {names}")
         if not self.tokenizers:
@@ -178,7 +196,8 @@ class Topology:
         """Every sub-tree with the name its errors carry."""
         return [("router", self.router), *((f"tokenizer {t.name}", t) for t in self.tokenizers),
                 *((f"worker {w.name}", w) for w in self.workers), *((f"kvcache {k.name}", k) for k in self.kvcaches),
-                *([("security", self.security)] if self.security is not None else [])]
+                *([("security", self.security)] if self.security is not None else []),
+                *([("balancer", self.balancer)] if self.balancer is not None else [])]
 
     def worker(self, name: str) -> WorkerSpec:
         for w in self.workers:
@@ -207,14 +226,16 @@ class Topology:
               speculative: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
               adaptive_speculation: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, ep: int = 1) -> Topology:
+              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, ep: int = 1,
+              redundant_experts: int | None = None, balancer: BalancerConfig | None = None) -> Topology:
         """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`).
         With `kvcache`, one cache daemon (disk tier in `cache_dir`, default `default_kvcache_dir()`)
         serves every worker; `prefix_caching=False` also turns off reuse inside each worker. The
         speculation options go to the workers that decode (decode and co-located ones). With `ep > 1`
         every worker is an expert-parallel group of `ep` ranks, each group rendezvousing on a free
         127.0.0.1 port (free when chosen: another program may take it before the group starts); groups
-        cannot use a cache daemon yet, so there is none."""
+        cannot use a cache daemon yet, so there is none. `redundant_experts` goes to every worker; with
+        `balancer` the mesh runs an expert balancer with those settings."""
         kvcache = kvcache and ep == 1
         if transport == "inproc":
             if ep != 1:
@@ -231,7 +252,7 @@ class Topology:
                                host_cache_mb, disk_cache_mb),) if kvcache else ()
         common: dict[str, Any] = dict(threads=threads, kv_cache_mb=kv_cache_mb, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
-                                      kvcache="kvcache-0" if kvcache else None)
+                                      kvcache="kvcache-0" if kvcache else None, redundant_experts=redundant_experts)
         decoding: dict[str, Any] = dict(common, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                                         adaptive_speculation=adaptive_speculation)
         workers: list[WorkerSpec] = []
@@ -248,7 +269,7 @@ class Topology:
         tokenizers = tuple(TokenizerSpec(f"tokenizer-{i}", endpoint(f"tokenizer-{i}-detok"))
                            for i in range(num_tokenizers))
         return cls(model, endpoint("router-frontend"), endpoint("router-backend"), tokenizers, tuple(workers),
-                   kvcaches=daemons, block_size=block_size)
+                   kvcaches=daemons, block_size=block_size, balancer=balancer)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Topology:
@@ -272,6 +293,8 @@ class Topology:
             lines += toml_table("worker", w, array=True)
         for k in self.kvcaches:
             lines += toml_table("kvcache", k, array=True)
+        if self.balancer is not None:
+            lines += toml_table("balancer", self.balancer)
         if self.security is not None:
             lines += toml_table("security", self.security)
         return "\n".join(lines) + "\n"
@@ -326,6 +349,8 @@ def _from_document(data: dict[str, Any], base: Path) -> Topology:
         kvcaches=_entries(KvCacheSpec, data, "kvcache"),
         block_size=data.get("block_size", DEFAULT_BLOCK_SIZE),
         security=None if "security" not in data else _within("security", lambda: _security(data["security"], base)),
+        balancer=None if "balancer" not in data else _within("balancer", lambda: from_table(BalancerConfig,
+                                                                                            data["balancer"])),
     )
 
 

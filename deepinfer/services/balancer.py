@@ -28,37 +28,13 @@ from typing import Any
 
 from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.protocol import messages as m
+from deepinfer.services.balancer_config import BALANCER_NAME, BalancerConfig
 from deepinfer.services.balancer_core import BalancerCore, Decision
 from deepinfer.services.base import Handler, Service
 
-__all__ = ["BalancerConfig", "BalancerService", "table_of", "placement_of"]
+__all__ = ["BALANCER_NAME", "BalancerConfig", "BalancerService", "placement_of", "table_of"]
 
-BALANCER_NAME = "balancer"  # the one balancer's instance name (a mesh has at most one)
 MAX_TICK_S = 0.5  # the most time between looks for decisions that timed out
-
-
-@dataclass(frozen=True)
-class BalancerConfig:
-    """The `[balancer]` table of a topology: when the balancer plans and what a move must gain.
-
-    interval_s: how often each group's placement is reconsidered; window_s: the load reports it weighs (the
-    last window_s seconds); threshold: the relative max/mean improvement a layer must promise before its
-    experts move; max_moves: at most this many slots per layer load new weights in one decision (None: no
-    bound); move_timeout_s: a decision with no PlacementResult by then is given up."""
-
-    interval_s: float = 30.0
-    window_s: float = 120.0
-    threshold: float = 0.05
-    max_moves: int | None = None
-    move_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.window_s <= 0 or self.move_timeout_s <= 0:
-            raise ValueError("interval_s, window_s and move_timeout_s must be positive")
-        if self.threshold < 0:
-            raise ValueError(f"threshold = {self.threshold}: must not be negative")
-        if self.max_moves is not None and self.max_moves < 1:
-            raise ValueError(f"max_moves = {self.max_moves}: must be at least 1")
 
 
 def table_of(placement: ExpertPlacement) -> m.PlacementTable:
