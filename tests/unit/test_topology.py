@@ -15,6 +15,7 @@ import pytest
 from deepinfer.launch.cli import mesh_options
 from deepinfer.launch.topology import (
     ROUTER_DERIVED,
+    BalancerConfig,
     KvCacheSpec,
     RouterConfig,
     SecuritySpec,
@@ -213,12 +214,14 @@ def every_field(tmp_path: Path) -> Topology:
     worker: dict[str, Any] = dict(device="cuda", threads=3, kv_cache_mb=64, max_num_seqs=8,
                                   max_num_batched_tokens=256, prefix_caching=False,
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
-                                  ep=2, ep_master="10.0.0.3:29500")
+                                  ep=2, ep_master="10.0.0.3:29500", redundant_experts=3)
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
+    balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, move_timeout_s=9.0)
     # (kvcache is exercised on prefill-0: a worker group cannot use a cache daemon yet)
     sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv", "kvcache"}),
-                (KvCacheSpec, kvcache, {"name", "endpoint"}), (SecuritySpec, security, {"keys_dir"}))
+                (KvCacheSpec, kvcache, {"name", "endpoint"}), (SecuritySpec, security, {"keys_dir"}),
+                (BalancerConfig, balancer, set()))
     for cls, values, elsewhere in sections:  # `elsewhere`: required (given below) or derived
         fields = {f.name: f for f in dataclasses.fields(cls)}
         assert set(values) == set(fields) - elsewhere, cls  # every other field is exercised
@@ -232,6 +235,7 @@ def every_field(tmp_path: Path) -> Topology:
         kvcaches=(KvCacheSpec("kv-0", "tcp://10.0.0.2:5580", **kvcache),),
         block_size=32,
         security=SecuritySpec(str(tmp_path / "keys"), **security),
+        balancer=BalancerConfig(**balancer),
     )
 
 
