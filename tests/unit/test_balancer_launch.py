@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from deepinfer.launch import cli
-from deepinfer.launch.keys import key_owners
+from deepinfer.launch.keys import key_owners, make_keys, service_auth
 from deepinfer.launch.mesh import engine_config
 from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.systemd import unit_files
@@ -102,6 +102,16 @@ def test_supervisor_systemd_and_keys_run_the_balancer_when_the_topology_has_one(
         assert "service balancer --topology" in unit and "--name %i" in unit and "PrivateDevices=yes" in unit
         assert "deepinfer-balancer@balancer.service" in units["deepinfer.target"]
         assert "balancer" in key_owners(topo)
+
+
+def test_a_secured_mesh_gives_the_balancer_a_key_the_router_allows(tmp_path):
+    plain = load(tmp_path, MINIMAL + "[balancer]\n")
+    make_keys(tmp_path / "keys", plain)
+    topo = load(tmp_path, MINIMAL + f'[balancer]\n[security]\nkeys_dir = "{tmp_path / "keys"}"\n')
+    mine = service_auth(topo, "balancer", "balancer")
+    assert mine.keypair is not None and not mine.allow and "router" in mine.server_keys  # binds nothing
+    backend = service_auth(topo, "router", "router").allow["backend"]
+    assert backend.rule_for(mine.keypair.public) == "balancer"
 
 
 def test_service_balancer_needs_a_balancer_table(tmp_path):
