@@ -57,6 +57,9 @@ class GroupState:
 
 
 class BalancerService(Service):
+    """The expert balancer (see the module docstring): `groups` holds one core per MoE worker group; the
+    counters say how many decisions went out and how they ended."""
+
     role = "balancer"
 
     def __init__(self, instance: str, backend: str, ctx: Any = None, config: BalancerConfig | None = None,
