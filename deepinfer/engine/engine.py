@@ -522,6 +522,13 @@ class LLMEngine:
             return torch.zeros(0, 0, dtype=torch.int64)
         return torch.stack([b.experts.take_counts() for b in blocks])  # type: ignore[attr-defined]
 
+    def expert_computed(self) -> list[int]:
+        """Under expert parallelism, per MoE layer the assignments this rank's experts computed since the
+        last call (for any rank's tokens: the rank's measured expert load), then zero; [] otherwise."""
+        if self.ep_group is None:
+            return []
+        return [b.experts.take_computed() for b in moe_blocks(self.runner.model)]  # type: ignore[attr-defined]
+
     def ep_stats(self) -> EpStats | None:
         """Expert-parallel dispatch/compute/combine times and bytes since the last call (then zero);
         None without an expert-parallel group."""

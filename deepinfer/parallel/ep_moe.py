@@ -104,6 +104,7 @@ class ExpertParallelExperts:
         # per rank) lets `switch` rewrite the tables in place.
         self._replica_ranks, self._num_replicas = _replica_tables(placement, layer, group.device)
         self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=group.device)
+        self.computed = 0  # assignments this rank's experts computed (any sender's tokens): its measured load
 
     @classmethod
     def from_state(cls, sd: dict[str, torch.Tensor], prefix: str, placement: ExpertPlacement, layer: int,
@@ -135,6 +136,11 @@ class ExpertParallelExperts:
         self.counts.zero_()
         return taken
 
+    def take_computed(self) -> int:
+        """Assignments this rank's experts computed since the last take, then zero."""
+        taken, self.computed = self.computed, 0
+        return taken
+
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         started = self._now()
         n, hidden = self.group.size, x.shape[1]
@@ -155,6 +161,7 @@ class ExpertParallelExperts:
         dist.all_to_all_single(got, self._pack(x, routing, rows, w), output_split_sizes=recv_bytes,
                                input_split_sizes=send_bytes, group=self.group.data)
         recv_x, recv_routing = self._unpack(got, recv_rows, recv_widths, hidden)
+        self.computed += recv_routing.expert.numel()
         dispatched = self._now()
 
         # This rank's experts on what it received: one partial sum per received row.
