@@ -124,7 +124,7 @@ class Follower:
                                             decode_logprob(first_lp), salt, resumed)
                     return None
                 case Op.EXPERT_LOAD:
-                    return take_expert_counts(e)
+                    return [take_expert_counts(e), e.expert_computed()]
                 case Op.STAGE:
                     self._stage_error = None
                     try:

@@ -405,19 +405,24 @@ class GroupEngine:
         """The moves that ended (switched, or dropped with the old placement kept) since the last call."""
         return self._moves.take_results()
 
-    def take_expert_load(self) -> tuple[list[list[int]] | None, list[int]]:
-        """(tokens routed to each logical expert of each MoE layer since the last call, summed over ranks —
-        None for a dense model; tokens each rank computed since the last call). One round."""
+    def take_expert_load(self) -> tuple[list[list[int]] | None, list[int], list[list[int]]]:
+        """Since the last call: (tokens routed to each logical expert of each MoE layer, summed over ranks —
+        None for a dense model; tokens each rank computed; per MoE layer, the assignments each rank's
+        experts computed — its measured expert load, [] for a dense model). One round."""
         self._check()
         counts = take_expert_counts(self.local)
+        computed = [self.local.expert_computed()]
         if self.size > 1:
             results = self._call_all({r: [Op.EXPERT_LOAD] for r in range(1, self.size)})
             for r in range(1, self.size):
-                counts = _add_counts(counts, raise_if_error(results[r][0]))
+                rank_counts, rank_computed = raise_if_error(results[r][0])
+                counts = _add_counts(counts, rank_counts)
+                computed.append(rank_computed)
         totals = [self.local.stats.tokens_computed] + [s.get("tokens_computed", 0) for s in self._stats[1:]]
         per_rank = [t - last for t, last in zip(totals, self._last_tokens)]
         self._last_tokens = totals
-        return counts, per_rank
+        by_layer = [list(layer) for layer in zip(*computed)] if all(computed) else []
+        return counts, per_rank, by_layer
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -588,6 +588,9 @@ class ExpertLoad:
     rank_tokens: list[int] = field(default_factory=list)
     # The table the ranks run now (None for a dense model): a balancer that restarted resumes from it.
     placement: PlacementTable | None = None
+    # rank_expert_tokens[l][r]: assignments rank r's experts computed in MoE layer l (any rank's tokens):
+    # the measured expert load per rank, whose per-layer max/mean the balancer lowers.
+    rank_expert_tokens: list[list[int]] = field(default_factory=list)
 
 
 @message(0x51)

@@ -57,16 +57,29 @@ BALANCER_ROLE = "balancer"  # the Hello service name of the expert balancer
 @dataclasses.dataclass(frozen=True)
 class ExpertStatus:
     """One worker group's latest load report as the router shows it: the placement version the ranks
-    ran, and the tokens each rank computed over the report's period."""
+    ran, the tokens each rank computed over the report's period (its attention load: the group places
+    requests), and per MoE layer the assignments each rank's experts computed (its expert load)."""
 
     placement_version: int
     rank_tokens: tuple[int, ...]
+    rank_expert_tokens: tuple[tuple[int, ...], ...] = ()
 
     @property
     def max_over_mean(self) -> float:
-        """The busiest rank's tokens over the mean (1.0 when idle): what the balancer tries to lower."""
-        total = sum(self.rank_tokens)
-        return max(self.rank_tokens) * len(self.rank_tokens) / total if total > 0 else 1.0
+        """The busiest rank's tokens over the mean (1.0 when idle)."""
+        return _max_over_mean(self.rank_tokens)
+
+    @property
+    def expert_max_over_mean(self) -> float:
+        """Mean over MoE layers of the busiest rank's expert load over the mean rank's (1.0 when idle or
+        dense): what the balancer lowers, since each layer's exchange waits for its busiest rank."""
+        busy = [layer for layer in self.rank_expert_tokens if sum(layer) > 0]
+        return sum(map(_max_over_mean, busy)) / len(busy) if busy else 1.0
+
+
+def _max_over_mean(loads: tuple[int, ...]) -> float:
+    total = sum(loads)
+    return max(loads) * len(loads) / total if total > 0 else 1.0
 
 
 async def recv_client(sock: Any) -> tuple[bytes, Any]:
@@ -275,7 +288,8 @@ class RouterService(BaseService):
 
     def expert_status(self) -> dict[str, ExpertStatus]:
         """Per worker group that reported its expert load: its placement version and rank loads."""
-        return {name: ExpertStatus(load.placement_version, tuple(load.rank_tokens))
+        return {name: ExpertStatus(load.placement_version, tuple(load.rank_tokens),
+                                   tuple(tuple(layer) for layer in load.rank_expert_tokens))
                 for name, load in self.expert_load.items()}
 
     def _keep_expert_load(self, sender: str, load: m.ExpertLoad, now: float) -> list[Outbound]:
@@ -359,6 +373,6 @@ class RouterService(BaseService):
                       slow_clients=len(self._backlog), experts=self._expert_summary())
 
     def _expert_summary(self) -> dict[str, str]:
-        """Per worker group: "v<placement version> max/mean <ratio> ranks <tokens,...>"."""
-        return {name: f"v{st.placement_version} max/mean {st.max_over_mean:.2f} ranks "
+        """Per worker group: "v<placement version> experts max/mean <ratio> ranks <tokens,...>"."""
+        return {name: f"v{st.placement_version} experts max/mean {st.expert_max_over_mean:.3f} ranks "
                       f"{','.join(map(str, st.rank_tokens))}" for name, st in self.expert_status().items()}

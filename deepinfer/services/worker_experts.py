@@ -37,20 +37,20 @@ class ExpertLink:
         self.send = send
         self.log = log
 
-    def _take(self) -> tuple[Any, list[int], int, m.PlacementTable | None, list[Any]]:
+    def _take(self) -> tuple[Any, list[int], list[list[int]], int, m.PlacementTable | None, list[Any]]:
         """On the engine thread: the load since the last call, the placement run now, ended moves."""
         e = self.engine
-        counts, per_rank = e.take_expert_load()
+        counts, per_rank, computed = e.take_expert_load()
         placement = e.placement
-        return counts, per_rank, e.placement_version, None if placement is None else table_of(placement), \
+        return counts, per_rank, computed, e.placement_version, None if placement is None else table_of(placement), \
             e.take_placement_results()
 
     async def report(self, period_s: float) -> None:
-        counts, per_rank, version, table, results = await self.on_engine(self._take)
+        counts, per_rank, computed, version, table, results = await self.on_engine(self._take)
         for r in results:
             self.log.info("placement move ended", version=r.version, ok=r.ok, reason=r.reason)
             await self.send(m.PlacementResult(self.worker, r.version, r.ok, r.reason))
-        await self.send(m.ExpertLoad(self.worker, version, period_s, counts or [], per_rank, table))
+        await self.send(m.ExpertLoad(self.worker, version, period_s, counts or [], per_rank, table, computed))
 
     async def on_update(self, update: m.PlacementUpdate) -> None:
         version = update.placement.version

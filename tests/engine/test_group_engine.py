@@ -122,12 +122,15 @@ def test_requests_spread_over_ranks_equal_one_engine(request, kind):
         assert all(final[f"r{i}"].finish_reason is FinishReason.LENGTH for i in range(6))
         assert group.num_free_blocks == free and not group.live_ids()
         assert group.stats.tokens_generated == 6 * PARAMS.max_tokens > group.local.stats.tokens_generated
-        counts, per_rank = group.take_expert_load()
+        counts, per_rank, computed = group.take_expert_load()
         assert sum(per_rank) == single.stats.tokens_computed and min(per_rank) > 0
         if kind == "mixtral":  # every rank counts its own tokens' choices: summed, the single engine's
             assert counts == single.expert_counts().tolist()
+            # Every assignment is computed by exactly one rank's experts, whoever's token it was.
+            assert [sum(layer) for layer in computed] == [sum(layer) for layer in counts]
+            assert all(len(layer) == 2 for layer in computed)
         else:
-            assert counts is None
+            assert counts is None and computed == []
 
 
 def test_abort_on_the_follower_frees_its_blocks(model):

@@ -32,8 +32,8 @@ class StandIn:
     def placement_version(self) -> int:
         return self.placement.version if self.placement is not None else 0
 
-    def take_expert_load(self) -> tuple[list[list[int]], list[int]]:
-        return [[1, 2, 3, 4], [4, 3, 2, 1]], [12, 8]
+    def take_expert_load(self) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        return [[1, 2, 3, 4], [4, 3, 2, 1]], [12, 8], [[6, 4], [3, 7]]
 
     def take_placement_results(self) -> list[MoveResult]:
         taken, self.results = self.results, []
@@ -64,10 +64,11 @@ def test_a_report_carries_the_table_after_the_ended_moves() -> None:
     load = sent[2]
     assert isinstance(load, m.ExpertLoad) and load.placement_version == 1 and load.rank_tokens == [12, 8]
     assert placement_of(load.placement) == moved and load.expert_tokens == [[1, 2, 3, 4], [4, 3, 2, 1]]
+    assert load.rank_expert_tokens == [[6, 4], [3, 7]]
     sent.clear()
     engine.placement = None  # a dense model: no table
     asyncio.run(link(engine, sent).report(5.0))
-    assert sent == [m.ExpertLoad("w", 0, 5.0, [[1, 2, 3, 4], [4, 3, 2, 1]], [12, 8], None)]
+    assert sent == [m.ExpertLoad("w", 0, 5.0, [[1, 2, 3, 4], [4, 3, 2, 1]], [12, 8], None, [[6, 4], [3, 7]])]
 
 
 def test_an_update_starts_a_move_or_is_refused_at_once() -> None:
