@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,9 @@ from deepinfer.parallel.placement import EMPTY, ExpertPlacement
 log = structlog.get_logger("deepinfer.expert_move")
 
 _CHUNK = 16384  # elements per conversion op: below ATen's grain (32768), so one thread does it
+# The staging thread works at most this share of the wall time (it sleeps after each layer in proportion),
+# so on a CPU rank, whose step uses every core it has, a move costs the step little: a longer move instead.
+STAGING_DUTY = 0.25
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -288,6 +292,7 @@ class PlacementStager:
                     return
                 if not from_files:
                     continue
+                began = time.monotonic()
                 layer = self._model_layers[i]
                 read = self.source.read(layer, sorted(set(from_files.values())))
                 for row, e in from_files.items():
@@ -305,6 +310,8 @@ class PlacementStager:
                         with torch.cuda.stream(stream):
                             gate_up, down_t = gate_up.to(device), down_t.to(device)
                     staging.rows[i][row] = (e, gate_up, down_t)
+                if stream is None:
+                    staging.cancelled.wait((time.monotonic() - began) * (1 / STAGING_DUTY - 1))
             if stream is not None:
                 stream.synchronize()
         except Exception as exc:  # any failure fails the staging, never the engine
