@@ -555,6 +555,11 @@ class LLMEngine:
         if self._ep_moves is not None:
             self._ep_moves.drop()
 
+    def stop_staging(self) -> None:
+        """Drop any staging and wait for its loading thread to end: before the process exits."""
+        if self._ep_moves is not None:
+            self._ep_moves.close()
+
     def _placement_stager(self) -> PlacementStager:
         if self._ep_moves is None:
             raise PlacementRefused("this engine is not a rank of an expert-parallel group")

@@ -253,6 +253,7 @@ class PlacementStager:
         self.rank = rank
         self._model_layers = layers
         self._staging: _Staging | None = None
+        self._loading: list[_Staging] = []  # stagings whose thread may still run (dropped ones included)
 
     def stage(self, placement: ExpertPlacement) -> None:
         """Start loading `placement`'s new experts for this rank (any earlier staging is dropped);
@@ -278,6 +279,7 @@ class PlacementStager:
             wanted.append(from_files)
         staging = _Staging(placement, self.placement.version, rows)
         self._staging = staging
+        self._loading = [s for s in self._loading if not s.done.is_set()] + [staging]
         dtypes = [(ex.bank.gate_up.dtype, ex.bank.gate_up.device) for ex in self.executors]
         threading.Thread(target=self._load, args=(staging, wanted, dtypes), daemon=True,
                          name=f"stage-placement-v{placement.version}").start()
@@ -357,6 +359,14 @@ class PlacementStager:
         if self._staging is not None:
             self._staging.cancelled.set()
             self._staging = None
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Drop any staging and wait for every loading thread to end; True if all did. A process must
+        call it before it exits: a thread still inside torch or safetensors when the interpreter
+        finalises is torn down mid C++ call, and the process aborts ("exception not rethrown")."""
+        self.drop()
+        loading, self._loading = self._loading, []
+        return all(s.done.wait(timeout_s) for s in loading)
 
 
 def shard_movable(model: object, loaded: LoadedModel, group: EpGroup, placement: ExpertPlacement | None,

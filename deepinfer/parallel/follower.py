@@ -160,6 +160,7 @@ def follow(channel: ControlChannel, engine: LLMEngine) -> int:
         log.error("follower failed", rank=rank, error=traceback.format_exc())
         return EXIT_BROKEN
     finally:
+        engine.stop_staging()  # no loading thread may outlive the interpreter (it would abort the exit)
         channel.close()
 
 

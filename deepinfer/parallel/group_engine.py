@@ -364,6 +364,7 @@ class GroupEngine:
                 self._round(step=False, stop=True)
             except GroupBroken:
                 pass
+        self.local.stop_staging()  # rank 0's loading thread too: none may outlive the interpreter
         self.channel.close()
 
     @property

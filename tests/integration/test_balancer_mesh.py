@@ -63,12 +63,12 @@ def reference(moe_path) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
 
 
-async def until(check: Any, timeout_s: float = 300.0) -> None:
+async def until(check: Any, what: str, state: Any = None, timeout_s: float = 300.0) -> None:
     for _ in range(int(timeout_s / 0.01)):
         if check():
             return
         await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+    raise AssertionError(f"not reached: {what} (state: {state() if state else None})")
 
 
 class LoadLog:
@@ -136,19 +136,23 @@ def test_the_balancer_moves_experts_while_serving_without_changing_outputs(moe_p
 
                 # 1. Static placement, no balancer.
                 out["static_results"] = await workload()
-                await until(lambda: sum(map(sum, loads.by_version.get(0, []))) > 0)
+                await until(lambda: sum(map(sum, loads.by_version.get(0, []))) > 0, "expert load measured on v0")
 
                 # 2. The balancer moves experts while the workload runs; killed once the move has begun.
                 start_balancer()
                 running = asyncio.ensure_future(workload())
-                await until(lambda: group._moves.pending is not None or group.placement_version > 0)
+                await until(lambda: group._moves.pending is not None or group.placement_version > 0, "a move begun",
+                            lambda: (group.placement_version, router.expert_status()))
                 os.kill(balancers[0].pid, signal.SIGKILL)
                 out["killed_mid_move"] = group._moves.pending is not None
                 out["across_results"] = await running
-                await until(lambda: group._moves.pending is None)
+                await until(lambda: group._moves.pending is None, "the move ended",
+                            lambda: (group._moves.pending.version, group.local.staged_placement(), group._moves._ready))
                 out["moved"] = group.placement
                 # The group finished the move alone; its next reports name the new version.
-                await until(lambda: router.expert_status()["worker-0"].placement_version == group.placement_version)
+                await until(lambda: router.expert_status()["worker-0"].placement_version == group.placement_version,
+                            "the router sees the new version",
+                            lambda: (group.placement_version, router.expert_status()))
 
                 # 3. With no balancer the placement stays: the workload runs on it and its load is measured.
                 out["moved_results"] = await workload() + await workload()

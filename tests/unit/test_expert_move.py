@@ -6,6 +6,7 @@ refuses changed files, and the leader's bookkeeping with a fake engine."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,20 @@ def test_changed_weights_fail_the_staging(mixtral_dir: Path) -> None:
     stager_1, _ = rank_stager(mixtral_dir, 1, current)
     stager_1.stage(new)
     assert stager_1.wait(60) and stager_1.status() == (new.version, None)
+
+
+def test_close_ends_every_loading_thread(mixtral_dir: Path) -> None:
+    """A process exits only after `close`: a loading thread alive at interpreter exit aborts the process."""
+    current = ExpertPlacement.static(3, 8, 2)
+    stager, _ = rank_stager(mixtral_dir, 0, current)
+    first = current.with_layers([[0, 4, 2, 3, 7, 5, 6, 1]] * 3)
+    stager.stage(first)
+    stager.stage(first)  # staging again drops the first staging, whose thread may still be loading
+    threads = [t for t in threading.enumerate() if t.name.startswith("stage-placement")]
+    assert threads
+    assert stager.close(60)
+    assert not any(t.is_alive() for t in threads)
+    assert stager.status() == (None, None)
 
 
 # -- the leader's bookkeeping -------------------------------------------------------------------------------
