@@ -1,0 +1,1 @@
+"""What each service records: one small class per service shell, its labelled children bound once."""
