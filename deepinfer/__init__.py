@@ -22,6 +22,8 @@ __all__ = [
     "OverloadedError",
     "RequestTimeoutError",
     "RouterLostError",
+    "UnauthorizedError",
+    "UnavailableError",
     "WorkerLostError",
     "__version__",
 ]
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
         OverloadedError,
         RequestTimeoutError,
         RouterLostError,
+        UnauthorizedError,
+        UnavailableError,
         WorkerLostError,
     )
 

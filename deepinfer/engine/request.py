@@ -41,6 +41,13 @@ class SamplingParams:
     repetition_penalty 1 and presence/frequency penalties 0 disable penalties. `seed` makes sampling
     reproducible for this request whatever else shares the batch. `logprobs` asks for the chosen
     token's log-probability plus that many top alternatives (0: only the chosen token's; None: none).
+    `prompt_logprobs` asks the same for every prompt token given the tokens before it (the first prompt
+    token has none: its entry is None); a request asking for them never reuses cached prefix blocks.
+
+    `logit_bias` maps token id → a bias in [-100, 100] added to that token's logit before penalties,
+    temperature and filters (so it steers greedy choices too), on every sampling path including
+    speculative verification. Reported logprobs (both kinds) are the model's raw log-softmax, before
+    bias, penalties and temperature (vLLM's default).
     """
 
     max_tokens: int = 16
@@ -57,8 +64,12 @@ class SamplingParams:
     # Also stop on the model's end-of-sequence tokens.
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+    MAX_BIAS = 100.0
     MAX_STOP_STRINGS = 16  # each is searched for after every token: their number and length are bounded
     MAX_STOP_LEN = 256
     MAX_STOP_TOKEN_IDS = 64
@@ -93,6 +104,11 @@ class SamplingParams:
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        self._validate_logit_bias(vocab_size)
         if len(self.stop) > self.MAX_STOP_STRINGS or len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"at most {self.MAX_STOP_STRINGS} stop strings and {self.MAX_STOP_TOKEN_IDS} "
                                       f"stop token ids (got {len(self.stop)} and {len(self.stop_token_ids)})")
@@ -103,6 +119,20 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop token id {t!r} is outside the vocabulary")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError("logit_bias must map token ids to biases")
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias may have at most {self.MAX_LOGIT_BIAS} entries "
+                                      f"(got {len(self.logit_bias)})")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                size = "" if vocab_size is None else f" (size {vocab_size})"
+                raise InvalidRequestError(f"logit_bias token id {t!r} is outside the vocabulary{size}")
+            if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or abs(b) > self.MAX_BIAS:
+                raise InvalidRequestError(f"logit_bias[{t}]={b!r}: a bias must be a finite number in "
+                                          f"[-{self.MAX_BIAS:g}, {self.MAX_BIAS:g}]")
 
     @property
     def greedy(self) -> bool:

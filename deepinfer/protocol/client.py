@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import fields
 from functools import partial
 from typing import Any, Protocol
@@ -86,6 +86,18 @@ class WorkerLostError(MeshError):
     code = "worker_lost"
 
 
+class UnauthorizedError(MeshError):
+    """The router requires an api_key and the request's is unknown or missing."""
+
+    code = "unauthorized"
+
+
+class UnavailableError(MeshError):
+    """No live worker or tokenizer could take the request (the mesh is starting or lost them); retry later."""
+
+    code = "unavailable"
+
+
 class RequestTimeoutError(MeshError):
     code = "timeout"
 
@@ -96,7 +108,8 @@ class RouterLostError(MeshError):
     code = "router_lost"
 
 
-_ERRORS = {cls.code: cls for cls in (OverloadedError, InvalidRequestError, WorkerLostError, RequestTimeoutError)}
+_ERRORS = {cls.code: cls for cls in (OverloadedError, InvalidRequestError, WorkerLostError, RequestTimeoutError,
+                                      UnauthorizedError, UnavailableError)}
 
 
 def error_from_reply(reply: m.ErrorReply) -> MeshError:
@@ -110,13 +123,39 @@ _PARAM_NAMES = {f.name for f in fields(m.SamplingParamsWire)}
 def build_request(request_id: str, prompt: str | None, messages: list[dict[str, str]] | None,
                   prompt_token_ids: list[int] | None, stream: bool, priority: int, api_key: str | None,
                   timeout_s: float | None, params: dict[str, Any]) -> m.GenerateRequest:
+    """The GenerateRequest for these arguments; `params` are SamplingParamsWire's fields. `logit_bias` may be a
+    mapping {token id: bias} (int keys, or str keys of digits as in OpenAI's JSON) or (token id, bias) pairs;
+    it goes on the wire as pairs. Values are range-checked by the router, not here."""
     unknown = set(params) - _PARAM_NAMES
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
+    if params.get("logit_bias") is not None:
+        params = {**params, "logit_bias": logit_bias_pairs(params["logit_bias"])}
+    elif "logit_bias" in params:
+        params = {k: v for k, v in params.items() if k != "logit_bias"}
     return m.GenerateRequest(request_id, prompt, messages, prompt_token_ids, m.SamplingParamsWire(**params),
                              stream, priority, api_key, timeout_s)
+
+
+def logit_bias_pairs(bias: Mapping[int | str, float] | Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
+    """logit_bias as the wire carries it: (token id, bias) pairs. Keys of a mapping may be ints or str of
+    digits (OpenAI's JSON); a key that is neither, or a value that is no number, raises ValueError. Ranges are
+    the router's to check."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    out: list[tuple[int, float]] = []
+    for key, value in items:
+        if isinstance(key, str):
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias key {key!r:.40} is not a token id")
+            key = int(key)
+        if not isinstance(key, int) or isinstance(key, bool):
+            raise ValueError(f"logit_bias key {key!r:.40} is not a token id")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"logit_bias[{key}] = {value!r:.40} is not a number")
+        out.append((key, float(value)))
+    return out
 
 
 class _Ids:
@@ -465,23 +504,27 @@ class Client:
 
     def _submit(self, spec: dict[str, Any], stream: bool, sink: queue.SimpleQueue[Any]) -> str:
         spec = dict(spec)
+        api_key = spec.pop("api_key", None) or self.api_key
         req = build_request(self._ids.next(), spec.pop("prompt", None), spec.pop("messages", None),
-                            spec.pop("prompt_token_ids", None), stream, spec.pop("priority", 0), self.api_key,
+                            spec.pop("prompt_token_ids", None), stream, spec.pop("priority", 0), api_key,
                             spec.pop("timeout_s", None), spec)
         self._io.submit(req.request_id, encode_frames(req), sink)  # encoded here: a bad request raises here
         return req.request_id
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
-                 prompt_token_ids: list[int] | None = None, priority: int = 0, **params: Any) -> m.RequestFinished:
+                 prompt_token_ids: list[int] | None = None, priority: int = 0, api_key: str | None = None,
+                 **params: Any) -> m.RequestFinished:
+        """One request; `api_key` (this request's tenant) overrides the client's own."""
         [result] = self.generate_many([dict(prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                                            priority=priority, **params)])
+                                            priority=priority, api_key=api_key, **params)])
         if isinstance(result, MeshError):
             raise result
         return result
 
     def generate_many(self, requests: list[dict[str, Any]]) -> list[m.RequestFinished | MeshError]:
         """Submit every request at once (served by continuous batching); results in input order, a failed
-        request's MeshError in its place. Raises RequestTimeoutError when not all finished within timeout_s."""
+        request's MeshError in its place. Raises RequestTimeoutError when not all finished within timeout_s.
+        Each dict holds generate's keywords (an `api_key` in one overrides the client's for that request)."""
         sink: queue.SimpleQueue[Any] = queue.SimpleQueue()
         order: list[str] = []
         results: dict[str, m.RequestFinished | MeshError] = {}
@@ -502,12 +545,13 @@ class Client:
         return [results[rid] for rid in order]
 
     def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
-               prompt_token_ids: list[int] | None = None, priority: int = 0,
+               prompt_token_ids: list[int] | None = None, priority: int = 0, api_key: str | None = None,
                **params: Any) -> Iterator[m.StreamDelta | m.RequestFinished]:
-        """Yield StreamDelta records, then the RequestFinished. Closing the iterator early aborts."""
+        """Yield StreamDelta records, then the RequestFinished. Closing the iterator early aborts. `api_key`
+        (this request's tenant) overrides the client's own."""
         sink: queue.SimpleQueue[Any] = queue.SimpleQueue()
         rid = self._submit(dict(prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                                priority=priority, **params), True, sink)
+                                priority=priority, api_key=api_key, **params), True, sink)
         try:
             deadline = time.monotonic() + self.timeout_s
             while True:
@@ -634,20 +678,22 @@ class AsyncClient:
             self._kick()
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
-                     prompt_token_ids: list[int] | None = None, priority: int = 0,
+                     prompt_token_ids: list[int] | None = None, priority: int = 0, api_key: str | None = None,
                      **params: Any) -> AsyncIterator[m.StreamDelta | m.RequestFinished]:
-        """Yield StreamDelta records, then the RequestFinished. Leaving early or cancelling aborts."""
-        req = build_request(self._ids.next(), prompt, messages, prompt_token_ids, True, priority, self.api_key,
-                            params.pop("timeout_s", None), params)
+        """Yield StreamDelta records, then the RequestFinished. Leaving early or cancelling aborts. `api_key`
+        (this request's tenant) overrides the client's own."""
+        req = build_request(self._ids.next(), prompt, messages, prompt_token_ids, True, priority,
+                            api_key or self.api_key, params.pop("timeout_s", None), params)
         async with contextlib.aclosing(self._exchange(req.request_id, req)) as exchange:
             async for msg in exchange:
                 yield msg
 
     async def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
-                       prompt_token_ids: list[int] | None = None, priority: int = 0,
+                       prompt_token_ids: list[int] | None = None, priority: int = 0, api_key: str | None = None,
                        **params: Any) -> m.RequestFinished:
-        req = build_request(self._ids.next(), prompt, messages, prompt_token_ids, False, priority, self.api_key,
-                            params.pop("timeout_s", None), params)
+        """One request; `api_key` (this request's tenant) overrides the client's own."""
+        req = build_request(self._ids.next(), prompt, messages, prompt_token_ids, False, priority,
+                            api_key or self.api_key, params.pop("timeout_s", None), params)
         async with contextlib.aclosing(self._exchange(req.request_id, req)) as exchange:
             async for msg in exchange:
                 if isinstance(msg, m.RequestFinished):

@@ -20,7 +20,10 @@ A field added with a default still decodes when a message lacks it.
 
 Version history: 3 added speculative decoding's counts (UsageWire, DetokenizeItem, TextDeltaItem,
 Heartbeat); 6 added ExpertLoad; 7 added the expert balancer's messages (PlacementTable in ExpertLoad,
-PlacementUpdate, PlacementResult).
+PlacementUpdate, PlacementResult); 8 added prompt logprobs (SamplingParamsWire.prompt_logprobs, the
+prompt_logprobs of DetokenizeItem, TextDeltaItem, KvTransfer, StreamDelta and RequestFinished, the latter two
+with prompt_token_ids), logit_bias, per-item logprobs on every DetokenizeItem, and the error codes
+"unauthorized" and "unavailable".
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -83,7 +86,9 @@ MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside L
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 ErrorCode = Literal[
-    "overloaded",  # admission refused: queue full by requests or prompt tokens, or shutting down; retry later
+    "overloaded",  # admission refused: queue full, the tenant's in-flight cap, or draining; retry later (retry_after_s)
+    "unauthorized",  # the router requires an api_key and this one is unknown or missing; do not retry
+    "unavailable",  # no live worker or tokenizer can take the request now; retry once the mesh recovers
     "invalid_request",  # the request itself is wrong (bad params, prompt too long, no input); do not retry
     "bad_message",  # the peer's message broke the wire contract (ProtocolError); request_id may be ""
     "worker_lost",  # a worker holding the request died or stopped making progress
@@ -98,7 +103,15 @@ ErrorCode = Literal[
 @record
 class SamplingParamsWire:
     """Wire twin of engine.request.SamplingParams: same names and defaults; services convert.
-    Values are type-checked here and range-checked by SamplingParams.validate() at the router."""
+    Values are type-checked here and range-checked by SamplingParams.validate() at the router (token ids
+    against the vocabulary by the worker's engine, which refuses them with "invalid_request").
+
+    `prompt_logprobs` (like vLLM's): the log-probability of every prompt token given the tokens before it,
+    plus that many top alternatives (0: only the prompt token's own), at most MAX_LOGPROBS (20).
+    `logit_bias` (OpenAI's): (token id, bias) pairs, the bias added to that token's logit before sampling;
+    a list of pairs because the codec admits only str map keys (clients may pass a {token id: bias} mapping
+    to `build_request`, which turns it into pairs). Each token id at most once, biases finite in [-100, 100],
+    at most MAX_LOGIT_BIAS (300) pairs."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -113,6 +126,8 @@ class SamplingParamsWire:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
 
 
 @record
@@ -159,7 +174,10 @@ class DetokenizeItem:
     token_ids: list[int]
     finished: bool = False
     finish_reason: FinishReason | None = None
-    logprobs: list[LogprobWire] | None = None  # one per token id, when the request asked for them
+    logprobs: list[LogprobWire] | None = None  # one per token id, in order, when the request asked for them
+    # Only on a request's first item (offset 0), when it asked for them: one per prompt token, the first None
+    # (no context before it). Computed by the engine that prefilled the prompt (KvTransfer carries them).
+    prompt_logprobs: list[LogprobWire | None] | None = None
     # The request's speculation totals so far (draft tokens proposed, accepted), not this step's: a lost or
     # duplicated item cannot skew them, and a stream cut short by a stop string still reports its count.
     spec_proposed_tokens: int = 0
@@ -177,9 +195,10 @@ class TextDeltaItem:
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_string: str | None = None  # the stop string that ended it (not included in text)
-    logprobs: list[LogprobWire] | None = None
+    logprobs: list[LogprobWire] | None = None  # one per token id (a stop string cuts both alike)
     spec_proposed_tokens: int = 0  # the request's totals so far, as its DetokenizeItem carried them
     spec_accepted_tokens: int = 0
+    prompt_logprobs: list[LogprobWire | None] | None = None  # as its DetokenizeItem carried them (first item)
 
 
 @record
@@ -309,13 +328,18 @@ class GenerateRequest:
 
 @message(0x11)
 class StreamDelta:
-    """Router → client, for streaming requests: new text and tokens, in order, before RequestFinished."""
+    """Router → client, for streaming requests: new text and tokens, in order, before RequestFinished.
+    With logprobs asked for, `logprobs` has one entry per token id; their concatenation over the deltas is
+    RequestFinished.logprobs. A request that asked for prompt_logprobs gets them, with the prompt's token ids,
+    on its first delta only (which may carry no text yet)."""
 
     request_id: str
     text: str
     token_ids: list[int]
     offset: int = 0  # generated tokens before token_ids[0]
     logprobs: list[LogprobWire] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[LogprobWire | None] | None = None  # one per prompt token, the first None
 
 
 @message(0x12)
@@ -331,6 +355,9 @@ class RequestFinished:
     timings: Timings
     stop_string: str | None = None
     logprobs: list[LogprobWire] | None = None
+    # Set when the request asked for prompt_logprobs: one per prompt token, the first None (no context).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[LogprobWire | None] | None = None
 
 
 # --- router ↔ tokenizer ↔ decode 0x20–0x2F ------------------------------------------------------------------
@@ -465,6 +492,9 @@ class KvTransfer:
     num_cached_tokens: int = 0
     cache_salt: str | None = None  # the tenant's, so the decode side names the blocks as the prefill side did
     num_output_tokens: int = 0  # of token_ids, the trailing output of a resumed request (PrefillJob's field)
+    # The prompt's logprobs when params.prompt_logprobs asked for them (the decode worker sends them with
+    # the request's first DetokenizeItem): one per prompt token, the first None.
+    prompt_logprobs: list[LogprobWire | None] | None = None
 
 
 @message(0x35)

@@ -15,11 +15,12 @@ Decisions:
   quarter of the characters). "Queued" means not yet decoding: tokenizing, waiting for placement or in
   prefill. Past `max_queued_requests`, or past `max_queued_prompt_tokens` with anything else queued
   (a lone prompt is never refused for its size: the tokenizer bounds it by the context), the request is
-  refused at once with `overloaded`; so it is with no live tokenizer or worker. When the encoding
+  refused at once with `overloaded` (as with a tenant at its in-flight cap, or a draining router); with no
+  live tokenizer or worker it is refused with `unavailable` (both carry retry_after_s). When the encoding
   gives the exact count, it replaces the estimate, and a request that then breaks the token limit
   (with others queued) ends with `overloaded` before any prefill is spent on it.
 * Tenancy: `config.tenants` maps api_key → cache salt; an unknown or missing key gets
-  `default_cache_salt`, or `invalid_request` when `require_api_key`. Clients never send a salt.
+  `default_cache_salt`, or `unauthorized` when `require_api_key`. Clients never send a salt.
 * A request that finds no live worker after encoding waits (parked) up to `placement_timeout_s` for
   one to appear or come back, then ends with `worker_lost`; its deadline applies throughout.
 * Prefill placement (`config.placement`): "cache_aware" picks the least predicted prefill time (queue
@@ -127,7 +128,7 @@ class RouterCore:
     def on_generate(self, client: ClientId, req: GenerateRequest, now: float) -> list[Outbound]:
         def refuse(code: ErrorCode, message: str) -> list[Outbound]:
             self.metrics.rejected[code] += 1
-            retry = self.config.retry_after_s if code == "overloaded" else None
+            retry = self.config.retry_after_s if code in ("overloaded", "unavailable") else None
             return [Outbound(client, ErrorReply(req.request_id, code, message, retry))]
 
         cfg = self.config
@@ -138,7 +139,7 @@ class RouterCore:
             return refuse("invalid_request", problem)
         salt = cfg.tenants.get(req.api_key, cfg.default_cache_salt) if req.api_key else cfg.default_cache_salt
         if cfg.require_api_key and req.api_key not in cfg.tenants:
-            return refuse("invalid_request", "unknown or missing api_key")
+            return refuse("unauthorized", "unknown or missing api_key")
         estimate = estimate_tokens(req)
         if self.draining:
             return refuse("overloaded", "the router is shutting down")
@@ -151,10 +152,10 @@ class RouterCore:
         if cap is not None and self._inflight_by_tenant[tenant] >= cap:
             return refuse("overloaded", f"this tenant already has {cap} requests in flight")
         if self.table.place(estimate, req.params.max_tokens, now) is None:
-            return refuse("overloaded", "no live prefill/decode workers")
+            return refuse("unavailable", "no live prefill/decode workers")
         tokenizer = self.table.pick_tokenizer(now)
         if tokenizer is None:
-            return refuse("overloaded", "no live tokenizer")
+            return refuse("unavailable", "no live tokenizer")
 
         rid = f"{cfg.id_prefix}{self._counter}"
         deadline = now + (req.timeout_s if req.timeout_s is not None else cfg.request_timeout_s)

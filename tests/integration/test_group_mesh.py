@@ -27,7 +27,7 @@ MAX_TOKENS = 64
 # How a request in flight on a broken group may end instead of finishing: moved but no live worker took it
 # in time (the group reloads its model), or refused while no worker was up. Never `internal` (a request
 # rank 0 was adding when the collective broke is moved like the rest) and never a client timeout.
-LOST_GROUP_ERRORS = ("worker_lost", "overloaded")
+LOST_GROUP_ERRORS = ("worker_lost", "unavailable")
 
 
 @pytest.fixture(scope="module")

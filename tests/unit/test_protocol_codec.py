@@ -286,12 +286,42 @@ def test_sampling_params_wire_mirrors_the_engine() -> None:
     engine = {f.name: f for f in dataclasses.fields(SamplingParams)}
     ours = {f.name: f for f in dataclasses.fields(SamplingParamsWire)}
     assert list(engine) == list(ours)
-    assert dataclasses.asdict(SamplingParams()) == dataclasses.asdict(SamplingParamsWire())
+    # logit_bias is a mapping in the engine and (token id, bias) pairs on the wire (int map keys do not travel).
+    engine_defaults, wire_defaults = dataclasses.asdict(SamplingParams()), dataclasses.asdict(SamplingParamsWire())
+    assert (engine_defaults.pop("logit_bias"), wire_defaults.pop("logit_bias")) == ({}, [])
+    assert engine_defaults == wire_defaults
     # The conversion the services do works both ways.
-    wire_params = SamplingParamsWire(max_tokens=5, stop=["x"], seed=3)
-    params = SamplingParams(**dataclasses.asdict(wire_params))
+    from deepinfer.services.wire import to_engine_params, to_wire_params
+
+    wire_params = SamplingParamsWire(max_tokens=5, stop=["x"], seed=3, prompt_logprobs=2,
+                                     logit_bias=[(3, 1.5), (7, -100.0)])
+    params = to_engine_params(wire_params)
     params.validate()
-    assert SamplingParamsWire(**dataclasses.asdict(params)) == wire_params
+    assert params.logit_bias == {3: 1.5, 7: -100.0} and params.prompt_logprobs == 2
+    assert to_wire_params(params) == wire_params
+
+
+def roundtrip(msg: object) -> object:
+    return decode_frames(encode_frames(msg))
+
+
+def test_prompt_logprobs_and_logit_bias_round_trip() -> None:
+    from deepinfer.protocol.messages import LogprobWire, StreamDelta
+
+    params = SamplingParamsWire(prompt_logprobs=0, logit_bias=[(5, 2), (9, -0.5)])  # an int bias travels as float
+    req = GenerateRequest("r", prompt_token_ids=[1, 2], params=params)
+    back = roundtrip(req)
+    assert back.params.logit_bias == [(5, 2.0), (9, -0.5)] and back.params.prompt_logprobs == 0
+    lps = [None, LogprobWire(2, -0.25, [(2, -0.25), (8, -1.5)])]
+    delta = StreamDelta("r", "", [], 0, None, [1, 2], lps)
+    assert roundtrip(delta) == delta
+    done = RequestFinished("r", "x", [4], "stop", UsageWire(2, 1), Timings(0.1), prompt_token_ids=[1, 2],
+                           prompt_logprobs=lps)
+    assert roundtrip(done) == done
+    batch = DetokenizeBatch("w", 1, [DetokenizeItem("r", 0, [4], prompt_logprobs=lps)])
+    assert roundtrip(batch) == batch
+    assert roundtrip(DetokenizeBatch("w", 1, [DetokenizeItem("r", 0, [4])])).items[0].prompt_logprobs is None
+    assert PROTOCOL_VERSION >= 8  # these fields came with a bump
 
 
 # --- schema declarations --------------------------------------------------------------------------------------

@@ -194,16 +194,20 @@ def test_tenant_salt_comes_from_the_api_key() -> None:
     assert mesh.admit(api_key="unknown").cache_salt == "public"
     assert mesh.admit().cache_salt == "public"
     strict = basic_mesh(tenants={"key-a": "salt-a"}, require_api_key=True)
-    assert strict.generate(api_key="nope")[0].msg.code == "invalid_request"
-    assert strict.generate()[0].msg.code == "invalid_request"
+    assert strict.generate(api_key="nope")[0].msg.code == "unauthorized"
+    assert strict.generate()[0].msg.code == "unauthorized"
+    assert strict.core.metrics.rejected["unauthorized"] == 2
     enc = strict.admit(api_key="key-a", prompt="hi", params=SamplingParamsWire(stop=["\n\n"], max_tokens=77))
     assert enc.max_tokens == 77  # the tokenizer refuses a budget the context cannot hold
     assert (enc.cache_salt, enc.prompt, enc.stop) == ("salt-a", "hi", ["\n\n"])
 
 
 def test_without_a_live_tokenizer_or_worker_requests_are_refused() -> None:
-    assert Mesh(pre0="prefill", dec0="decode").generate()[0].msg.message == "no live tokenizer"
-    assert "no live prefill/decode" in Mesh(tok0="tokenizer", pre0="prefill").generate()[0].msg.message
+    no_tokenizer = Mesh(pre0="prefill", dec0="decode").generate()[0].msg
+    assert (no_tokenizer.code, no_tokenizer.message, no_tokenizer.retry_after_s) == ("unavailable", "no live tokenizer",
+                                                                                   1.0)
+    no_worker = Mesh(tok0="tokenizer", pre0="prefill").generate()[0].msg
+    assert no_worker.code == "unavailable" and "no live prefill/decode" in no_worker.message
     mesh = basic_mesh()
     mesh.core.draining = True
     assert mesh.generate()[0].msg.code == "overloaded"
@@ -994,7 +998,7 @@ INSTANCES = {
 }
 CLIENTS = (C1, C2, b"client-3")
 KV_CHAIN = chain(120)
-CODES = ("overloaded", "invalid_request", "worker_lost", "timeout", "internal")
+CODES = ("overloaded", "invalid_request", "worker_lost", "timeout", "internal", "unavailable", "unauthorized")
 
 
 class Model:
