@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.metrics.recorders.balancer import BalancerExport
 from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.protocol import messages as m
 from deepinfer.services.balancer_config import BALANCER_NAME, BalancerConfig
@@ -70,6 +71,13 @@ class BalancerService(Service):
         self.decisions = 0  # PlacementUpdates sent
         self.adopted = 0  # decisions the groups confirmed
         self.abandoned = 0  # decisions refused, failed or timed out
+        self.balancer_export: BalancerExport | None = None  # Prometheus: the decisions' outcomes
+
+    def record_metrics(self, beat: m.Heartbeat) -> None:
+        super().record_metrics(beat)
+        if self.balancer_export is None:
+            self.balancer_export = BalancerExport(self.role, self.instance)
+        self.balancer_export.decisions(self.decisions, self.adopted, self.abandoned)
 
     def handlers(self) -> dict[type, Handler]:
         return {m.ExpertLoad: self._on_load, m.PlacementResult: self._on_result, m.Shutdown: self._on_shutdown}

@@ -22,6 +22,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from deepinfer.metrics.recorders.service import ServiceMetrics
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import NO_AUTH, ServiceAuth
 from deepinfer.protocol.errors import ProtocolError
@@ -75,6 +76,7 @@ class BaseService:
         self._stopping = asyncio.Event()
         self._sockets: list[Any] = []
         self._spawned: set[asyncio.Task[Any]] = set()
+        self.exported: ServiceMetrics | None = None  # its Prometheus metrics, bound once it serves
 
     # -- to override ------------------------------------------------------------------------
 
@@ -113,6 +115,8 @@ class BaseService:
             if not await self.open():
                 return  # stopped before serving: nothing started, nothing to drain
             self.log.info("serving")
+            self.exported = ServiceMetrics(self.role, self.instance)  # the role is final by now (workers')
+            self.exported.serving(True)
             if ready is not None:
                 ready.set()
             try:
@@ -124,6 +128,8 @@ class BaseService:
                 t.cancel()
             for s in self._sockets:
                 s.close(linger=0)
+            if self.exported is not None:
+                self.exported.serving(False)
             self.log.info("stopped")
 
     async def _serve(self) -> None:
@@ -352,10 +358,16 @@ class Service(BaseService):
         beat = m.Heartbeat(service=self.role, instance=self.instance, incarnation=self.incarnation, seq=self._seq,
                            progress=self.progress, draining=self.draining, sent_time=time.time(),
                            **self.heartbeat_fields())
+        self.record_metrics(beat)
         if timeout_s is None:
             await self.send_router(beat)
         else:
             await self.send_router_within(beat, timeout_s)
+
+    def record_metrics(self, beat: m.Heartbeat) -> None:
+        """Refresh this process's exported metrics, at heartbeat rate; a subclass adds its own."""
+        if self.exported is not None:
+            self.exported.on_heartbeat(beat, self.malformed)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -19,13 +19,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import RequestOutput
 from deepinfer.parallel.group_engine import GroupEngine
 
 T = TypeVar("T")
+
+
+class StepRecorder(Protocol):
+    def step(self, seconds: float, batch: int, tokens: int) -> None: ...
+
 
 COALESCE_GAP_S = 0.003  # a burst has ended when no command came for this long
 COALESCE_MAX_S = 0.03  # never hold an idle engine back longer than this
@@ -37,8 +42,9 @@ class EngineThread:
     def __init__(self, engine: LLMEngine | GroupEngine, loop: asyncio.AbstractEventLoop,
                  on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine", *,
                  on_failure: Callable[[BaseException], None] | None = None,
-                 fatal: tuple[type[BaseException], ...] = ()) -> None:
+                 fatal: tuple[type[BaseException], ...] = (), step_metrics: StepRecorder | None = None) -> None:
         self.engine = engine
+        self.step_metrics = step_metrics  # told each step's wall time, requests with output and tokens
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_failure = on_failure
@@ -142,7 +148,10 @@ class EngineThread:
                 computed, t0 = self.engine.stats.tokens_computed, time.monotonic()
                 outputs = self.engine.step()
                 self.steps += 1
-                self._measure(self.engine.stats.tokens_computed - computed, time.monotonic() - t0)
+                seconds, tokens = time.monotonic() - t0, self.engine.stats.tokens_computed - computed
+                self._measure(tokens, seconds)
+                if self.step_metrics is not None:
+                    self.step_metrics.step(seconds, len(outputs), tokens)
                 if outputs:
                     self.loop.call_soon_threadsafe(self.on_outputs, outputs)
             else:

@@ -47,6 +47,7 @@ from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import cache_namespace, model_config_at
 from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.metrics.recorders.cache import CacheExport
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.framing import encode_frames
 from deepinfer.protocol.sockets import arecv_routed, make_router
@@ -135,6 +136,7 @@ class KvCacheService(Service):
         self._disk_errors_throttle = Throttle(LOG_PERIOD_S)
         self._drops_throttle = Throttle(LOG_PERIOD_S)
         self._overload_throttle = Throttle(LOG_PERIOD_S)
+        self.cache_export: CacheExport | None = None  # Prometheus: the tiers' sizes, evictions, reads
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -161,6 +163,13 @@ class KvCacheService(Service):
 
     def handlers(self) -> dict[type, Handler]:
         return {m.Shutdown: self._on_shutdown, m.KvResync: self._on_resync}
+
+    def record_metrics(self, beat: m.Heartbeat) -> None:
+        super().record_metrics(beat)
+        if self.exported is not None:
+            if self.cache_export is None:
+                self.cache_export = CacheExport(self.role, self.instance)
+            self.cache_export.stats(self.store.stats())
 
     def idle(self) -> bool:
         return not self.fetches.tasks and not self.stores.tasks and not self.store.pending_writes()

@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from deepinfer.metrics.recorders.router import RouterExport
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import NO_AUTH, ServiceAuth
 from deepinfer.protocol.errors import ProtocolError
@@ -47,6 +48,7 @@ SUPERVISOR_PREFIX = "supervisor"  # the backend identities a supervisor's exit n
 REHELLO_ASK_S = 1.0
 MAX_ASKED = 4096
 STATE_LOG_S = 10.0  # how often the router logs the mesh's state
+METRICS_EVERY_TICKS = 5  # the router's gauges and event counters are refreshed every this many ticks
 MAX_BACKLOG = 4096  # messages kept for one slow client, in order; past that they are dropped
 # The field naming the instance a message speaks for: it must be the sender's own identity.
 SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
@@ -139,6 +141,7 @@ class RouterService(BaseService):
         # Each worker group's latest expert-load report, and what it says (see `expert_status`).
         self.expert_load: dict[str, m.ExpertLoad] = {}
         self.balancer: bytes | None = None  # the welcomed expert balancer's identity, if any
+        self.export = RouterExport(instance)  # Prometheus: each request's end, the router's state, expert load
 
     async def open(self) -> bool:
         self.frontend = self.socket(make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,
@@ -175,6 +178,7 @@ class RouterService(BaseService):
         """Never waits on a peer (NOBLOCK): one slow reader must not hold up the mesh."""
         for o in outbound:
             if o.to_client:
+                self.export.to_client(o.msg)
                 await self._to_client(o.dest, o.msg)  # type: ignore[arg-type]
             else:
                 try:
@@ -294,7 +298,13 @@ class RouterService(BaseService):
 
     def _keep_expert_load(self, sender: str, load: m.ExpertLoad, now: float) -> list[Outbound]:
         self.expert_load[sender] = load
+        self._record_expert_load(sender, load)
         return self._to_balancer(load)
+
+    def _record_expert_load(self, sender: str, load: m.ExpertLoad) -> None:
+        status = ExpertStatus(load.placement_version, tuple(load.rank_tokens),
+                              tuple(tuple(layer) for layer in load.rank_expert_tokens))
+        self.export.expert_load(sender, load, status.expert_max_over_mean)
 
     def _to_balancer(self, msg: Any) -> list[Outbound]:
         """`msg` to the welcomed balancer while it is alive (none, or a dead one: dropped; a balancer
@@ -355,13 +365,24 @@ class RouterService(BaseService):
 
     async def _tick_loop(self) -> None:
         logged = self._now()
+        ticks = 0
         while True:
             await asyncio.sleep(TICK_S)
             await self._send(self.core.tick(self._now()))
             await self._flush_backlogs()
+            ticks += 1
+            if ticks % METRICS_EVERY_TICKS == 0:
+                self._record_state()
             if self._now() - logged >= STATE_LOG_S:
                 logged = self._now()
                 self._log_state()
+
+    def _record_state(self) -> None:
+        metrics = self.core.metrics
+        events = {"admitted": metrics.admitted, "retries": metrics.retries, "moves": metrics.moves,
+                  "stale": metrics.stale, "kv_events": metrics.kv_events, "resyncs": metrics.resyncs,
+                  "forged": self.forged, "malformed": self.malformed}
+        self.export.state(self.core.num_inflight, len(self._backlog), events, self.core.table.instances.values())
 
     def _log_state(self) -> None:
         """One line per period: what an operator (or bench/soak.py) watches for leaks and stalls."""

@@ -41,6 +41,7 @@ import zmq.asyncio
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import InvalidRequestError, RequestOutput
+from deepinfer.metrics.recorders.worker import WorkerExport
 from deepinfer.parallel.channel import GroupBroken
 from deepinfer.parallel.control import Load, engine_load
 from deepinfer.parallel.group_engine import GroupEngine
@@ -107,6 +108,7 @@ class WorkerService(Service):
         self._broken: asyncio.Future[BaseException] | None = None
         self.expert_load_period_s = EXPERT_LOAD_PERIOD_S
         self.experts: ExpertLink | None = None  # a group's link to the expert balancer (set at start)
+        self.worker_export: WorkerExport | None = None  # Prometheus: steps, KV moved, preemptions (set at start)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -122,8 +124,10 @@ class WorkerService(Service):
                                                                  auth=self.auth.for_connect(ep, name)))
         loop = asyncio.get_running_loop()
         self._broken = loop.create_future()
+        self.worker_export = WorkerExport(self.role, self.instance)
         self._thread = EngineThread(self.engine, loop, self._on_outputs, self.instance,
-                                    on_failure=self._on_engine_failure, fatal=(GroupBroken,))
+                                    on_failure=self._on_engine_failure, fatal=(GroupBroken,),
+                                    step_metrics=self.worker_export.steps)
         self._thread.start()
         if isinstance(self.engine, GroupEngine):
             self.experts = ExpertLink(self.instance, self.engine, self._thread.call, self.send_router, self.log)
@@ -185,6 +189,15 @@ class WorkerService(Service):
                     tokens_per_s=self._thread.tokens_per_s if self._thread else 0.0,
                     spec_proposed_tokens=stats.spec_proposed_tokens,
                     spec_accepted_tokens=stats.spec_accepted_tokens)
+
+    def record_metrics(self, beat: m.Heartbeat) -> None:
+        super().record_metrics(beat)
+        if self.worker_export is not None:
+            cache = self.cache.stats if self.cache is not None else None
+            nbytes = self.engine.kv_spec.block_nbytes
+            self.worker_export.totals(self.engine.stats.num_preemptions,
+                                      cache.fetched_blocks * nbytes if cache else 0,
+                                      cache.stored_blocks * nbytes if cache else 0)
 
     def idle(self) -> bool:
         e = self.engine
@@ -249,6 +262,8 @@ class WorkerService(Service):
     def _replies_from(self, peer: str) -> dict[type, Handler]:
         async def on_reply(reply: m.KvReserveReply | m.KvAck) -> None:
             # Spawned, not awaited: this loop keeps reading replies while a KvTransfer is being sent.
+            if isinstance(reply, m.KvAck) and self.worker_export is not None:
+                self.worker_export.handoff_acked(reply.request_id)
             self._apply(self.core.on_kv_reply(peer, reply, time.monotonic()))
 
         return {m.KvReserveReply: on_reply, m.KvAck: on_reply}
@@ -261,6 +276,8 @@ class WorkerService(Service):
         await self._run(self.core.on_reserved(peer, req, ok, free))
 
     async def _on_transfer(self, peer: bytes, t: m.KvTransfer) -> None:
+        if self.worker_export is not None:
+            self.worker_export.handoff_received(int(getattr(t.kv, "nbytes", 0)))
         await self._run(self.core.on_transfer(peer, t, self.progress))
 
     # -- the core's actions -----------------------------------------------------------------
@@ -321,6 +338,8 @@ class WorkerService(Service):
             importer = None
             if self.cache is not None:
                 fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
+                if importer is not None and self.worker_export is not None:
+                    self.worker_export.prefix_fetched(fetch_s)
                 if not self.core.on_prefix_loaded(job, fetch_s):
                     return  # aborted while its prefix was loading
 
@@ -369,10 +388,17 @@ class WorkerService(Service):
 
     async def _to_decode(self, peer: str, msg: m.KvReserve | m.KvTransfer) -> None:
         try:
+            self._record_sending(msg)  # before the send: its KvAck may come before the send returns
             await asend_msg(self._kv_dealers[peer], msg)
         except Exception as exc:
+            if self.worker_export is not None:
+                self.worker_export.handoff_dropped(msg.request_id)
             self.log.exception("handoff failed", request_id=msg.request_id)
             await self._run(self.core.on_handoff_error(msg.request_id, exc))
+
+    def _record_sending(self, msg: m.KvReserve | m.KvTransfer) -> None:
+        if isinstance(msg, m.KvTransfer) and self.worker_export is not None:
+            self.worker_export.handoff_sent(msg.request_id, int(getattr(msg.kv, "nbytes", 0)))
 
     async def _install(self, action: Install) -> None:
         assert self._thread is not None

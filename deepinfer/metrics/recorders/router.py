@@ -1,0 +1,117 @@
+"""What the router records: each request's latencies, tokens and end (from the RequestFinished or
+ErrorReply it sends the client), its own counters and queue, the mesh's members, and the worker groups'
+expert load. All children are bound once; a label value outside its known set is recorded as "other"."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from deepinfer.metrics import definitions as d
+from deepinfer.metrics.bind import TotalsFeed, bind
+from deepinfer.protocol import messages as m
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+ERROR_CODES = ("overloaded", "unauthorized", "unavailable", "invalid_request", "bad_message", "worker_lost",
+               "timeout", "internal")
+TIERS = ("device", "host", "disk")
+ROLES = ("tokenizer", "worker", "prefill", "decode", "kvcache", "balancer")
+EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed")
+MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
+MAX_RANKS = 256
+
+
+def _known(value: str, known: tuple[str, ...]) -> str:
+    return value if value in known else "other"
+
+
+class RouterExport:
+    """The router's metrics (service "router", this instance)."""
+
+    def __init__(self, instance: str) -> None:
+        who = ("router", instance)
+        self.who = who
+        self.ttft = bind(d.TIME_TO_FIRST_TOKEN, *who)
+        self.itl = bind(d.INTER_TOKEN_LATENCY, *who)
+        self.e2e = bind(d.E2E_REQUEST_LATENCY, *who)
+        self.queue = bind(d.REQUEST_QUEUE_TIME, *who)
+        self.prefill = bind(d.REQUEST_PREFILL_TIME, *who)
+        self.prompt_tokens = bind(d.PROMPT_TOKENS, *who)
+        self.generation_tokens = bind(d.GENERATION_TOKENS, *who)
+        self.queries = bind(d.PREFIX_CACHE_QUERIES, *who)
+        self.hits = {t: bind(d.PREFIX_CACHE_HITS, *who, t) for t in (*TIERS, "other")}
+        self.success = {r: bind(d.REQUEST_SUCCESS, *who, r) for r in (*FINISH_REASONS, "other")}
+        self.errors = {c: bind(d.REQUEST_ERRORS, *who, c) for c in (*ERROR_CODES, "other")}
+        self.inflight = bind(d.ROUTER_INFLIGHT, *who)
+        self.slow_clients = bind(d.ROUTER_SLOW_CLIENTS, *who)
+        self.live = {r: bind(d.MESH_LIVE_INSTANCES, *who, r) for r in (*ROLES, "other")}
+        self.events = TotalsFeed(lambda e: bind(d.ROUTER_EVENTS, *who, e) if e in EVENTS else None)
+        self._groups: dict[str, tuple[Any, Any, list[Any], list[Any]]] = {}
+
+    # -- per message to a client ------------------------------------------------------------------------
+
+    def to_client(self, msg: Any) -> None:
+        """A message the router sends a client: a request's end is recorded; anything else is ignored."""
+        if isinstance(msg, m.RequestFinished):
+            self.finished(msg)
+        elif isinstance(msg, m.ErrorReply):
+            self.errors[_known(msg.code, ERROR_CODES)].inc()
+
+    def finished(self, msg: m.RequestFinished) -> None:
+        t, usage = msg.timings, msg.usage
+        self.e2e.observe(t.e2e_s)
+        if t.ttft_s is not None:
+            self.ttft.observe(t.ttft_s)
+        if t.tpot_s is not None:
+            self.itl.observe(t.tpot_s)
+        if t.queue_s is not None:
+            self.queue.observe(t.queue_s)
+        if t.prefill_s is not None:
+            self.prefill.observe(t.prefill_s)
+        self.success[_known(msg.finish_reason, FINISH_REASONS)].inc()
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.queries.inc(usage.prompt_tokens)
+        for tier, tokens in usage.cached_by_tier.items():
+            if tokens > 0:
+                self.hits[_known(tier, TIERS)].inc(tokens)
+
+    # -- periodic ---------------------------------------------------------------------------------------
+
+    def state(self, inflight: int, slow_clients: int, events: dict[str, int], members: Iterable[Any]) -> None:
+        """The router's gauges and counters now: in flight, slow clients, its event totals (monotonic), and
+        its members (objects with `role` and `alive`)."""
+        self.inflight.set(inflight)
+        self.slow_clients.set(slow_clients)
+        self.events.update(events)
+        live = dict.fromkeys(self.live, 0)
+        for inst in members:
+            if inst.alive:
+                live[_known(inst.role, ROLES)] += 1
+        for role, n in live.items():
+            self.live[role].set(n)
+
+    # -- expert parallelism -------------------------------------------------------------------------------
+
+    def expert_load(self, group: str, load: m.ExpertLoad, max_over_mean: float) -> None:
+        """One worker group's load report: tokens and expert assignments per rank over its period, the
+        expert imbalance, and the placement version it ran."""
+        series = self._groups.get(group)
+        if series is None:
+            if len(self._groups) >= MAX_GROUPS:
+                return
+            series = self._groups[group] = (bind(d.EXPERT_PLACEMENT_VERSION, *self.who, group),
+                                            bind(d.EXPERT_LOAD_MAX_OVER_MEAN, *self.who, group), [], [])
+        version, ratio, rank_tokens, rank_assignments = series
+        version.set(load.placement_version)
+        ratio.set(max_over_mean)
+        ranks = min(len(load.rank_tokens), MAX_RANKS)
+        while len(rank_tokens) < ranks:
+            rank = str(len(rank_tokens))
+            rank_tokens.append(bind(d.EXPERT_RANK_TOKENS, *self.who, group, rank))
+            rank_assignments.append(bind(d.EXPERT_RANK_ASSIGNMENTS, *self.who, group, rank))
+        for r in range(ranks):
+            rank_tokens[r].inc(max(0, load.rank_tokens[r]))
+            assigned = sum(layer[r] for layer in load.rank_expert_tokens if r < len(layer))
+            if assigned > 0:
+                rank_assignments[r].inc(assigned)

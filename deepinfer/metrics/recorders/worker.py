@@ -1,0 +1,73 @@
+"""What a worker records beyond its heartbeat: each engine step (on the engine thread), the KV it moves
+(the P/D handoff, the cache daemon's prefixes) and preemptions. Steps cost three histogram observations."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from deepinfer.metrics import definitions as d
+from deepinfer.metrics.bind import TotalsFeed, bind
+
+MAX_HANDOFFS_TIMED = 4096  # handoffs awaiting their KvAck; past this the oldest go untimed (bounded memory)
+PATHS = ("handoff_send", "handoff_recv", "cache_fetch", "cache_store")
+
+
+class StepMetrics:
+    """One engine's steps: wall time, requests given tokens, tokens computed. Called on the engine thread."""
+
+    def __init__(self, service: str, instance: str) -> None:
+        who = (service, instance)
+        self._duration = bind(d.STEP_DURATION, *who)
+        self._batch = bind(d.STEP_BATCH_SIZE, *who)
+        self._tokens = bind(d.STEP_TOKENS, *who)
+
+    def step(self, seconds: float, batch: int, tokens: int) -> None:
+        self._duration.observe(seconds)
+        self._batch.observe(batch)
+        self._tokens.observe(tokens)
+
+
+class WorkerExport:
+    """A worker's KV movement and preemptions (service: its role, worker / prefill / decode)."""
+
+    def __init__(self, service: str, instance: str) -> None:
+        who = (service, instance)
+        self.steps = StepMetrics(service, instance)
+        self._bytes = {p: bind(d.KV_TRANSFER_BYTES, *who, p) for p in PATHS}
+        self._seconds = {p: bind(d.KV_TRANSFER_SECONDS, *who, p) for p in ("handoff_send", "cache_fetch")}
+        self._preemptions = bind(d.NUM_PREEMPTIONS, *who)
+        self._totals = TotalsFeed(self._child)
+        self._sent: OrderedDict[str, float] = OrderedDict()  # request id → when its KvTransfer went out
+
+    def _child(self, key: str) -> object | None:
+        if key == "preemptions":
+            return self._preemptions
+        return self._bytes.get(key)
+
+    def handoff_sent(self, request_id: str, nbytes: int) -> None:
+        """A KvTransfer went to the decode worker: its bytes, and the clock for its KvAck."""
+        self._bytes["handoff_send"].inc(nbytes)
+        self._sent[request_id] = time.monotonic()
+        if len(self._sent) > MAX_HANDOFFS_TIMED:
+            self._sent.popitem(last=False)
+
+    def handoff_acked(self, request_id: str) -> None:
+        """The decode worker answered a KvTransfer: sent → answered is the transfer's time."""
+        sent = self._sent.pop(request_id, None)
+        if sent is not None:
+            self._seconds["handoff_send"].observe(time.monotonic() - sent)
+
+    def handoff_dropped(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+    def handoff_received(self, nbytes: int) -> None:
+        self._bytes["handoff_recv"].inc(nbytes)
+
+    def prefix_fetched(self, seconds: float) -> None:
+        """A prompt's cached prefix came from the cache daemon in `seconds`."""
+        self._seconds["cache_fetch"].observe(seconds)
+
+    def totals(self, preemptions: int, fetched_bytes: int, stored_bytes: int) -> None:
+        """Monotonic totals of the engine and the cache client, at heartbeat rate."""
+        self._totals.update({"preemptions": preemptions, "cache_fetch": fetched_bytes, "cache_store": stored_bytes})
