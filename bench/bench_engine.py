@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="write the JSON report here")
     ap.add_argument("--hf-max-concurrency", type=int, default=1 << 30,
                     help="run transformers only up to this concurrency (its c=128 run takes tens of minutes)")
+    ap.add_argument("--no-plots", action="store_true", help="no PNG figures beside the JSON (bench/plots.py)")
     args = ap.parse_args(argv)
     w = dict(QUICK if args.quick else FULL)
     if args.concurrency:
@@ -333,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(r, indent=2, default=str))
         print(f"wrote {args.out}")
+        if not args.no_plots:
+            from bench import plots
+
+            plots.write("engine", json.loads(json.dumps(r, default=str)), args.out)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,16 @@ Figures:
 * tokens/s during moves vs steady: a move lasts from the leader's `begin_placement` (staging starts on
   every rank) to the switch; tokens are the stream tokens the client received, by arrival time. Steady
   is every second of the balancer phase outside moves.
-Nothing is asserted; figures are printed.
+Nothing is asserted; figures are printed. The run is also written as JSON (`--out`, default
+`bench/results/eplb_mesh.json`: tokens per `--bin-s` bin from the start, the moves, the phases' rates) and, unless
+`--no-plots`, as a PNG of tokens/s over time with the balancer's start and every move marked (bench/plots.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -118,7 +121,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"t0": t0, "tokens": tokens, "moves": moves, "by_version": by_version, "end": stop}
 
 
-def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
+def report(args: argparse.Namespace, r: dict[str, Any]) -> dict[str, Any]:
     t0, tokens, moves = r["t0"], r["tokens"], r["moves"]
     start, end = t0 + args.static, r["end"]
 
@@ -130,6 +133,7 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     steady_tokens = sum(1 for t in tokens if start <= t < end) - during
     steady_s = (end - start) - in_moves
     versions = sorted(r["by_version"])
+    steady = moving = None
     print(f"EP=2 smollm2-moe, {args.concurrency} streams x {args.max_tokens} tokens, {args.threads} threads; "
           f"balancer every {args.interval:g} s, window {args.window:g} s, threshold {args.threshold:g}")
     print(f"static phase ({args.static:g} s): {rate(t0 + 5, start):.1f} tok/s (after 5 s of warm-up)")
@@ -143,6 +147,14 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     for v in versions:
         layers = r["by_version"][v]
         print(f"  v{v}: {mean_max_over_mean(layers):.4f}  ({sum(map(sum, layers))} assignments)")
+    bins = [0] * max(1, int((end - t0) / args.bin_s) + 1)
+    for t in tokens:
+        if t0 <= t < end:
+            bins[int((t - t0) / args.bin_s)] += 1
+    return {"args": vars(args), "bin_s": args.bin_s, "tokens_per_bin": bins, "balancer_start_s": args.static,
+            "moves": [(b - t0, e - t0, v) for b, e, v in moves],
+            "static_tok_s": rate(t0 + 5, start), "steady_tok_s": steady, "during_moves_tok_s": moving,
+            "max_over_mean_by_version": {str(v): mean_max_over_mean(r["by_version"][v]) for v in versions}}
 
 
 def main() -> None:
@@ -155,9 +167,19 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=30.0)
     parser.add_argument("--threshold", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--bin-s", type=float, default=1.0, help="width of the tokens/s time series' bins")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "eplb_mesh.json")
+    parser.add_argument("--no-plots", action="store_true", help="no PNG beside --out (bench/plots.py)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-eplb-") as work:
-        report(args, asyncio.run(run(args, Path(work))))
+        result = report(args, asyncio.run(run(args, Path(work))))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {args.out}")
+    if not args.no_plots:
+        from bench import plots
+
+        plots.write("eplb_mesh", json.loads(json.dumps(result, default=str)), args.out)
 
 
 if __name__ == "__main__":

@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-inproc", action="store_true", help="skip the in-process mesh")
     ap.add_argument("--out", type=Path, help="write the JSON report here")
+    ap.add_argument("--no-plots", action="store_true", help="no PNG figures beside the JSON (bench/plots.py)")
     args = ap.parse_args(argv)
     w = dict(QUICK if args.quick else FULL)
     command = (f"python -m bench.bench_mesh{' --quick' if args.quick else ''} --threads {args.threads} "
@@ -375,6 +376,10 @@ def main(argv: list[str] | None = None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(r, indent=2, default=str))
         print(f"wrote {args.out}")
+        if not args.no_plots:
+            from bench import plots
+
+            plots.write("mesh", json.loads(json.dumps(r, default=str)), args.out)
 
 
 if __name__ == "__main__":

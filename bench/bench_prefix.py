@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-dir", type=Path, help="where the disk tier goes (a temporary directory inside it)")
     ap.add_argument("--no-wire", action="store_true", help="skip the dram+zmq case")
     ap.add_argument("--out", type=Path, default=Path("bench/results/prefix.json"))
+    ap.add_argument("--no-plots", action="store_true", help="no PNG figures beside the JSON (bench/plots.py)")
     args = ap.parse_args(argv)
     plen, cached = args.prompt_tokens, args.cached_tokens
     if cached % BLOCK or not 0 < cached < plen:
@@ -408,6 +409,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=2, default=str))
     print(f"wrote {args.out}")
+    if not args.no_plots:
+        from bench import plots
+
+        plots.write("prefix", json.loads(json.dumps(r, default=str)), args.out)
 
 
 if __name__ == "__main__":

@@ -317,6 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="client wait per request")
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON report (default: bench/results/replay[-placement].json)")
+    ap.add_argument("--no-plots", action="store_true", help="no PNG figures beside the JSON (bench/plots.py)")
     return ap.parse_args(argv)
 
 
@@ -355,6 +356,10 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=2))
     print(f"wrote {out}")
+    if not args.no_plots:
+        from bench import plots
+
+        plots.write("replay", r, out)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,15 @@ def _ecdf(ax: Any, values: Sequence[float], label: str, **kw: Any) -> None:
     ax.step([xs[0], *xs], [0.0, *ys], where="post", label=f"{label} (n={len(xs)})", **kw)
 
 
+def _log_x(ax: Any) -> None:
+    """A log x axis labelled with plain numbers at the decades and none at the minor ticks."""
+    from matplotlib import ticker
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+
+
 def _cdf_axes(ax: Any, title: str, xlabel: str, log: bool = False) -> None:
     ax.set_title(title)
     ax.set_xlabel(xlabel)
@@ -67,7 +76,7 @@ def _cdf_axes(ax: Any, title: str, xlabel: str, log: bool = False) -> None:
     for q in (0.5, 0.99):
         ax.axhline(q, color="0.8", lw=0.8, ls=":", zorder=0)
     if log:
-        ax.set_xscale("log")
+        _log_x(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
 
@@ -108,7 +117,7 @@ def serving(report: Report, out: Path) -> list[Path]:
     ax.set_xticks(range(n), [sc["label"] for sc in scenarios])
     ax.set_ylabel("output tokens/s")
     ax.set_title("bench_serving: output tokens/s, HTTP vs ZeroMQ (label: HTTP / ZeroMQ)", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     ax.margins(y=0.15)
     paths.append(_save(fig, png_path(out, "throughput")))
@@ -141,6 +150,8 @@ def engine(report: Report, out: Path) -> list[Path]:
         ks = sorted(caps)
         ax.plot(ks, [caps[k] for k in ks], color="tab:red", ls=":", marker="x", label="linear-layer cap")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [str(c) for c in x])
+    ax.xaxis.set_minor_locator(__import__("matplotlib").ticker.NullLocator())
     ax.set_yscale("log")
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("generated tokens/s")
@@ -161,7 +172,7 @@ def mesh(report: Report, out: Path) -> list[Path]:
     if engine_best:
         ax.axvline(engine_best, color="tab:red", ls="--", lw=1, label="engine (baseline)")
         ax.axvline(0.9 * engine_best, color="tab:red", ls=":", lw=1, label="0.9 × engine (target)")
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     ax.set_yticks(range(len(names)), [f"{n} ({tp[n].get('threads')} thr)" for n in names], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("aggregate generated tokens/s")
@@ -244,8 +255,9 @@ def prefix(report: Report, out: Path) -> list[Path]:
     ax.set_xticks(range(len(cases)), ["miss (baseline)" if c == "miss" else c for c in cases])
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (ms, log)")
-    ax.set_title(f"bench_prefix: {report['prompt_tokens']}-token prompt, {report['cached_tokens']} cached "
-                 f"(bars: median, dots: rounds; ×: vs miss)", fontsize=9)
+    ax.set_title(f"bench_prefix: TTFT, {report['prompt_tokens']}-token prompt, "
+                 f"{report['cached_tokens']} tokens cached\nbars: median, dots: rounds, ×: speed-up over the miss",
+                 fontsize=9)
     ax.grid(axis="y", alpha=0.3, which="both")
     ax.margins(y=0.25)
     return [_save(fig, png_path(out, "ttft-by-tier"))]

@@ -40,6 +40,7 @@ from deepinfer.engine.fetch import fetch_smollm2
 from deepinfer.launch.exit_notes import ExitNotifier
 from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
+from deepinfer.protocol.messages import StreamDelta
 
 PROMPTS = [list(range(300, 300 + 64)) + [400 + i] * (8 + i % 5) for i in range(24)]  # shared 64-token prefix
 
@@ -68,6 +69,7 @@ class Load:
     def __init__(self, client: Client, threads: int, seed: int) -> None:
         self.client, self.stop = client, threading.Event()
         self.outcomes: Counter[str] = Counter()
+        self.tokens = 0  # generated tokens the clients received (for the tokens/s-over-time figure)
         self.answers: dict[int, list[int]] = {}
         self.mismatches = 0
         self.lock = threading.Lock()
@@ -86,11 +88,15 @@ class Load:
                 if kind == "full":
                     out = self.client.generate(prompt_token_ids=PROMPTS[i], max_tokens=24, ignore_eos=True)
                     with self.lock:
+                        self.tokens += len(out.token_ids)
                         want = self.answers.setdefault(i, out.token_ids)
                         self.mismatches += out.token_ids != want
                 elif kind == "abandon":
                     stream = self.client.stream(prompt_token_ids=PROMPTS[i], max_tokens=64, ignore_eos=True)
-                    for n, _ in enumerate(stream):
+                    for n, msg in enumerate(stream):
+                        if isinstance(msg, StreamDelta):
+                            with self.lock:
+                                self.tokens += len(msg.token_ids)
                         if n >= rng.randrange(1, 6):
                             break
                     stream.close()
@@ -130,6 +136,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the run directory (logs, sockets, KV files)")
+    ap.add_argument("--no-plots", action="store_true", help="no PNG beside --out (bench/plots.py)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     run = Path(tempfile.mkdtemp(prefix="deepinfer-soak-"))
@@ -165,7 +172,7 @@ def main() -> None:
                                 "rss_kib": {n: s[0] for n, s in stats.items() if s},
                                 "fds": {n: s[1] for n, s in stats.items() if s},
                                 "free_blocks": free_blocks(run / "router.log"),
-                                "outcomes": dict(load.outcomes)})
+                                "outcomes": dict(load.outcomes), "tokens": load.tokens})
                 print(f"{now - start:6.0f}s  outcomes {dict(load.outcomes)}  free {samples[-1]['free_blocks']}",
                       flush=True)
             time.sleep(0.2)
@@ -193,6 +200,10 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
+        if not args.no_plots:
+            from bench import plots
+
+            plots.write("soak", report, args.out)
 
 
 if __name__ == "__main__":
