@@ -1,0 +1,389 @@
+"""OpenAI request bodies → mesh requests: parsing and validation, no I/O.
+
+`parse_completion` and `parse_chat` turn a JSON body into a `GenerationPlan`: the mesh requests to send (the
+keyword arguments of `AsyncClient.generate/stream`), in choice order, and what the response must look like.
+A body the gateway cannot serve raises `ApiError` (400 naming the parameter; 404 for another model's name).
+
+Choices: with `n` samples of each of P prompts, choice `i * n + j` is sample j of prompt i (OpenAI's order).
+Sample j > 0 of a seeded request uses `seed + j`, so the n samples differ yet are reproducible; they share
+the prompt's KV through the prefix cache. `max_tokens = 0` (with `echo`: evaluate the prompt only, what
+log-likelihood harnesses ask for) is served by generating one token and dropping it: the engine always
+samples at least one (`evaluate_only`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from deepinfer.engine.request import InvalidRequestError, SamplingParams
+from deepinfer.gateway.errors import ApiError, invalid, model_not_found
+
+MAX_N = 128  # samples per prompt
+MAX_BATCH = 1024  # prompts per completions request
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound (and the engine's: SamplingParams.MAX_LOGPROBS)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+# Sampling parameters both endpoints take (OpenAI's, then vLLM's extensions) that map one to one.
+_SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
+                  "logit_bias", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos")
+_COMMON_KEYS = {"model", "max_tokens", "n", "stream", "stream_options", "user", *_SAMPLING_KEYS}
+COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_KEYS = _COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                            "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                            "metadata", "store", "service_tier"}
+
+
+@dataclass(frozen=True)
+class MeshRequest:
+    """One request to the mesh: exactly one of prompt, prompt_token_ids or messages, and its sampling params."""
+
+    params: dict[str, Any]
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """`AsyncClient.generate/stream`'s keyword arguments (the api key is added by the caller)."""
+        given = {"prompt": self.prompt, "prompt_token_ids": self.prompt_token_ids, "messages": self.messages}
+        return {**{k: v for k, v in given.items() if v is not None}, **self.params}
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """What one completions or chat request asks of the mesh, and how to answer it."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    requests: tuple[MeshRequest, ...]  # choice order: prompt i's sample j at i * n + j
+    n: int
+    stream: bool = False
+    include_usage: bool = False  # streaming: a last chunk with the usage and no choices
+    echo: bool = False  # completions: the prompt comes first in text (and tokens, logprobs)
+    # Completions: top alternatives per token (0: the chosen token's logprob only); chat: top_logprobs
+    # when logprobs is true. None: no logprobs in the response.
+    logprobs: int | None = None
+    evaluate_only: bool = False  # max_tokens 0: the one generated token is dropped from the answer
+    echo_texts: tuple[str | None, ...] = field(default=())  # per prompt: its text (None: decode its ids)
+
+    def prompt_index(self, choice: int) -> int:
+        return choice // self.n
+
+
+@dataclass(frozen=True)
+class ParseContext:
+    """What parsing needs to know of the deployment: the served model's name and context length, and a way to
+    count a chat's prompt tokens (for chat's default max_tokens: the rest of the context)."""
+
+    model: str
+    max_model_len: int
+    count_chat_tokens: Callable[[list[dict[str, str]]], int] | None = None
+
+
+# --- field readers: each refuses a wrong type with a 400 naming the parameter --------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: Mapping[str, Any], key: str, default: float | None) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise invalid(f"{key} must be a number, got {v!r}", key)
+    return float(v)
+
+
+def _int(body: Mapping[str, Any], key: str, default: int | None, lo: int | None = None,
+         hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise invalid(f"{key} must be an integer, got {v!r}", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise invalid(f"{key} must be {bounds}, got {v}", key)
+    return v
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(f"{key} must be true or false, got {v!r}", key)
+    return v
+
+
+def _token_ids(v: Any, key: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        raise invalid(f"{key} must be a list of token ids (non-negative integers)", key)
+    return list(v)
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return list(v)
+    raise invalid("stop must be a string or a list of strings", "stop")
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's {"token id as a string": bias}; ids must be integers, biases numbers."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise invalid("logit_bias must map token ids to biases", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, value in v.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise invalid(f"logit_bias: {key!r} is not a token id", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(f"logit_bias[{key!r}] must be a number, got {value!r}", "logit_bias")
+        bias[token] = float(value)
+    return bias
+
+
+def _check_keys(body: Any, known: set[str]) -> None:
+    if not isinstance(body, Mapping):
+        raise invalid("the request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise invalid(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
+
+
+def _check_model(body: Mapping[str, Any], ctx: ParseContext) -> str:
+    model = body.get("model")
+    if model is None:
+        raise invalid("you must provide a model parameter", "model")
+    if model != ctx.model:
+        raise model_not_found(model)
+    return model
+
+
+def _unsupported(key: str, why: str = "") -> ApiError:
+    return invalid(f"{key} is not supported by this server{': ' + why if why else ''}", key)
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The sampling parameters shared by both endpoints, as SamplingParamsWire fields, range-checked by the
+    engine's own rules (SamplingParams.validate) so a bad value fails before any request leaves."""
+    params: dict[str, Any] = dict(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0),  # OpenAI's default: sampling
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_int(body, "top_k", 0),
+        min_p=_number(body, "min_p", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        seed=_int(body, "seed", None),
+        stop=_stop(body),
+        stop_token_ids=_token_ids(body["stop_token_ids"], "stop_token_ids") if body.get("stop_token_ids") else [],
+        ignore_eos=_bool(body, "ignore_eos", False),
+    )
+    bias = _logit_bias(body)
+    if bias:
+        params["logit_bias"] = bias
+    try:
+        SamplingParams(**params).validate()
+    except InvalidRequestError as exc:
+        raise invalid(str(exc), next((k for k in params if f" {k}=" in str(exc)), None)) from None
+    return params
+
+
+def _samples(params: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """n copies of one prompt's parameters; sample j > 0 of a seeded request uses seed + j."""
+    seed = params.get("seed")
+    return [dict(params, seed=None if seed is None else (seed + j) % 2**63) for j in range(n)]
+
+
+def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether the stream ends with a usage chunk (stream_options.include_usage)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise invalid("stream_options takes include_usage", "stream_options")
+    return _bool(options, "include_usage", False)
+
+
+# --- /v1/completions -----------------------------------------------------------------------------------------
+
+
+def _prompts(v: Any) -> list[str | list[int]]:
+    """A string, a list of strings (a batch), a token id list, or a list of token id lists (a batch)."""
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and v:
+        if all(isinstance(p, str) for p in v):
+            return list(v)
+        if all(_is_int(t) for t in v):
+            return [_token_ids(v, "prompt")]
+        if all(isinstance(p, list) for p in v):
+            return [_token_ids(p, "prompt") for p in v]
+    raise invalid("prompt must be a string, a list of strings, a list of token ids or a list of token id lists",
+                  "prompt")
+
+
+def parse_completion(body: Any, ctx: ParseContext) -> GenerationPlan:
+    _check_keys(body, COMPLETION_KEYS)
+    model = _check_model(body, ctx)
+    if "prompt" not in body:
+        raise invalid("you must provide a prompt", "prompt")
+    prompts = _prompts(body["prompt"])
+    if any(not p for p in prompts):
+        raise invalid("a prompt must not be empty", "prompt")
+    if len(prompts) > MAX_BATCH:
+        raise invalid(f"at most {MAX_BATCH} prompts per request", "prompt")
+    if body.get("suffix"):
+        raise _unsupported("suffix", "insertion is not offered")
+    n = _int(body, "n", 1, 1, MAX_N)
+    assert n is not None
+    best_of = _int(body, "best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise _unsupported("best_of", "give n samples instead")
+    stream = _bool(body, "stream", False)
+    echo = _bool(body, "echo", False)
+    logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 0)
+    assert max_tokens is not None
+    evaluate_only = max_tokens == 0
+    params = _sampling(body, max(1, max_tokens))
+    if evaluate_only:
+        params["temperature"] = 0.0  # the token is dropped: the cheapest way to the one it costs
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+        if echo:
+            params["prompt_logprobs"] = logprobs
+    requests = []
+    for p in prompts:
+        for sample in _samples(params, n):
+            requests.append(MeshRequest(sample, prompt=p) if isinstance(p, str)
+                            else MeshRequest(sample, prompt_token_ids=p))
+    return GenerationPlan("completion", model, tuple(requests), n, stream, _stream_options(body, stream), echo,
+                          logprobs, evaluate_only, tuple(p if isinstance(p, str) else None for p in prompts))
+
+
+# --- /v1/chat/completions ------------------------------------------------------------------------------------
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's content: a string, null (an assistant turn that only called tools), or text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise invalid(f"{where}: only text content parts are supported, got {kind!r}", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"{where}: content must be a string or a list of text parts", "messages")
+
+
+def chat_messages(v: Any) -> list[dict[str, str]]:
+    """OpenAI's messages as the mesh takes them: [{"role", "content"}] with string contents."""
+    if not isinstance(v, list) or not v:
+        raise invalid("messages must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(v):
+        if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
+            raise invalid(f"messages[{i}] must be an object with a role", "messages")
+        if msg.get("tool_calls") or msg["role"] in ("tool", "function"):
+            raise _unsupported("tool calls", f"messages[{i}] carries one")
+        out.append({"role": msg["role"], "content": _content(msg.get("content"), f"messages[{i}]")})
+    return out
+
+
+def _check_chat_unsupported(body: Mapping[str, Any]) -> None:
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise _unsupported(key, "tool calling is not offered")
+    for key in ("tool_choice", "function_call"):
+        if body.get(key) not in (None, "none", "auto"):
+            raise _unsupported(key, "tool calling is not offered")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
+        kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
+        raise _unsupported("response_format", f"only {{'type': 'text'}}, got {kind!r}")
+
+
+def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
+    _check_keys(body, CHAT_KEYS)
+    model = _check_model(body, ctx)
+    if "messages" not in body:
+        raise invalid("you must provide messages", "messages")
+    messages = chat_messages(body["messages"])
+    _check_chat_unsupported(body)
+    n = _int(body, "n", 1, 1, MAX_N)
+    assert n is not None
+    stream = _bool(body, "stream", False)
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, key, None, 1)
+    if max_tokens is None:  # the rest of the context, as OpenAI does
+        used = ctx.count_chat_tokens(messages) if ctx.count_chat_tokens is not None else 0
+        max_tokens = max(1, ctx.max_model_len - used)
+    params = _sampling(body, max_tokens)
+    logprobs = (top or 0) if want_logprobs else None
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    requests = tuple(MeshRequest(sample, messages=messages) for sample in _samples(params, n))
+    return GenerationPlan("chat", model, requests, n, stream, _stream_options(body, stream), logprobs=logprobs)
+
+
+# --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+def parse_tokenize(body: Any, ctx: ParseContext) -> TokenizeRequest:
+    _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+    if body.get("model") is not None and body["model"] != ctx.model:
+        raise model_not_found(body["model"])
+    if ("prompt" in body) == ("messages" in body):
+        raise invalid("give exactly one of prompt or messages", "prompt")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise invalid("prompt must be a string", "prompt")
+        return TokenizeRequest(prompt=body["prompt"], add_special_tokens=_bool(body, "add_special_tokens", True))
+    return TokenizeRequest(messages=chat_messages(body["messages"]),
+                           add_generation_prompt=_bool(body, "add_generation_prompt", True))
+
+
+def parse_detokenize(body: Any, ctx: ParseContext, vocab_size: int) -> list[int]:
+    _check_keys(body, {"model", "tokens"})
+    if body.get("model") is not None and body["model"] != ctx.model:
+        raise model_not_found(body["model"])
+    tokens = _token_ids(body.get("tokens"), "tokens")
+    bad = next((t for t in tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is outside the vocabulary (size {vocab_size})", "tokens")
+    return tokens

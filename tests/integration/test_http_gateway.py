@@ -1,0 +1,273 @@
+"""The OpenAI-compatible gateway in front of a real mesh (SmolLM2, every service in one process on a background
+event loop, the router's front on an ipc:// socket), served by uvicorn on a free port in a thread, driven by the
+real `openai` SDK and raw httpx: outputs equal the ZeroMQ client's token for token, streams concatenate to the
+non-streamed text, errors reach the SDK as its exception types, a client that leaves aborts its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from deepinfer.gateway.app import Gateway, build_app
+from deepinfer.gateway.server import load_gateway
+from deepinfer.launch.mesh import InprocMesh
+from deepinfer.launch.topology import Topology, free_local_ports
+from deepinfer.protocol.client import Client
+
+pytestmark = pytest.mark.smollm2
+
+MODEL = "smollm2-test"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class BackgroundMesh:
+    """An InprocMesh on its own event loop thread; its router front on ipc:// so other loops can connect."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.mesh: InprocMesh | None = None
+
+    def call(self, coro: Any, timeout: float = 300) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> None:
+        self.thread.start()
+
+        async def start() -> InprocMesh:
+            mesh = InprocMesh(self.topology)
+            await mesh.start()
+            return mesh
+
+        self.mesh = self.call(start())
+
+    def router_inflight(self) -> int:
+        async def count() -> int:
+            return self.mesh.service("router").core.num_inflight  # type: ignore[union-attr]
+
+        return self.call(count())
+
+    def stop(self) -> None:
+        if self.mesh is not None:
+            self.call(self.mesh.stop(), timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class BackgroundGateway:
+    """uvicorn serving a Gateway on 127.0.0.1:<free port> in a thread."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.port = free_local_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(build_app(gw), host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
+                                lifespan="on", log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the gateway did not start"
+            time.sleep(0.05)
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(self.url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the gateway never became ready"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path, tmp_path_factory) -> Iterator[tuple[BackgroundMesh, BackgroundGateway]]:
+    run_dir = tmp_path_factory.mktemp("gw")
+    topo = Topology.local(str(smollm2_path), "inproc", disaggregated=True, threads=1, kv_cache_mb=64)
+    topo = dataclasses.replace(topo, frontend=f"ipc://{run_dir}/router-frontend.sock")
+    gateway = BackgroundGateway(load_gateway(str(smollm2_path), topo.frontend, MODEL))
+    gateway.start()  # before the mesh: /ready must say 503 until the router answers
+    assert httpx.get(gateway.url + "/health").status_code == 200
+    assert httpx.get(gateway.url + "/ready").status_code == 503
+    mesh = BackgroundMesh(topo)
+    mesh.start()
+    try:
+        gateway.wait_ready()
+        yield mesh, gateway
+    finally:
+        gateway.stop()
+        mesh.stop()
+
+
+@pytest.fixture()
+def sdk(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[1].url + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def zmq_client(served) -> Iterator[Client]:
+    with Client(served[0].topology.frontend, timeout_s=120) as c:
+        yield c
+
+
+def settle(mesh: BackgroundMesh, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while mesh.router_inflight():
+        assert time.monotonic() < deadline, f"{mesh.router_inflight()} requests still in flight at the router"
+        time.sleep(0.05)
+
+
+def test_ready_models_and_health(served):
+    _, gw = served
+    assert httpx.get(gw.url + "/ready").status_code == 200
+    models = httpx.get(gw.url + "/v1/models").json()
+    assert [c["id"] for c in models["data"]] == [MODEL]
+
+
+def test_completion_equals_the_zmq_client_token_for_token(sdk, zmq_client, served):
+    r = sdk.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    ref = zmq_client.generate(prompt="The capital of France is", max_tokens=12)
+    assert r.choices[0].text == ref.text
+    assert r.usage.completion_tokens == len(ref.token_ids) and r.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    ids = httpx.post(served[1].url + "/tokenize", json={"prompt": r.choices[0].text, "add_special_tokens": False})
+    assert ids.status_code == 200
+
+
+def test_chat_equals_the_zmq_client_and_streams_concatenate(sdk, zmq_client):
+    r = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+    ref = zmq_client.generate(messages=QUESTION, max_tokens=16)
+    assert r.choices[0].message.content == ref.text and "Paris" in ref.text
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    streamed = "".join(c.choices[0].text for c in sdk.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, stream=True))
+    assert streamed == sdk.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20,
+                                              temperature=0).choices[0].text
+
+
+def test_sse_framing(served):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served[1].url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: ") and "\n" not in e
+        json.loads(e.removeprefix("data: "))
+
+
+def test_logprobs_and_top_logprobs(sdk, zmq_client):
+    r = sdk.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    ref = zmq_client.generate(prompt="1, 2, 3,", max_tokens=5, logprobs=3)
+    assert len(lp.tokens) == len(ref.token_ids) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    for value, top, mine in zip(lp.token_logprobs, lp.top_logprobs, ref.logprobs):
+        assert math.isclose(value, mine.logprob, abs_tol=1e-6) and len(top) >= 3
+        assert max(top.values()) == pytest.approx(value)  # greedy: the chosen token is the best
+    c = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True,
+                                    top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == c.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+
+
+def test_n_samples_with_a_seed_are_reproducible(sdk):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=1.0, seed=7, n=2)
+    a, b = sdk.completions.create(**kw), sdk.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    single = sdk.completions.create(**{**kw, "n": 1})
+    assert single.choices[0].text == a.choices[0].text  # choice 0 uses the seed itself, choice 1 seed + 1
+    batch = sdk.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text  # greedy samples of one prompt agree
+
+
+def test_token_prompts_and_echo(sdk, zmq_client, served):
+    ids = httpx.post(served[1].url + "/tokenize", json={"prompt": "The sky is"}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] > 0
+    back = httpx.post(served[1].url + "/detokenize", json={"tokens": ids["tokens"]}).json()
+    assert back["prompt"] == "The sky is"
+    r = sdk.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=6, temperature=0, echo=True)
+    ref = zmq_client.generate(prompt_token_ids=ids["tokens"], max_tokens=6)
+    assert r.choices[0].text == "The sky is" + ref.text
+    chat_ids = httpx.post(served[1].url + "/tokenize", json={"messages": QUESTION}).json()["tokens"]
+    assert chat_ids == zmq_client.generate(messages=QUESTION, max_tokens=1, prompt_logprobs=0).prompt_token_ids
+
+
+def test_evaluate_the_prompt_only(sdk):
+    """lm-evaluation-harness's loglikelihood: echo, logprobs, max_tokens 0 → the prompt's tokens and logprobs."""
+    r = sdk.completions.create(model=MODEL, prompt="The quick brown fox jumps", max_tokens=0, echo=True, logprobs=1,
+                               temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "The quick brown fox jumps" and "".join(lp.tokens) == r.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+
+
+def test_errors_reach_the_sdk_as_its_exception_types(sdk, served):
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        sdk.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        sdk.chat.completions.create(model=MODEL, messages=QUESTION, response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="context"):
+        sdk.completions.create(model=MODEL, prompt="x " * 9000, max_tokens=2)
+    r = httpx.post(served[1].url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(served[1].url + "/v1/nothing").status_code == 404
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(served):
+    mesh, gw = served
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert mesh.router_inflight() == 1
+    # the connection closed after one event: the gateway aborts the mesh request
+    settle(mesh)
+
+
+def test_a_client_that_leaves_mid_request_aborts_it(served):
+    mesh, gw = served
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.url + "/v1/completions", json=body, timeout=1.5)
+    settle(mesh)
+
+
+def test_metrics_count_requests(served):
+    _, gw = served
+    httpx.get(gw.url + "/v1/models")
+    text = httpx.get(gw.url + "/metrics").text
+    assert 'deepinfer_http_requests_total{endpoint="/v1/models",status="200"}' in text
