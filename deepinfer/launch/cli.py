@@ -165,6 +165,16 @@ def _check_embedded_ep(ctx: click.Context, param: click.Parameter, value: int) -
     return value
 
 
+def _check_listen(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from deepinfer.launch.specs import split_host_port
+
+    if value is not None:
+        try:
+            split_host_port(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
 def sampling_options(f):  # type: ignore[no-untyped-def]
     opts = [
         click.option("--chat", is_flag=True, help="Wrap each prompt as a user message in the model's chat template."),
@@ -381,12 +391,16 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
                    f"Default: {BALANCER_DEFAULTS.interval_s}.")
 @click.option("--balancer-window", type=click.FloatRange(min=0, min_open=True), default=None,
               help=f"Seconds of expert-load reports it weighs. Default: {BALANCER_DEFAULTS.window_s}.")
+@click.option("--http", metavar="HOST:PORT", default=None, callback=_check_listen,
+              help="Also run an OpenAI-compatible HTTP gateway listening there (/v1/completions, "
+                   "/v1/chat/completions, ...); its URL is printed when the mesh is ready. With --topology, "
+                   "add a [[gateway]] table instead.")
 @speculation_options
 def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
        num_tokenizers: int, threads: int | None, ep: int | None, kv_cache_mb: int, run_dir: Path | None,
        log_dir: Path | None, cache_dir: Path | None, host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool,
        no_prefix_caching: bool, redundant_experts: int | None, no_balancer: bool, balancer_interval: float | None,
-       balancer_window: float | None, speculative: str | None, num_speculative_tokens: int,
+       balancer_window: float | None, http: str | None, speculative: str | None, num_speculative_tokens: int,
        no_adaptive_speculation: bool) -> None:
     """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM.
     With --topology, every worker option (speculation, --ep and the expert balancer's too) comes from the
@@ -402,6 +416,11 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
         if topology is not None and given is not None:  # it would be silently ignored
             raise click.UsageError(f"{option} configures the workers `up` builds; with --topology, set {key} "
                                    f"per worker in the file")
+    if topology is not None and http is not None:
+        raise click.UsageError("--http adds a gateway to the topology `up` builds; with --topology, add a "
+                               "[[gateway]] table (name, listen) to the file")
+    if inproc and http is not None:
+        raise click.UsageError("--http runs the gateway as a process of its own under the supervisor: drop --inproc")
     if inproc and (ep or 1) > 1:
         raise click.UsageError("--inproc runs every service in this process, and an --ep group needs a process "
                                "per rank: drop --inproc")
@@ -428,12 +447,12 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
             made.append(topology)
             balancer = expert_balancer(model, ep or 1, no_balancer, balancer_interval, balancer_window)
             topology.write_text(Topology.local(model, "ipc", run_dir, ep=ep or 1, redundant_experts=redundant_experts,
-                                               balancer=balancer, **local).to_toml())
+                                               balancer=balancer, http=http, **local).to_toml())
         made += _ipc_paths(Topology.load(topology), run_dir)
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         logs = f"logs in {log_dir or run_dir}" + (" until exit" if temporary and log_dir is None else "")
-        _supervise(topology, log_dir or run_dir, logs)
+        _supervise(topology, log_dir or run_dir, logs, run_dir / "metrics")
     finally:
         _remove_run_files(run_dir, temporary, made)
 
@@ -453,11 +472,18 @@ def expert_balancer(model: str, ep: int, off: bool, interval_s: float | None,
     return dataclasses.replace(BALANCER_DEFAULTS, **given)
 
 
-def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
-    """Start the supervisor's children and keep them up until SIGINT/SIGTERM, then drain and stop them."""
+def _supervise(topology: Path, log_dir: Path, logs: str, metrics_dir: Path) -> None:
+    """Start the supervisor's children and keep them up until SIGINT/SIGTERM, then drain and stop them.
+    Every child writes its metrics samples to `metrics_dir` (emptied first), which gateways export."""
+    import os
+
     from deepinfer.launch.exit_notes import ExitNotifier
     from deepinfer.launch.keys import supervisor_auth
-    from deepinfer.launch.supervisor import Supervisor
+    from deepinfer.launch.supervisor import Supervisor, gateway_url
+    from deepinfer.metrics import MULTIPROC_ENV, prepare_dir
+
+    prepare_dir(metrics_dir)
+    os.environ[MULTIPROC_ENV] = str(metrics_dir)  # the children inherit it; process_exited reads it here
 
     stopping = False
 
@@ -473,7 +499,7 @@ def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
     try:
         sup.wait_ready(lambda: stopping)
         if not stopping:
-            _announce(sup.topology.frontend, logs)
+            _announce(sup.topology.frontend, logs, [gateway_url(g.listen) for g in sup.topology.gateways])
         while not stopping:
             sup.poll()
             time.sleep(0.2)
@@ -502,14 +528,18 @@ def _remove_run_files(run_dir: Path, temporary: bool, made: list[Path]) -> None:
             path.unlink()
 
 
-def _announce(endpoint: str, extra: str = "") -> None:
+def _announce(endpoint: str, extra: str = "", urls: list[str] | None = None) -> None:
+    """Two lines (what scripts read: the second is the endpoint), then one per HTTP gateway: its base URL."""
     click.echo(f"deepinfer mesh ready; client endpoint: {endpoint}" + (f" ({extra})" if extra else ""))
     click.echo(endpoint)
+    for url in urls or []:
+        click.echo(f"OpenAI-compatible HTTP API: {url}/v1")
     sys.stdout.flush()
 
 
+
 @main.command()
-@click.argument("role", type=click.Choice(["router", "tokenizer", "worker", "kvcache", "balancer"]))
+@click.argument("role", type=click.Choice(["router", "tokenizer", "worker", "kvcache", "balancer", "gateway"]))
 @click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
 @click.option("--name", default=None, help="The service's name in the topology.")
 @click.option("--index", type=int, default=None, help="Or its position among the topology's services of ROLE.")
@@ -524,7 +554,8 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
     if name is None:
         names = {"router": ["router"], "tokenizer": [t.name for t in topo.tokenizers],
                  "worker": [w.name for w in topo.workers], "kvcache": [k.name for k in topo.kvcaches],
-                 "balancer": ["balancer"] if topo.balancer is not None else []}[role]
+                 "balancer": ["balancer"] if topo.balancer is not None else [],
+                 "gateway": [g.name for g in topo.gateways]}[role]
         if index is None or not 0 <= index < len(names):
             raise click.UsageError(f"give --name or --index in [0, {len(names)}) for {role}")
         name = names[index]
@@ -540,6 +571,15 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
         from deepinfer.parallel.follower import run_follower  # torch.distributed: only in a follower
 
         sys.exit(run_follower(topo, name, rank))
+    if role == "gateway":
+        from deepinfer.gateway.server import run_gateway
+
+        try:
+            topo.gateway(name)
+        except TopologyError as exc:
+            raise click.UsageError(str(exc)) from None
+        run_gateway(topo, name)
+        return
     from deepinfer.launch.mesh import run_service
 
     run_service(topo, role, name)

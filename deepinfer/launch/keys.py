@@ -6,12 +6,13 @@ Layout of DIR (0700; see `protocol.auth` for the file format)::
     services/NAME.key, NAME.key_secret     one pair per service instance (router, tokenizers, workers, cache
                                            daemons) and one for the supervisor (its exit notes to the router)
     clients/client.key, client.key_secret  a first tenant key pair
-    clients/allowed                        the tenants' public keys the router's front accepts
+    clients/NAME.key, NAME.key_secret      one pair per HTTP gateway (a client of the router's front)
+    clients/allowed                        the tenants' (and gateways') public keys the router's front accepts
 
 Service keys and tenant keys never mix: the router's front accepts only `clients/allowed`, every other socket
 only service keys. Who may connect where (each bound socket its own allow-list):
 
-    router frontend       tenants
+    router frontend       tenants and gateways
     router backend        tokenizers, workers, cache daemons (each bound to its instance name) + the supervisor
     decode/worker kv      prefill workers
     tokenizer detok       workers
@@ -74,13 +75,15 @@ def make_keys(directory: str | os.PathLike[str], topology: Topology) -> list[Pat
     for name in key_owners(topology):
         if not (services / f"{name}.key_secret").exists():
             written += KeyPair.generate().save(services, name)
-    if not (clients / f"{CLIENT_KEY_NAME}.key_secret").exists():
-        client = KeyPair.generate()
-        written += client.save(clients, CLIENT_KEY_NAME)
-        allowed = clients / CLIENTS_ALLOWED
-        with open(allowed, "a") as f:
-            f.write(f"{client.public.decode()} {CLIENT_KEY_NAME}\n")
-        written.append(allowed)
+    for name in (CLIENT_KEY_NAME, *(g.name for g in topology.gateways)):
+        if not (clients / f"{name}.key_secret").exists():
+            client = KeyPair.generate()
+            written += client.save(clients, name)
+            allowed = clients / CLIENTS_ALLOWED
+            with open(allowed, "a") as f:
+                f.write(f"{client.public.decode()} {name}\n")
+            if allowed not in written:
+                written.append(allowed)
     return written
 
 
@@ -126,6 +129,16 @@ def supervisor_auth(topology: Topology) -> ClientAuth | None:
         return None
     services = Path(topology.security.keys_dir) / SERVICES_DIR
     return ClientAuth(KeyPair.load(services / f"{SUPERVISOR}.key_secret"), load_public_key(services / f"{ROUTER}.key"))
+
+
+def gateway_client_keys(topology: Topology, name: str) -> dict[str, Any]:
+    """`AsyncClient` keyword arguments for gateway `name`: on a secured client front, its own key pair
+    (clients/NAME.key_secret, which `keys` writes for every gateway) and the router's public key; else none."""
+    topology.gateway(name)  # TopologyError for a name the topology does not have
+    if topology.security is None or not secured(topology.frontend):
+        return {}
+    pair, router_key = load_client_keys(topology.security.keys_dir, name)
+    return {"curve_keys": pair, "server_key": router_key}
 
 
 def probe_client_keys(topology: Topology) -> dict[str, Any]:

@@ -141,6 +141,23 @@ class TokenizerSpec:
 
 
 @dataclass(frozen=True)
+class GatewaySpec:
+    """One OpenAI-compatible HTTP gateway (deepinfer.gateway): a client of the router's frontend that listens
+    for HTTP on `listen`, "HOST:PORT". It serves the topology's model under `served_model_name` (the `model`
+    clients must give; default: the topology's `model` as written). Stateless: several may run, on any hosts."""
+
+    name: str
+    listen: str
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            split_host_port(self.listen)
+        except ValueError as exc:
+            raise ValueError(f"listen = {self.listen!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
 class SecuritySpec:
     """Where the CURVE keys are (`deepinfer-launch keys`): `keys_dir/services/NAME.key` names each service's
     public key, a host holds the `.key_secret` of its own services only; `client_keys` lists the tenants' public

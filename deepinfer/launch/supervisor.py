@@ -1,11 +1,15 @@
 """A process supervisor for the one-host mesh: one child process per service, restarted with
-exponential backoff when it dies, drained and stopped in order (router, workers, tokenizers, the expert
-balancer and cache daemons).
+exponential backoff when it dies, drained and stopped in order (HTTP gateways, router, workers, tokenizers,
+the expert balancer and cache daemons).
 
 Each child is `python -m deepinfer.launch.cli service ROLE --topology F --name NAME`, the same command a
 systemd unit runs. CPU threads are a budget: every worker gets its share of the host's cores (torch's
 OpenMP threads spin while waiting, and oversubscribed they slow matmuls by orders of magnitude);
-router, tokenizers, cache daemons and the expert balancer get one.
+router, tokenizers, cache daemons, the expert balancer and HTTP gateways get one.
+
+Metrics: children inherit the supervisor's environment, `PROMETHEUS_MULTIPROC_DIR` included (`up` sets it to
+`<run dir>/metrics`, emptied first), so every process of the host writes its samples there and a gateway's
+GET /metrics aggregates them; when a child exits its live gauges are dropped (`metrics.process_exited`).
 
 Children live in groups that die and restart together. A service is a group of one; an expert-parallel
 worker (`ep = N`) is a group of N ranks: child NAME is rank 0 (started as any worker is), children
@@ -120,7 +124,7 @@ def watch_lifeline(loop: asyncio.AbstractEventLoop, on_lost: Callable[[], None])
 
 @dataclass
 class Child:
-    role: str  # "router", "tokenizer", "worker", "kvcache" or "balancer"
+    role: str  # "router", "tokenizer", "worker", "kvcache", "balancer" or "gateway"
     name: str  # unique among the children: the service's name, NAME.rankR for an expert-parallel follower
     threads: int
     proc: subprocess.Popen[bytes] | None = None
@@ -162,6 +166,16 @@ def thread_shares(topology: Topology, cores: int | None = None) -> dict[str, int
     return {w.name: max(1, w.threads // w.ep) if w.threads else share for w in topology.workers}
 
 
+def _metrics_process_exited(pid: int) -> None:
+    """Drop an exited child's live gauges from the host's metrics directory (a no-op without one)."""
+    try:
+        from deepinfer.metrics import process_exited
+
+        process_exited(pid)
+    except Exception:  # metrics never stop a restart
+        log.exception("dropping an exited child's metrics failed", pid=pid)
+
+
 class Supervisor:
     """Spawn, restart and stop the children. `on_exit(name, role, pid, returncode)` is called once for every
     child exit that `poll()` sees (not for the exits `stop()` causes), the ranks it stopped because their
@@ -188,6 +202,7 @@ class Supervisor:
             self.groups.append(Group([Child("balancer", BALANCER_NAME, 1)]))
         self.groups += [Group([Child("worker", rank_child_name(w.name, r), shares[w.name], service=w.name, rank=r)
                                for r in range(w.ep)]) for w in self.topology.workers]
+        self.groups += [Group([Child("gateway", g.name, 1)]) for g in self.topology.gateways]
         self.children = [c for g in self.groups for c in g.members]
         names = [c.name for c in self.children]
         if len(set(names)) != len(names):  # a service named like another's follower rank
@@ -259,6 +274,7 @@ class Supervisor:
             for c in dead:
                 if not c.exit_seen:
                     c.exit_seen = True
+                    _metrics_process_exited(c.proc.pid)  # type: ignore[union-attr]
                     log.warning("exited", service=c.name, pid=c.proc.pid, code=c.proc.returncode)  # type: ignore[union-attr]
                     self._report_exit(c)
             alive = [c.proc for c in g.members if c.proc is not None and c.proc.poll() is None]
@@ -297,7 +313,8 @@ class Supervisor:
             log.exception("on_exit failed", service=c.name)
 
     def stop(self, timeout_s: float = DRAIN_TIMEOUT_S + STOP_GRACE_S) -> None:
-        """Drain and stop in order, waiting for each stage: the router first (it refuses new requests and
+        """Drain and stop in order, waiting for each stage: the HTTP gateways first (they stop accepting and
+        finish their requests, which needs the mesh), then the router (it refuses new requests and
         waits for admitted ones to finish, which needs everyone else still up), then the workers (rank 0
         of a group drains while its followers still compute with it; they stop next) and the tokenizers
         and cache daemons (idle by then; a daemon finishes its queued disk writes). SIGTERM means drain to
@@ -305,7 +322,7 @@ class Supervisor:
         timeout, so a drain ends by itself)."""
         log.info("stopping", children=[c.proc.pid for c in self.children if c.proc and c.proc.poll() is None])
         stages: list[Callable[[Child], bool]] = [
-            lambda c: c.role == "router", lambda c: c.role == "worker" and c.rank == 0,
+            lambda c: c.role == "gateway", lambda c: c.role == "router", lambda c: c.role == "worker" and c.rank == 0,
             lambda c: c.role == "worker" and c.rank > 0, lambda c: c.role in ("tokenizer", "balancer"),
             lambda c: c.role == "kvcache"]
         for stage in stages:
@@ -327,20 +344,50 @@ class Supervisor:
 
     def wait_ready(self, should_stop: Callable[[], bool] = lambda: False, timeout_s: float = 600.0) -> None:
         """Block until a two-token request makes it through the mesh (router, a tokenizer, prefill and
-        decode): the mesh is serving. Dead children are restarted meanwhile; raises TimeoutError."""
+        decode) and every HTTP gateway answers GET /ready: the mesh is serving. Dead children are restarted
+        meanwhile; raises TimeoutError."""
         from deepinfer.launch.keys import probe_client_keys
         from deepinfer.protocol.client import Client, MeshError
 
         keys = probe_client_keys(self.topology)  # a secured front refuses a keyless probe forever
         deadline = time.monotonic() + timeout_s
+        mesh_ready = False
         while not should_stop():
             self.poll()
-            try:
-                with Client(self.topology.frontend, timeout_s=10.0, **keys) as client:
-                    client.generate(prompt_token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True)
+            if not mesh_ready:
+                try:
+                    with Client(self.topology.frontend, timeout_s=10.0, **keys) as client:
+                        client.generate(prompt_token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True)
+                        mesh_ready = True
+                except MeshError as exc:
+                    log.info("waiting for the mesh", reason=str(exc))
+            if mesh_ready:
+                waiting = [g.name for g in self.topology.gateways if not gateway_ready(g.listen)]
+                if not waiting:
                     return
-            except MeshError as exc:
-                log.info("waiting for the mesh", reason=str(exc))
+                log.info("waiting for the gateways", gateways=waiting)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the mesh was not ready after {timeout_s}s")
             time.sleep(0.5)
+
+
+def gateway_url(listen: str) -> str:
+    """The base URL a client on this host reaches a gateway listening on `listen` at (a wildcard: loopback)."""
+    from deepinfer.launch.specs import split_host_port
+
+    host, port = split_host_port(listen)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "*": "127.0.0.1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def gateway_ready(listen: str) -> bool:
+    """Whether the gateway at `listen` answers GET /ready with 200 (its router connected)."""
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    try:
+        with opener.open(gateway_url(listen) + "/ready", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

@@ -5,7 +5,8 @@
 
 Templates take the service's name in the topology as the instance (`deepinfer-worker@prefill-0`), so one
 template serves every device of a host. The expert balancer, when the topology has one, is
-`deepinfer-balancer@balancer`. Tokenizers, workers and the balancer start after the router (they connect to it,
+`deepinfer-balancer@balancer`; each HTTP gateway is `deepinfer-gateway@NAME`. Tokenizers, workers, the
+balancer and gateways start after the router (they connect to it,
 and retry until the handshake succeeds anyway); every unit restarts on failure with a delay and is
 part of `deepinfer.target`, which stops them all together.
 
@@ -13,7 +14,10 @@ Every unit runs as an unprivileged user (default `deepinfer`, which must exist: 
 in a read-only view of the system: writable are only its cache directory (`/var/cache/deepinfer`: the
 fetched model, compiled kernels and, unless the topology names another `dir`, the KV disk tier), its runtime
 directory (`/run/deepinfer`, mode 0700, where ipc:// sockets belong), a private /tmp, and the directories the
-topology names for KV disk tiers and ipc sockets. A stop drains (`Service.drain`); systemd waits longer than
+topology names for KV disk tiers and ipc sockets. Every unit writes its metrics samples to
+`/run/deepinfer/metrics` (`PROMETHEUS_MULTIPROC_DIR`), which a gateway's GET /metrics aggregates for the
+host (the directory lives until reboot: a unit's restart leaves its old samples' counters in the sums, as
+counters should). A stop drains (`Service.drain`); systemd waits longer than
 the drain timeout before it kills.
 
 An expert-parallel worker (`ep = N > 1`) gets one concrete unit per rank instead of a template instance,
@@ -32,10 +36,12 @@ import sys
 from pathlib import Path
 
 from deepinfer.launch.topology import Topology, TopologyError, WorkerSpec
+from deepinfer.metrics.env import MULTIPROC_ENV
 from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 
 DEFAULT_USER = "deepinfer"
+METRICS_DIR = "/run/deepinfer/metrics"  # inside every unit's RuntimeDirectory: one per host
 STOP_MARGIN_S = 30  # TimeoutStopSec = the drain timeout + this: systemd only SIGKILLs a drain that overran
 HOME_DIRS = ("/home", "/root", "/run/user")  # what ProtectHome= hides
 UNIT_NAME_CHARS = re.compile(r"[A-Za-z0-9:_.-]+")  # what a unit name may hold (escapes aside)
@@ -64,6 +70,7 @@ TimeoutStopSec={stop_s}
 KillSignal=SIGTERM
 Environment=PYTHONUNBUFFERED=1
 Environment=DEEPINFER_CACHE_DIR=%C/deepinfer
+Environment={metrics_env}
 LimitNOFILE=65536
 CacheDirectory=deepinfer
 CacheDirectoryMode=0700
@@ -131,7 +138,8 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
         return _TEMPLATE.format(description=description or f"DeepInfer {role} %i", after=after, group=group,
                                 user=user, stop_s=int(DRAIN_TIMEOUT_S) + STOP_MARGIN_S,
                                 exec_start=argv if rank is None else f"{argv} --rank {rank}",
-                                read_write=read_write, protect_home=protect_home, private_devices=private_devices)
+                                read_write=read_write, protect_home=protect_home, private_devices=private_devices,
+                                metrics_env=f"{MULTIPROC_ENV}={METRICS_DIR}")
 
     # (rank_unit refuses a name a unit cannot hold; such a name is also one word of ExecStart=, no specifier.)
     groups = {rank_unit(w, r): unit("worker", name=w.name, rank=r, group=_group_lines(w, r),
@@ -145,6 +153,9 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
     # The balancer holds no requests: a worker group keeps its last placement while it is down.
     balancer = {"deepinfer-balancer@.service": unit("balancer")} if topology.balancer is not None else {}
     instances += [f"deepinfer-balancer@{BALANCER_NAME}.service"] if balancer else []
+    # Gateways are clients of the router's front: after it, like the services.
+    gateway = {"deepinfer-gateway@.service": unit("gateway")} if topology.gateways else {}
+    instances += [f"deepinfer-gateway@{g.name}.service" for g in topology.gateways]
     return {
         "deepinfer.target": _TARGET.format(wants=" ".join(instances)),
         "deepinfer-router@.service": unit("router", after=""),
@@ -153,6 +164,7 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
         # Workers do not wait for the cache daemon: without it they compute every prompt in full.
         "deepinfer-kvcache@.service": unit("kvcache"),
         **balancer,
+        **gateway,
         **groups,
     }
 

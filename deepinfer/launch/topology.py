@@ -43,12 +43,16 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     max_moves = 8                         # at most this many slots per layer load new weights at once (default:
                                           #   no bound)
     move_timeout_s = 60.0                 # a placement unanswered by then is given up
+    [[gateway]]                           # optional: an OpenAI-compatible HTTP gateway (a client of the frontend)
+    name = "gateway-0"
+    listen = "0.0.0.0:8000"               # HOST:PORT it serves HTTP on
+    served_model_name = "smollm2"         # the `model` clients give (default: `model` above, as written)
     [security]                            # optional: CURVE on every tcp:// endpoint
     keys_dir = "/etc/deepinfer/keys"      # from `deepinfer-launch keys DIR --topology F` (relative: to this file)
     client_keys = "/etc/deepinfer/clients.allowed"  # the tenants' public keys (default: DIR/clients/allowed)
 
-Every table is one frozen dataclass (TokenizerSpec, WorkerSpec, KvCacheSpec, SecuritySpec, RouterConfig,
-BalancerConfig),
+Every table is one frozen dataclass (TokenizerSpec, WorkerSpec, KvCacheSpec, GatewaySpec, SecuritySpec,
+RouterConfig, BalancerConfig),
 read by `tables.from_table`: an unknown key or a value of the wrong type is refused when the file is read,
 naming the file, the entry and the key. A key left out takes its default, and every default is defined once
 (deepinfer.engine.config's DEFAULT_*, the KvCacheSpec defaults here, RouterConfig's), so the file, the
@@ -66,6 +70,10 @@ for the group to the mesh and ranks 1..N-1 following it (`service worker --rank 
 or "cuda" (rank R on cuda:R; `WorkerSpec.rank_device`), its `threads` are shared equally by the ranks, and
 `ep_master` is where the ranks rendezvous (torch.distributed's store, on rank 0): an address no other
 endpoint of the topology uses. `Topology.local` gives each group a free 127.0.0.1 port.
+
+A gateway (`[[gateway]]`) is a client of the router's frontend like any other (with [security], it gets a
+tenant key pair of its own: `clients/NAME.key_secret`); the tenant of each HTTP request is its
+`Authorization: Bearer KEY`, passed on as the request's api_key. Its `listen` port must be free on its host.
 
 The expert balancer (`[balancer]`, an empty table for every default) reads the MoE groups' expert loads
 through the router and sends them better placements (deepinfer.services.balancer); it binds nothing.
@@ -96,6 +104,7 @@ from deepinfer.launch.specs import (
     DEFAULT_HOST_CACHE_MB,
     DEFAULT_MODEL,
     ROLES,
+    GatewaySpec,
     KvCacheSpec,
     SecuritySpec,
     TokenizerSpec,
@@ -109,13 +118,15 @@ from deepinfer.services.balancer_config import BALANCER_NAME, BalancerConfig
 from deepinfer.services.router_state import RouterConfig
 
 # The sections are re-exported: the tree is read and built from this module.
-__all__ = ["DEFAULT_DISK_CACHE_MB", "DEFAULT_HOST_CACHE_MB", "DEFAULT_MODEL", "BalancerConfig", "KvCacheSpec",
+__all__ = ["DEFAULT_DISK_CACHE_MB", "DEFAULT_HOST_CACHE_MB", "DEFAULT_MODEL", "BalancerConfig", "GatewaySpec",
+           "KvCacheSpec",
            "RouterConfig",
            "SecuritySpec", "TokenizerSpec", "Topology", "TopologyError", "WorkerSpec", "default_kvcache_dir",
            "speculative_problem"]
 
 T = TypeVar("T")
-TOP_LEVEL_KEYS = ("model", "block_size", "router", "tokenizer", "worker", "kvcache", "balancer", "security")
+TOP_LEVEL_KEYS = ("model", "block_size", "router", "tokenizer", "worker", "kvcache", "gateway", "balancer",
+                  "security")
 # RouterConfig fields a [router] table may not set: they are derived, so they cannot disagree with their source.
 ROUTER_DERIVED = {"block_size": "set block_size at the top level: it is every service's, the router's included",
                   "id_prefix": "the router chooses it, anew at every start"}
@@ -137,6 +148,7 @@ class Topology:
     block_size: int = DEFAULT_BLOCK_SIZE
     security: SecuritySpec | None = None  # None: no CURVE (loopback or ipc:// only, as DESIGN §3 advises)
     balancer: BalancerConfig | None = None  # None: no expert balancer (groups keep their static placement)
+    gateways: tuple[GatewaySpec, ...] = ()  # OpenAI-compatible HTTP gateways (none: ZeroMQ clients only)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -149,6 +161,7 @@ class Topology:
         if self.router.block_size != self.block_size:
             object.__setattr__(self, "router", dataclasses.replace(self.router, block_size=self.block_size))
         names = [t.name for t in self.tokenizers] + [w.name for w in self.workers] + [k.name for k in self.kvcaches]
+        names += [g.name for g in self.gateways]
         names += [BALANCER_NAME] if self.balancer is not None else []
         if len(set(names)) != len(names):
             raise TopologyError(f"service names must be unique: {names}")
@@ -170,8 +183,9 @@ class Topology:
         self._check_ep_masters()
 
     def _check_ep_masters(self) -> None:
-        """Every group's ep_master is an address nothing else in the topology binds: a port taken twice on
-        one host would make one of the two fail to start (a wildcard host takes the port on every address)."""
+        """Every group's ep_master and every gateway's listen address is an address nothing else in the topology
+        binds: a port taken twice on one host would make one of the two fail to start (a wildcard host takes
+        the port on every address)."""
         taken: list[tuple[str, int, str]] = []  # (host, port, what)
         named = [("router frontend", self.frontend), ("router backend", self.backend),
                  *((f"tokenizer {t.name} detok", t.detok) for t in self.tokenizers),
@@ -191,11 +205,18 @@ class Topology:
                 if port == other_port and _same_host(host, other_host):
                     raise TopologyError(f"worker {w.name}: ep_master = {w.ep_master!r} is also the {what}")
             taken.append((host, port, f"worker {w.name} ep_master"))
+        for g in self.gateways:  # (listen checked by GatewaySpec)
+            host, port = split_host_port(g.listen)
+            for other_host, other_port, what in taken:
+                if port == other_port and _same_host(host, other_host):
+                    raise TopologyError(f"gateway {g.name}: listen = {g.listen!r} is also the {what}")
+            taken.append((host, port, f"gateway {g.name} listen"))
 
     def _sections(self) -> list[tuple[str, Any]]:
         """Every sub-tree with the name its errors carry."""
         return [("router", self.router), *((f"tokenizer {t.name}", t) for t in self.tokenizers),
                 *((f"worker {w.name}", w) for w in self.workers), *((f"kvcache {k.name}", k) for k in self.kvcaches),
+                *((f"gateway {g.name}", g) for g in self.gateways),
                 *([("security", self.security)] if self.security is not None else []),
                 *([("balancer", self.balancer)] if self.balancer is not None else [])]
 
@@ -210,6 +231,12 @@ class Topology:
             if t.name == name:
                 return t
         raise TopologyError(f"no tokenizer named {name!r}")
+
+    def gateway(self, name: str) -> GatewaySpec:
+        for g in self.gateways:
+            if g.name == name:
+                return g
+        raise TopologyError(f"no gateway named {name!r}")
 
     def kvcache(self, name: str) -> KvCacheSpec:
         for k in self.kvcaches:
@@ -227,7 +254,8 @@ class Topology:
               adaptive_speculation: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, ep: int = 1,
-              redundant_experts: int | None = None, balancer: BalancerConfig | None = None) -> Topology:
+              redundant_experts: int | None = None, balancer: BalancerConfig | None = None,
+              http: str | None = None) -> Topology:
         """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`).
         With `kvcache`, one cache daemon (disk tier in `cache_dir`, default `default_kvcache_dir()`)
         serves every worker; `prefix_caching=False` also turns off reuse inside each worker. The
@@ -235,7 +263,8 @@ class Topology:
         every worker is an expert-parallel group of `ep` ranks, each group rendezvousing on a free
         127.0.0.1 port (free when chosen: another program may take it before the group starts); groups
         cannot use a cache daemon yet, so there is none. `redundant_experts` goes to every worker; with
-        `balancer` the mesh runs an expert balancer with those settings."""
+        `balancer` the mesh runs an expert balancer with those settings. With `http` ("HOST:PORT") one HTTP
+        gateway, "gateway-0", listens there."""
         kvcache = kvcache and ep == 1
         if transport == "inproc":
             if ep != 1:
@@ -268,8 +297,9 @@ class Topology:
             workers = [dataclasses.replace(w, ep=ep, ep_master=m) for w, m in zip(workers, masters)]
         tokenizers = tuple(TokenizerSpec(f"tokenizer-{i}", endpoint(f"tokenizer-{i}-detok"))
                            for i in range(num_tokenizers))
+        gateways = (GatewaySpec("gateway-0", http),) if http is not None else ()
         return cls(model, endpoint("router-frontend"), endpoint("router-backend"), tokenizers, tuple(workers),
-                   kvcaches=daemons, block_size=block_size, balancer=balancer)
+                   kvcaches=daemons, block_size=block_size, balancer=balancer, gateways=gateways)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Topology:
@@ -293,6 +323,8 @@ class Topology:
             lines += toml_table("worker", w, array=True)
         for k in self.kvcaches:
             lines += toml_table("kvcache", k, array=True)
+        for g in self.gateways:
+            lines += toml_table("gateway", g, array=True)
         if self.balancer is not None:
             lines += toml_table("balancer", self.balancer)
         if self.security is not None:
@@ -347,6 +379,7 @@ def _from_document(data: dict[str, Any], base: Path) -> Topology:
         workers=_entries(WorkerSpec, data, "worker"),
         router=_within("router", lambda: from_table(RouterConfig, options, refused=ROUTER_DERIVED)),
         kvcaches=_entries(KvCacheSpec, data, "kvcache"),
+        gateways=_entries(GatewaySpec, data, "gateway"),
         block_size=data.get("block_size", DEFAULT_BLOCK_SIZE),
         security=None if "security" not in data else _within("security", lambda: _security(data["security"], base)),
         balancer=None if "balancer" not in data else _within("balancer", lambda: from_table(BalancerConfig,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -311,3 +312,89 @@ def test_up_inproc_serves_on_an_ipc_front(smollm2_path, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+# -- the HTTP gateway role -------------------------------------------------------------------------------------
+
+
+def test_systemd_units_of_a_gateway_and_every_unit_shares_the_metrics_dir(tmp_path):
+    topo = Topology.local("smollm2", "ipc", tmp_path, http="0.0.0.0:8000")
+    path = tmp_path / "topology.toml"
+    path.write_text(topo.to_toml())
+    files = unit_files(path, topo, launcher="/usr/bin/deepinfer-launch")
+    gateway = files["deepinfer-gateway@.service"]
+    assert "service gateway --topology" in gateway and "--name %i" in gateway
+    assert "After=network-online.target deepinfer-router@router.service" in gateway
+    assert "deepinfer-gateway@gateway-0.service" in files["deepinfer.target"]
+    assert "PrivateDevices=yes" in gateway  # it needs no device
+    for name, text in files.items():
+        if name.endswith(".service"):
+            assert_hardened(text)
+            assert "PROMETHEUS_MULTIPROC_DIR=/run/deepinfer/metrics" in unit_settings(text)["Environment"]
+    assert "deepinfer-gateway@.service" not in unit_files(path, Topology.local("smollm2", "ipc", tmp_path))
+
+
+def test_keys_give_every_gateway_a_tenant_key(tmp_path):
+    from deepinfer.launch.keys import gateway_client_keys, make_keys
+    from deepinfer.launch.topology import SecuritySpec
+
+    topo = Topology.local("smollm2", "ipc", tmp_path, http="127.0.0.1:8000")
+    make_keys(tmp_path / "keys", topo)
+    allowed = (tmp_path / "keys" / "clients" / "allowed").read_text()
+    assert (tmp_path / "keys" / "clients" / "gateway-0.key_secret").exists() and "gateway-0" in allowed
+    assert gateway_client_keys(topo, "gateway-0") == {}  # no [security]: nothing to present
+    secured = dataclasses.replace(topo, frontend="tcp://127.0.0.1:5550", security=SecuritySpec(str(tmp_path / "keys")))
+    keys = gateway_client_keys(secured, "gateway-0")
+    assert keys["curve_keys"].public.decode() in allowed and keys["server_key"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["up", "--http", "8000"], "Invalid value for '--http': must be host:port"),
+    (["up", "--http", "127.0.0.1:8000", "--inproc"], "drop --inproc"),
+    (["up", "--topology", "{topology}", "--http", "127.0.0.1:8000"], "add a [[gateway]] table"),
+    (["service", "gateway", "--topology", "{topology}", "--name", "nope"], "no gateway named 'nope'"),
+])
+def test_bad_gateway_options_fail_before_anything_starts(tmp_path, args, message):
+    topology = tmp_path / "t.toml"
+    topology.write_text(Topology.local("smollm2", "ipc", tmp_path).to_toml())
+    res = subprocess.run([sys.executable, "-m", "deepinfer.launch.cli", *(a.format(topology=topology) for a in args)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+@pytest.mark.smollm2
+def test_up_with_http_serves_the_openai_sdk(smollm2_path, tmp_path):
+    import httpx
+    import openai
+
+    from deepinfer.launch.topology import free_local_ports
+
+    port = free_local_ports(1)[0]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deepinfer.launch.cli", "up", "--model", str(smollm2_path), "--threads", "1",
+         "--kv-cache-mb", "64", "--run-dir", str(tmp_path), "--colocated", "--no-kvcache",
+         "--http", f"127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "ready" in proc.stdout.readline()
+        assert proc.stdout.readline().strip() == f"ipc://{tmp_path}/router-frontend.sock"
+        url = proc.stdout.readline().strip().rpartition(" ")[2]
+        assert url == f"http://127.0.0.1:{port}/v1"
+        sdk = openai.OpenAI(base_url=url, api_key="EMPTY", max_retries=0, timeout=120)
+        r = sdk.chat.completions.create(model=str(smollm2_path), max_tokens=12, temperature=0,
+                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content
+        assert [m.id for m in sdk.models.list()] == [str(smollm2_path)]
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'deepinfer_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+        children = subprocess.run(["pgrep", "-f", "--", f"--topology {tmp_path}/topology.toml"], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) == 4  # router, tokenizer, worker, gateway
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    assert code == 0
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", "--", f"--topology {tmp_path}/topology.toml"], capture_output=True, text=True)
+    assert left.stdout.split() == []
+    assert (tmp_path / "gateway-0.log").exists()

@@ -16,6 +16,7 @@ from deepinfer.launch.cli import mesh_options
 from deepinfer.launch.topology import (
     ROUTER_DERIVED,
     BalancerConfig,
+    GatewaySpec,
     KvCacheSpec,
     RouterConfig,
     SecuritySpec,
@@ -218,10 +219,11 @@ def every_field(tmp_path: Path) -> Topology:
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, move_timeout_s=9.0)
+    gateway: dict[str, Any] = dict(served_model_name="my model")
     # (kvcache is exercised on prefill-0: a worker group cannot use a cache daemon yet)
     sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv", "kvcache"}),
                 (KvCacheSpec, kvcache, {"name", "endpoint"}), (SecuritySpec, security, {"keys_dir"}),
-                (BalancerConfig, balancer, set()))
+                (BalancerConfig, balancer, set()), (GatewaySpec, gateway, {"name", "listen"}))
     for cls, values, elsewhere in sections:  # `elsewhere`: required (given below) or derived
         fields = {f.name: f for f in dataclasses.fields(cls)}
         assert set(values) == set(fields) - elsewhere, cls  # every other field is exercised
@@ -236,6 +238,7 @@ def every_field(tmp_path: Path) -> Topology:
         block_size=32,
         security=SecuritySpec(str(tmp_path / "keys"), **security),
         balancer=BalancerConfig(**balancer),
+        gateways=(GatewaySpec("gw-0", "10.0.0.8:8000", **gateway), GatewaySpec("gw-1", "10.0.0.9:8000")),
     )
 
 
@@ -338,3 +341,42 @@ def test_local_topologies_give_each_group_a_free_loopback_port(tmp_path):
     assert all(w.ep == 1 and w.ep_master == "" for w in Topology.local("smollm2", "ipc", tmp_path).workers)
     with pytest.raises(TopologyError, match="needs a process per rank"):
         Topology.local("smollm2", "inproc", ep=2)
+
+
+# -- HTTP gateways ---------------------------------------------------------------------------------------------
+
+GATEWAY = '\n[[gateway]]\nname = "gw"\nlisten = "0.0.0.0:8000"\n'
+
+
+def test_a_gateway_table_reads_back_and_local_topologies_add_one(tmp_path):
+    topo = load(tmp_path, MINIMAL + GATEWAY)
+    assert topo.gateway("gw") == GatewaySpec("gw", "0.0.0.0:8000") and topo.gateway("gw").served_model_name is None
+    assert load(tmp_path, topo.to_toml()) == topo
+    local = Topology.local("smollm2", "ipc", tmp_path, http="127.0.0.1:8080")
+    assert local.gateways == (GatewaySpec("gateway-0", "127.0.0.1:8080"),)
+    assert load(tmp_path, local.to_toml()) == local
+    assert Topology.local("smollm2", "ipc", tmp_path).gateways == ()
+    with pytest.raises(TopologyError, match="no gateway named 'nope'"):
+        topo.gateway("nope")
+
+
+@pytest.mark.parametrize("extra, match", [
+    ('\n[[gateway]]\nname = "gw"\nlisten = "http://0.0.0.0:8000"\n', "gateway gw: listen = 'http://0.0.0.0:8000': "
+                                                                         "must be host:port, without a scheme"),
+    ('\n[[gateway]]\nname = "gw"\nlisten = "0.0.0.0"\n', "gateway gw: listen = '0.0.0.0': must be host:port"),
+    ('\n[[gateway]]\nname = "gw"\n', "gateway gw: missing key 'listen'"),
+    ('\n[[gateway]]\nname = "gw"\nlisten = "h:1"\nport = 3\n', "gateway gw: unknown key 'port'"),
+    (GATEWAY.replace('"gw"', '"w"'), "service names must be unique"),
+    (GATEWAY + GATEWAY.replace('"gw"', '"gw2"'), "gateway gw2: listen = '0.0.0.0:8000' is also the gateway gw listen"),
+    (GATEWAY.replace("0.0.0.0:8000", "10.0.0.1:5550"), "gateway gw: listen = '10.0.0.1:5550' is also the router "
+                                                      "frontend"),
+])
+def test_bad_gateway_tables_are_refused_naming_the_key(tmp_path, extra, match):
+    with pytest.raises(TopologyError, match=match):
+        load(tmp_path, MINIMAL + extra)
+
+
+def test_two_gateways_may_share_a_port_on_different_hosts(tmp_path):
+    topo = load(tmp_path, MINIMAL + GATEWAY.replace("0.0.0.0", "10.0.0.5")
+                + GATEWAY.replace('"gw"', '"gw2"').replace("0.0.0.0", "10.0.0.6"))
+    assert [g.name for g in topo.gateways] == ["gw", "gw2"]
