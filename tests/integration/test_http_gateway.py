@@ -271,3 +271,73 @@ def test_metrics_count_requests(served):
     httpx.get(gw.url + "/v1/models")
     text = httpx.get(gw.url + "/metrics").text
     assert 'deepinfer_http_requests_total{endpoint="/v1/models",status="200"}' in text
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_path):
+    from deepinfer.engine.weights import load_model_weights
+    from tests.engine.oracle import hf_model_from_loaded
+
+    loaded = load_model_weights(smollm2_path)
+    return hf_model_from_loaded(loaded.config, loaded.state_dict)
+
+
+def test_loglikelihood_equals_transformers(sdk, served, hf_smollm2):
+    """What lm-evaluation-harness's loglikelihood asks (echo, logprobs, max_tokens 0, token id prompts in a
+    batch): every prompt token's logprob equals transformers' log_softmax within 1e-3."""
+    import torch
+
+    texts = ["The capital of France is Paris.", "Rivers run to the sea, and the sea is never full."]
+    prompts = [httpx.post(served[1].url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    r = sdk.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    for ids, choice in zip(prompts, r.choices, strict=True):
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), dim=-1)
+        expect = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(expect, abs=1e-3)
+        best = [float(ref[i - 1].max()) for i in range(1, len(ids))]
+        assert [max(top.values()) for top in lp.top_logprobs[1:]] == pytest.approx(best, abs=1e-3)
+
+
+def test_tenants_limits_and_a_lost_router_map_to_the_sdk_s_errors(smollm2_path, tmp_path):
+    """401 for a key the router does not know (it requires one), 429 with Retry-After past a tenant's in-flight
+    cap, 503 once the router is gone (and /ready says so)."""
+    from deepinfer.services.router_state import RouterConfig
+
+    topo = Topology.local(str(smollm2_path), "inproc", disaggregated=False, threads=1, kv_cache_mb=64, kvcache=False)
+    router = RouterConfig(tenants={"key-a": "salt-a"}, require_api_key=True, max_inflight_per_tenant={"key-a": 1},
+                          retry_after_s=2.5)
+    topo = dataclasses.replace(topo, frontend=f"ipc://{tmp_path}/router-frontend.sock", router=router)
+    mesh, gateway = BackgroundMesh(topo), BackgroundGateway(load_gateway(str(smollm2_path), topo.frontend, MODEL))
+    mesh.start()
+    gateway.start()
+    try:
+        gateway.wait_ready()
+        url = gateway.url + "/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="nope", max_retries=0).completions.create(model=MODEL, prompt="hi")
+        tenant = openai.OpenAI(base_url=url, api_key="key-a", max_retries=0, timeout=120)
+        assert tenant.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+        long = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/completions", json=long, headers={"Authorization": "Bearer key-a"},
+                          timeout=60) as first:
+            assert first.status_code == 200
+            with pytest.raises(openai.RateLimitError) as e:
+                tenant.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert e.value.response.headers["retry-after"] == "3"
+        settle(mesh)
+    finally:
+        mesh.stop()
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(gateway.url + "/ready").status_code != 503:
+            assert time.monotonic() < deadline, "the gateway still says ready without a router"
+            time.sleep(0.1)
+        with pytest.raises(openai.InternalServerError) as e:
+            tenant.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        gateway.stop()
