@@ -599,6 +599,33 @@ def systemd(topology: Path, out: Path, user: str) -> None:
 
 
 @main.command()
+@click.option("--listen", default="0.0.0.0:9400", show_default=True, callback=_check_listen, metavar="HOST:PORT")
+@click.option("--dir", "directory", type=click.Path(path_type=Path), default=None,
+              help="The host's metrics directory, where the services write their samples (default: "
+                   "$PROMETHEUS_MULTIPROC_DIR; systemd units use /run/deepinfer/metrics).")
+def metrics(listen: str, directory: Path | None) -> None:
+    """Serve GET /metrics for a host that runs services but no HTTP gateway (a gateway serves the same text),
+    until SIGINT/SIGTERM."""
+    import os
+    import threading
+
+    from deepinfer.launch.specs import split_host_port
+    from deepinfer.metrics import MULTIPROC_ENV, serve
+
+    if directory is not None:
+        os.environ[MULTIPROC_ENV] = str(directory)
+    if not os.environ.get(MULTIPROC_ENV):
+        raise click.UsageError(f"give --dir (or set {MULTIPROC_ENV}): the directory the services write to")
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with serve(*split_host_port(listen)) as server:
+        click.echo(f"metrics on http://{listen.rpartition(':')[0]}:{server.port}/metrics")
+        sys.stdout.flush()
+        stop.wait()
+
+
+@main.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--topology", type=click.Path(exists=True, path_type=Path), required=True)
 def keys(directory: Path, topology: Path) -> None:

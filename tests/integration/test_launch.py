@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import signal
 import subprocess
@@ -398,3 +399,23 @@ def test_up_with_http_serves_the_openai_sdk(smollm2_path, tmp_path):
     left = subprocess.run(["pgrep", "-f", "--", f"--topology {tmp_path}/topology.toml"], capture_output=True, text=True)
     assert left.stdout.split() == []
     assert (tmp_path / "gateway-0.log").exists()
+
+
+def test_the_standalone_metrics_exporter_serves_the_host_s_samples(tmp_path):
+    import httpx
+
+    from deepinfer.launch.topology import free_local_ports
+
+    port = free_local_ports(1)[0]
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    writer = ("from deepinfer.metrics import record_http_request; record_http_request('/v1/models', 200, 0.01)")
+    subprocess.run([sys.executable, "-c", writer], env=env, check=True, timeout=120)  # a process that exited
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", "metrics", "--listen", f"127.0.0.1:{port}",
+                             "--dir", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == f"metrics on http://127.0.0.1:{port}/metrics"
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'deepinfer_http_requests_total{endpoint="/v1/models",status="200"} 1.0' in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
