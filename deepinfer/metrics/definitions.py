@@ -72,8 +72,10 @@ PREFIX_CACHE_HITS = Counter(
 
 # --- the router ---------------------------------------------------------------------------------------------
 
-ROUTER_INFLIGHT = Gauge("deepinfer_router_requests_inflight", "Requests admitted and not ended yet.", WHO,
-                        multiprocess_mode="livesum")
+ROUTER_INFLIGHT = Gauge(
+    "deepinfer_router_requests_inflight",
+    "Requests admitted and not ended yet, by phase: tokenizing, parked (waiting for a live worker), prefilling, "
+    "decoding, finishing.", (*WHO, "phase"), multiprocess_mode="livesum")
 ROUTER_EVENTS = Counter(
     "deepinfer_router_events",
     "Router events by kind: admitted, retries, moves, stale, kv_events, resyncs, forged, malformed.",

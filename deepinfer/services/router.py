@@ -382,7 +382,9 @@ class RouterService(BaseService):
         events = {"admitted": metrics.admitted, "retries": metrics.retries, "moves": metrics.moves,
                   "stale": metrics.stale, "kv_events": metrics.kv_events, "resyncs": metrics.resyncs,
                   "forged": self.forged, "malformed": self.malformed}
-        self.export.state(self.core.num_inflight, len(self._backlog), events, self.core.table.instances.values())
+        # The core keeps no count by phase: its requests are read here (a few thousand at most, twice a second).
+        phases = (st.phase.value for st in self.core._reqs.values())
+        self.export.state(phases, len(self._backlog), events, self.core.table.instances.values())
 
     def _log_state(self) -> None:
         """One line per period: what an operator (or bench/soak.py) watches for leaks and stalls."""

@@ -66,8 +66,11 @@ def test_a_mesh_exports_its_requests_pool_cache_and_handoffs(smollm2_path):
                 acked = total(after, "deepinfer_kv_transfer_seconds_count", path="handoff_send") - total(
                     before, "deepinfer_kv_transfer_seconds_count", path="handoff_send")
                 handoffs = mesh.service("prefill-0").engine.stats.handoffs_out
+                step_count = "deepinfer_worker_step_duration_seconds_count"
+                steps = [total(after, step_count, instance=w) - total(before, step_count, instance=w)
+                         for w in ("prefill-0", "decode-0")]
                 if total(after, "deepinfer_kv_blocks_free", instance="decode-0") and total(
-                        after, "deepinfer_cache_tier_capacity_bytes", tier="host") and acked == handoffs:
+                        after, "deepinfer_cache_tier_capacity_bytes", tier="host") and acked == handoffs and all(steps):
                     break
                 await asyncio.sleep(0.05)
         finally:

@@ -125,16 +125,18 @@ def test_router_state_and_expert_load():
         def __init__(self, role: str, alive: bool) -> None:
             self.role, self.alive = role, alive
 
-    export.state(3, 1, {"admitted": 5, "moves": 1}, [Member("worker", True), Member("worker", False),
-                                                      Member("tokenizer", True), Member("mystery", True)])
-    export.state(2, 0, {"admitted": 9, "moves": 1}, [Member("worker", True)])
+    members = [Member("worker", True), Member("worker", False), Member("tokenizer", True), Member("mystery", True)]
+    export.state(["parked", "decoding", "decoding"], 1, {"admitted": 5, "moves": 1}, members)
+    export.state(["decoding", "prefilling"], 0, {"admitted": 9, "moves": 1}, [Member("worker", True)])
     load = m.ExpertLoad("g0", placement_version=4, period_s=5.0, rank_tokens=[10, 30],
                         rank_expert_tokens=[[1, 3], [2, 2]])
     export.expert_load("g0", load, 1.25)
     export.expert_load("g0", load, 1.5)
     body, _ = metrics.exposition()
     who = {"service": "router", "instance": "r-state"}
-    assert value(body, "deepinfer_router_requests_inflight", **who) == 2
+    assert value(body, "deepinfer_router_requests_inflight", **who, phase="decoding") == 1
+    assert value(body, "deepinfer_router_requests_inflight", **who, phase="prefilling") == 1
+    assert value(body, "deepinfer_router_requests_inflight", **who, phase="parked") == 0
     assert value(body, "deepinfer_router_events_total", **who, event="admitted") == 9
     assert value(body, "deepinfer_router_events_total", **who, event="moves") == 1
     assert value(body, "deepinfer_router_live_instances", **who, role="worker") == 1
@@ -148,6 +150,7 @@ def test_router_state_and_expert_load():
 def test_worker_steps_transfers_and_cache_tiers():
     w = WorkerExport("prefill", "w-steps")
     w.steps.step(0.02, 3, 40)
+    w.steps.flush()
     w.handoff_sent("a", 4096)
     w.handoff_acked("a")
     w.handoff_acked("never-sent")  # no observation

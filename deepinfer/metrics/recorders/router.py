@@ -16,6 +16,7 @@ ERROR_CODES = ("overloaded", "unauthorized", "unavailable", "invalid_request", "
                "timeout", "internal")
 TIERS = ("device", "host", "disk")
 ROLES = ("tokenizer", "worker", "prefill", "decode", "kvcache", "balancer")
+PHASES = ("tokenizing", "parked", "prefilling", "decoding", "finishing")
 EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed")
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
 MAX_RANKS = 256
@@ -42,7 +43,7 @@ class RouterExport:
         self.hits = {t: bind(d.PREFIX_CACHE_HITS, *who, t) for t in (*TIERS, "other")}
         self.success = {r: bind(d.REQUEST_SUCCESS, *who, r) for r in (*FINISH_REASONS, "other")}
         self.errors = {c: bind(d.REQUEST_ERRORS, *who, c) for c in (*ERROR_CODES, "other")}
-        self.inflight = bind(d.ROUTER_INFLIGHT, *who)
+        self.inflight = {p: bind(d.ROUTER_INFLIGHT, *who, p) for p in (*PHASES, "other")}
         self.slow_clients = bind(d.ROUTER_SLOW_CLIENTS, *who)
         self.live = {r: bind(d.MESH_LIVE_INSTANCES, *who, r) for r in (*ROLES, "other")}
         self.events = TotalsFeed(lambda e: bind(d.ROUTER_EVENTS, *who, e) if e in EVENTS else None)
@@ -78,10 +79,14 @@ class RouterExport:
 
     # -- periodic ---------------------------------------------------------------------------------------
 
-    def state(self, inflight: int, slow_clients: int, events: dict[str, int], members: Iterable[Any]) -> None:
-        """The router's gauges and counters now: in flight, slow clients, its event totals (monotonic), and
-        its members (objects with `role` and `alive`)."""
-        self.inflight.set(inflight)
+    def state(self, phases: Iterable[str], slow_clients: int, events: dict[str, int], members: Iterable[Any]) -> None:
+        """The router's gauges and counters now: the phase of each request in flight, slow clients, its event
+        totals (monotonic), and its members (objects with `role` and `alive`)."""
+        inflight = dict.fromkeys(self.inflight, 0)
+        for phase in phases:
+            inflight[_known(phase, PHASES)] += 1
+        for phase, n in inflight.items():
+            self.inflight[phase].set(n)
         self.slow_clients.set(slow_clients)
         self.events.update(events)
         live = dict.fromkeys(self.live, 0)

@@ -1,31 +1,48 @@
-"""What a worker records beyond its heartbeat: each engine step (on the engine thread), the KV it moves
-(the P/D handoff, the cache daemon's prefixes) and preemptions. Steps cost three histogram observations."""
+"""What a worker records beyond its heartbeat: each engine step, the KV it moves (the P/D handoff, the
+cache daemon's prefixes) and preemptions.
+
+A step only appends a tuple to a queue on the engine thread (well under a microsecond); the histograms
+are fed from it at heartbeat rate on the event loop (`flush`), off the step's path: three observations
+cost tens of microseconds, a measurable share of a small model's decode step."""
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from deepinfer.metrics import definitions as d
 from deepinfer.metrics.bind import TotalsFeed, bind
 
+MAX_STEPS_QUEUED = 65536  # steps not yet flushed; past this the oldest are dropped (heartbeats stalled)
 MAX_HANDOFFS_TIMED = 4096  # handoffs awaiting their KvAck; past this the oldest go untimed (bounded memory)
 PATHS = ("handoff_send", "handoff_recv", "cache_fetch", "cache_store")
 
 
 class StepMetrics:
-    """One engine's steps: wall time, requests given tokens, tokens computed. Called on the engine thread."""
+    """One engine's steps: wall time, requests given tokens, tokens computed. `step` is called on the
+    engine thread, `flush` on the event loop (deque appends and pops are atomic: no lock)."""
 
     def __init__(self, service: str, instance: str) -> None:
         who = (service, instance)
         self._duration = bind(d.STEP_DURATION, *who)
         self._batch = bind(d.STEP_BATCH_SIZE, *who)
         self._tokens = bind(d.STEP_TOKENS, *who)
+        self._queued: deque[tuple[float, int, int]] = deque(maxlen=MAX_STEPS_QUEUED)
 
     def step(self, seconds: float, batch: int, tokens: int) -> None:
-        self._duration.observe(seconds)
-        self._batch.observe(batch)
-        self._tokens.observe(tokens)
+        self._queued.append((seconds, batch, tokens))
+
+    def flush(self) -> None:
+        """Observe every step queued since the last flush."""
+        queued = self._queued
+        while queued:
+            try:
+                seconds, batch, tokens = queued.popleft()
+            except IndexError:
+                return
+            self._duration.observe(seconds)
+            self._batch.observe(batch)
+            self._tokens.observe(tokens)
 
 
 class WorkerExport:
@@ -69,5 +86,7 @@ class WorkerExport:
         self._seconds["cache_fetch"].observe(seconds)
 
     def totals(self, preemptions: int, fetched_bytes: int, stored_bytes: int) -> None:
-        """Monotonic totals of the engine and the cache client, at heartbeat rate."""
+        """At heartbeat rate: the steps queued since the last call, and the monotonic totals of the engine
+        and the cache client."""
+        self.steps.flush()
         self._totals.update({"preemptions": preemptions, "cache_fetch": fetched_bytes, "cache_store": stored_bytes})
