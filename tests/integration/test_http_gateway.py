@@ -201,6 +201,11 @@ def test_n_samples_with_a_seed_are_reproducible(sdk):
     a, b = sdk.completions.create(**kw), sdk.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    streamed = ["", ""]
+    for chunk in sdk.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in a.choices]
     single = sdk.completions.create(**{**kw, "n": 1})
     assert single.choices[0].text == a.choices[0].text  # choice 0 uses the seed itself, choice 1 seed + 1
     batch = sdk.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], max_tokens=4, temperature=0, n=2)
