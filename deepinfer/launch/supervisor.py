@@ -8,8 +8,9 @@ OpenMP threads spin while waiting, and oversubscribed they slow matmuls by order
 router, tokenizers, cache daemons, the expert balancer and HTTP gateways get one.
 
 Metrics: children inherit the supervisor's environment, `PROMETHEUS_MULTIPROC_DIR` included (`up` sets it to
-`<run dir>/metrics`, emptied first), so every process of the host writes its samples there and a gateway's
-GET /metrics aggregates them; when a child exits its live gauges are dropped (`metrics.process_exited`).
+`<log dir>/metrics`, the run directory's by default, emptied first), so every process of the host writes its
+samples there and a gateway's GET /metrics aggregates them; when a child exits its live gauges are dropped
+(`metrics.process_exited`).
 
 Children live in groups that die and restart together. A service is a group of one; an expert-parallel
 worker (`ep = N`) is a group of N ranks: child NAME is rank 0 (started as any worker is), children
