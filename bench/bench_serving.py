@@ -144,15 +144,15 @@ class ZmqPath:
         from deepinfer import AsyncClient
 
         self.client = AsyncClient(endpoint, api_key=api_key)
-        self.connected = False
+
+    async def connect(self) -> None:
+        """Before the first request (once: concurrent connects would race for the router's welcome)."""
+        await self.client.connect()
 
     async def send(self, req: ServingRequest, rec: RequestRecord) -> None:
         from deepinfer import MeshError
         from deepinfer.protocol import messages as m
 
-        if not self.connected:
-            await self.client.connect()
-            self.connected = True
         kw: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True}
         if req.prompt is not None:
             kw["prompt"] = req.prompt
@@ -409,7 +409,9 @@ async def bench(args: argparse.Namespace, url: str, frontend: str | None) -> lis
     pool = max([c for _, _, c in scenarios if c] + [args.num_prompts])
     paths: list[HttpPath | ZmqPath] = [HttpPath(url, served_model(url, args.model), pool, args.api, args.api_key)]
     if frontend and not args.no_zmq:
-        paths.append(ZmqPath(frontend, args.api_key))
+        zmq_path = ZmqPath(frontend, args.api_key)
+        await zmq_path.connect()
+        paths.append(zmq_path)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     out = []
     try:
