@@ -83,7 +83,8 @@ def evaluate(model: str, model_args: dict[str, Any] | str | Any, task_dir: Path,
     out = lm_eval.simple_evaluate(**kwargs)
     wall = time.perf_counter() - start
     metrics = {k.replace(",none", ""): v for k, v in out["results"][TASK].items() if k != "alias"}
-    return {"metrics": metrics, "samples": out.get("n-samples", {}).get(TASK), "wall_s": wall}
+    samples = out.get("n-samples", {}).get(TASK) or {}
+    return {"metrics": metrics, "samples": samples.get("effective", samples), "wall_s": wall}
 
 
 def http_model_args(url: str, model: str, tokenizer: Path, concurrent: int) -> dict[str, Any]:
