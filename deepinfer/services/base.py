@@ -358,7 +358,10 @@ class Service(BaseService):
         beat = m.Heartbeat(service=self.role, instance=self.instance, incarnation=self.incarnation, seq=self._seq,
                            progress=self.progress, draining=self.draining, sent_time=time.time(),
                            **self.heartbeat_fields())
-        self.record_metrics(beat)
+        try:
+            self.record_metrics(beat)
+        except Exception:  # metrics never take a service down
+            self.log.exception("recording metrics failed")
         if timeout_s is None:
             await self.send_router(beat)
         else:

@@ -178,13 +178,19 @@ class RouterService(BaseService):
         """Never waits on a peer (NOBLOCK): one slow reader must not hold up the mesh."""
         for o in outbound:
             if o.to_client:
-                self.export.to_client(o.msg)
+                self._record_to_client(o.msg)
                 await self._to_client(o.dest, o.msg)  # type: ignore[arg-type]
             else:
                 try:
                     await asend_msg(self.backend, o.msg, o.dest.encode(), flags=zmq.NOBLOCK)
                 except zmq.ZMQError as exc:  # liveness (missed heartbeats) will fail its requests
                     self.log.warning("service unreachable", dest=o.dest, error=str(exc) or "queue full")
+
+    def _record_to_client(self, msg: Any) -> None:
+        try:
+            self.export.to_client(msg)
+        except Exception:  # a metric never keeps a message from its client
+            self.log.exception("recording metrics failed")
 
     async def _to_client(self, client: bytes, msg: Any) -> None:
         """A client whose queue is full reads too slowly: its requests end now with an explicit error, kept
@@ -372,7 +378,10 @@ class RouterService(BaseService):
             await self._flush_backlogs()
             ticks += 1
             if ticks % METRICS_EVERY_TICKS == 0:
-                self._record_state()
+                try:
+                    self._record_state()
+                except Exception:  # metrics never take the router down
+                    self.log.exception("recording metrics failed")
             if self._now() - logged >= STATE_LOG_S:
                 logged = self._now()
                 self._log_state()
@@ -383,7 +392,9 @@ class RouterService(BaseService):
                   "stale": metrics.stale, "kv_events": metrics.kv_events, "resyncs": metrics.resyncs,
                   "forged": self.forged, "malformed": self.malformed}
         # The core keeps no count by phase: its requests are read here (a few thousand at most, twice a second).
-        phases = (st.phase.value for st in self.core._reqs.values())
+        reqs = getattr(self.core, "_reqs", None)
+        phases = ([st.phase.value for st in reqs.values()] if isinstance(reqs, dict)
+                  else ["other"] * self.core.num_inflight)
         self.export.state(phases, len(self._backlog), events, self.core.table.instances.values())
 
     def _log_state(self) -> None:
