@@ -419,3 +419,33 @@ def test_the_standalone_metrics_exporter_serves_the_host_s_samples(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.smollm2
+def test_a_gateway_reaches_a_secured_router_with_its_own_tenant_key(smollm2_path, tmp_path):
+    """`keys` gives the [[gateway]] its tenant key pair; `up --topology` with [security] runs it, and the openai
+    SDK is served through it over CURVE (the router's front takes listed keys only)."""
+    import openai
+
+    from deepinfer.launch.topology import GatewaySpec, free_local_ports
+    from tests.integration.test_auth import tcp_topology
+
+    keys, port = tmp_path / "keys", free_local_ports(1)[0]
+    topo = dataclasses.replace(tcp_topology(str(smollm2_path), keys),
+                               gateways=(GatewaySpec("gw", f"127.0.0.1:{port}", served_model_name="smol"),))
+    path = tmp_path / "mesh.toml"
+    path.write_text(topo.to_toml())
+    cli = [sys.executable, "-m", "deepinfer.launch.cli"]
+    assert subprocess.run([*cli, "keys", str(keys), "--topology", str(path)], capture_output=True).returncode == 0
+    up = subprocess.Popen([*cli, "up", "--topology", str(path), "--run-dir", str(tmp_path / "run")],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "ready" in up.stdout.readline()  # the gateway's /ready included: it holds a CURVE connection
+        assert up.stdout.readline().strip() == topo.frontend
+        assert up.stdout.readline().strip().endswith(f"http://127.0.0.1:{port}/v1")
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0, timeout=120)
+        r = sdk.completions.create(model="smol", prompt="The capital of France is", max_tokens=6, temperature=0)
+        assert r.usage.completion_tokens == 6
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=120) == 0
