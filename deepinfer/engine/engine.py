@@ -71,7 +71,7 @@ from deepinfer.engine.handoff import (
 )
 from deepinfer.engine.identity import cache_namespace
 from deepinfer.engine.kv_spec import KvSpec
-from deepinfer.engine.model_runner import ModelRunner, num_blocks_for_budget
+from deepinfer.engine.model_runner import ModelRunner, PromptRows, num_blocks_for_budget
 from deepinfer.engine.models import build_model
 from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.prefix_cache import DevicePrefixCache
@@ -85,7 +85,7 @@ from deepinfer.engine.request import (
     SamplingParams,
     Usage,
 )
-from deepinfer.engine.sampler import Sampler, make_generator
+from deepinfer.engine.sampler import Sampler, make_generator, token_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from deepinfer.engine.spec.base import parse_speculative
 from deepinfer.engine.spec.speculator import Speculator, build_proposer
@@ -409,6 +409,9 @@ class LLMEngine:
 
         req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
                       hasher=self.prefix_cache.new_hasher(cache_salt), tenant=cache_salt)
+        # Its prompt logprobs (if asked) came with the prefill engine's handoff output: none are computed
+        # here, and a preempted request may take cached prefix blocks like any other.
+        req.prompt_logprobs, req.prompt_logprobs_done, req.prompt_logprobs_sent = None, True, True
         req.block_ids = blocks[:keep]
         req.num_computed_tokens = num_kv
         req.output_token_ids.extend(resumed)
@@ -461,9 +464,11 @@ class LLMEngine:
             if spec is not None:
                 spec.draft(sched)
             started = time.perf_counter()
-            sampled, logits = self._forward(sched)
+            sampled, logits, prompt_rows = self._forward(sched)
             # The model returns inference tensors, which the sampler's penalties update in place.
             with torch.inference_mode():
+                for part in prompt_rows:
+                    self._collect_prompt_logprobs(part)
                 results = verify(self.sampler, logits, [self._verify_group(c) for c in sampled])
             if spec is not None:
                 spec.record_step(sched.num_batched_tokens, time.perf_counter() - started)
@@ -498,7 +503,7 @@ class LLMEngine:
             outputs.append(self._output(req, new_tokens))
         return outputs
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
+    def _forward(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
         """The step's one forward. Under expert parallelism any failure in it is the group's: the other
         ranks are inside (or past) collectives this rank will not join, so the engine stops for good."""
         if self.ep_group is None:
@@ -506,7 +511,7 @@ class LLMEngine:
         try:
             if sched.is_empty:
                 self.runner.execute_empty()
-                return [], torch.zeros(0, self.model_config.vocab_size)
+                return [], torch.zeros(0, self.model_config.vocab_size), []
             return self.runner.execute(sched)
         except Exception as exc:
             self._ep_failure = ExpertParallelError(f"{type(exc).__name__}: {exc}")
@@ -564,6 +569,22 @@ class LLMEngine:
         if self._ep_moves is None:
             raise PlacementRefused("this engine is not a rank of an expert-parallel group")
         return self._ep_moves
+
+    def _collect_prompt_logprobs(self, part: PromptRows) -> None:
+        """Keep, from one chunk's logits at prompt positions, each next prompt token's raw logprob and the
+        top alternatives: the chunk's log-softmax is dropped right after (never a [prompt, vocab] matrix
+        across chunks). Entries are written by position, so a prompt recomputed after a preemption
+        rewrites the same values."""
+        req = part.chunk.request
+        lps = req.prompt_logprobs
+        assert lps is not None
+        start, m = part.chunk.start, part.logits.shape[0]
+        targets = req.prompt_token_ids[start + 1 : start + 1 + m]
+        num_top = req.params.prompt_logprobs or 0
+        for j, lp in enumerate(token_logprobs(part.logits.float().log_softmax(dim=-1), targets, [num_top] * m)):
+            lps[start + 1 + j] = lp
+        if start + 1 + m >= len(req.prompt_token_ids):
+            req.prompt_logprobs_done = True
 
     def _verify_group(self, chunk: ScheduledChunk) -> VerifyGroup:
         r = chunk.request
@@ -636,6 +657,12 @@ class LLMEngine:
         if finished and req.request_id in self._texts:
             detok, pieces = self._texts.pop(req.request_id)
             text = "".join(pieces) + detok.flush().text
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and req.prompt_logprobs_done and (
+                finished or (new_tokens and not req.prompt_logprobs_sent)):
+            prompt_logprobs = list(req.prompt_logprobs)
+            req.prompt_logprobs_sent = req.prompt_logprobs_sent or bool(new_tokens)
+        wants_logprobs = req.params.logprobs is not None
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_tokens,
@@ -644,11 +671,14 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             usage=Usage(len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens,
                         dict(req.cached_by_tier), req.spec_proposed_tokens, req.spec_accepted_tokens),
-            logprobs=list(req.output_logprobs) if finished and req.params.logprobs is not None else None,
+            logprobs=list(req.output_logprobs) if finished and wants_logprobs else None,
             error=req.error,
             text=text,
             handoff=handoff,
             block_hashes=self._computed_block_hashes(req) if finished else [],
+            # Every token this engine committed appended its logprob: the last len(new_tokens) are theirs.
+            new_logprobs=req.output_logprobs[len(req.output_logprobs) - len(new_tokens):] if wants_logprobs else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _computed_block_hashes(self, req: Request) -> list[BlockHash]:

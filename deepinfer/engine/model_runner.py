@@ -30,10 +30,23 @@ def num_blocks_for_budget(spec: KvSpec, config: EngineConfig) -> int:
 
 
 @dataclass
+class PromptRows:
+    """Logits at prompt positions [chunk.start, chunk.start + len(logits)) of a request collecting prompt
+    logprobs: row j predicts prompt token chunk.start + j + 1."""
+
+    chunk: ScheduledChunk
+    logits: torch.Tensor  # [m, vocab]
+
+
+@dataclass
 class StepInputs:
     layout: StepLayout
     # The chunks whose logits rows are returned, in order: 1 + chunk.num_spec rows each.
     sampled: list[ScheduledChunk]
+    # Where those rows are among the forward's logits rows (None: they are all of them, in order).
+    sample_rows: list[int] | None = None
+    # Chunks of requests collecting prompt logprobs: (chunk, first logits row, rows at prompt positions).
+    prompt_rows: list[tuple[ScheduledChunk, int, int]] | None = None
 
 
 class ModelRunner:
@@ -47,9 +60,14 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step as attention segments: a speculating chunk (the last committed token plus k
         drafts) is 1 + k decode rows with logits at every row; any other chunk is rows or a prefill
-        chunk by its length, with logits at its last token when it completes the request's tokens."""
+        chunk by its length, with logits at its last token when it completes the request's tokens. A chunk
+        of a request collecting prompt logprobs has logits at every position (the last one sampled when
+        the chunk completes the request's tokens)."""
         segments: list[Segment] = []
         sampled: list[ScheduledChunk] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[ScheduledChunk, int, int]] = []
+        row = 0
         for chunk in out.chunks:
             req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
             if chunk.num_spec:
@@ -59,18 +77,36 @@ class ModelRunner:
             else:
                 tokens = req.all_token_ids[start : start + n] if n > 1 else [_token_at(req, start)]
             logits = chunk.num_spec + 1 if chunk.samples else 0
+            # Positions whose logits predict a prompt token: [start, len(prompt) - 1) within the chunk.
+            at_prompt = max(0, min(start + n, len(req.prompt_token_ids) - 1) - start)
+            if req.wants_prompt_logprobs and not chunk.num_spec and at_prompt:
+                prompt_rows.append((chunk, row, at_prompt))
+                sample_rows.extend([row + n - 1] if logits else [])
+                logits = n
+            else:
+                sample_rows.extend(range(row, row + logits))
+            row += logits
             segments.append(Segment(tokens, start, req.block_ids, rows=chunk.num_spec > 0, num_logits=logits))
             if chunk.samples:
                 sampled.append(chunk)
-        return StepInputs(layout(segments, self.block_size, self.use_native), sampled)
+        step = layout(segments, self.block_size, self.use_native)
+        if not prompt_rows:
+            return StepInputs(step, sampled)
+        return StepInputs(step, sampled, sample_rows, prompt_rows)
 
-    def execute(self, out: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Run the step; returns the chunks to sample for and their logits [rows, vocab] (1 + num_spec
-        rows per chunk, in order)."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
+        """Run the step; returns the chunks to sample for, their logits [rows, vocab] (1 + num_spec rows
+        per chunk, in order) and the logits at prompt positions of requests collecting prompt logprobs."""
         inputs = self.prepare(out)
         s = inputs.layout
         logits = self.model.forward(s.input_ids, s.positions, self.kv, s.meta, s.logits_rows)
-        return inputs.sampled, logits
+        if inputs.prompt_rows is None:
+            return inputs.sampled, logits, []
+        assert inputs.sample_rows is not None
+        prompt = [PromptRows(chunk, logits[first : first + m]) for chunk, first, m in inputs.prompt_rows]
+        sample_logits = logits.index_select(0, torch.tensor(inputs.sample_rows, dtype=torch.long,
+                                                            device=logits.device))
+        return inputs.sampled, sample_logits, prompt
 
     def execute_empty(self) -> None:
         """A forward of zero tokens, for a rank of an expert-parallel group with nothing scheduled. Of an

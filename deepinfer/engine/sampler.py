@@ -1,4 +1,8 @@
-"""Token selection for one engine step: penalties, greedy or filtered random sampling, logprobs.
+"""Token selection for one engine step: logit bias, penalties, greedy or filtered random sampling, logprobs.
+
+Order of operations on a row's logits: its `logit_bias` is added, then penalties, then temperature and the
+filters. Reported logprobs are taken before all of them: the model's raw log-softmax (vLLM's default), so
+they describe the model, not the sampling policy.
 
 Determinism contract: a row's token depends only on its own logits, its `SamplingParams` and, for a
 seeded row, the state of its own `torch.Generator`. Two rules keep it so:
@@ -110,9 +114,10 @@ class Sampler:
             return [(token, None) for token in logits.argmax(dim=-1).tolist()]
 
         params = [row.params for row in rows]
+        raw = self.raw_logprobs(logits, rows)  # before penalise writes into `logits`
         logits = self.penalise(logits, rows)
-        # From here on `logits` holds the penalised logits and is only read: the logprobs below are
-        # taken from it after sampling, so sampling must work on its own copy.
+        # From here on `logits` holds the biased, penalised logits and is only read: sampling works on
+        # its own copy.
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
@@ -127,12 +132,22 @@ class Sampler:
             tokens[sampled_idx] = _sample(logits.index_select(0, sampled_idx), [rows[i] for i in sampled])
 
         token_ids: list[int] = tokens.tolist()
-        return list(zip(token_ids, self.logprobs(logits, rows, token_ids), strict=True))
+        return list(zip(token_ids, self.logprobs(raw, rows, token_ids), strict=True))
+
+    def raw_logprobs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+        """[n, vocab] fp32 log-softmax of the raw logits (before bias and penalties) when any row asks
+        for logprobs, else None. Take it before `penalise`, which writes into fp32 logits."""
+        if all(row.params.logprobs is None for row in rows):
+            return None
+        return logits.float().log_softmax(dim=-1)
 
     def penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """`logits` with each row's penalties applied (in place), as fp32."""
+        """`logits` with each row's logit bias added, then its penalties applied (in place), as fp32."""
         if logits.dtype != torch.float32:
             logits = logits.float()
+        biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+        if biased:
+            _apply_bias(logits, [rows[i] for i in biased], biased)
         penalised = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
         if penalised:
             _apply_penalties(logits, [rows[i] for i in penalised], penalised)
@@ -153,14 +168,16 @@ class Sampler:
             out.index_copy_(0, idx, _filtered_probs(penalised.index_select(0, idx), [rows[i] for i in sampled]))
         return out
 
-    def logprobs(self, penalised: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[Logprob | None]:
-        """Per row, the Logprob of `token_ids[i]` (and the top alternatives) under the penalised logits
-        when the row asks for logprobs, else None."""
+    def logprobs(self, raw: torch.Tensor | None, rows: list[SamplingRow], token_ids: list[int]) -> list[Logprob | None]:
+        """Per row, the Logprob of `token_ids[i]` (and the top alternatives) under `raw` (`raw_logprobs` of
+        the same rows) when the row asks for logprobs, else None."""
         results: list[Logprob | None] = [None] * len(rows)
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if wanted:
-            tokens = torch.tensor(token_ids, dtype=torch.long, device=penalised.device)
-            logprobs = _logprobs(penalised, tokens, token_ids, [rows[i].params for i in wanted], wanted)
+            assert raw is not None and raw.shape[0] == len(rows)
+            idx = _index(wanted, raw.device)
+            logprobs = token_logprobs(raw.index_select(0, idx), [token_ids[i] for i in wanted],
+                                      [rows[i].params.logprobs or 0 for i in wanted])
             for i, logprob in zip(wanted, logprobs, strict=True):
                 results[i] = logprob
         return results
@@ -171,7 +188,27 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:
-    return p.temperature == 0.0 and p.logprobs is None and not _has_penalty(p)
+    return p.temperature == 0.0 and p.logprobs is None and not _has_penalty(p) and not p.logit_bias
+
+
+def _apply_bias(logits: torch.Tensor, rows: list[SamplingRow], positions: list[int]) -> None:
+    """Add each row's logit_bias to its logits (at `positions`), in place: one scatter for all rows. Ids are
+    unique per row (a mapping), so no two additions meet; ids outside the logits are skipped (validation
+    refuses them against the model's vocabulary before any request runs)."""
+    vocab = logits.shape[1]
+    at_rows: list[int] = []
+    at_ids: list[int] = []
+    values: list[float] = []
+    for pos, row in zip(positions, rows, strict=True):
+        for token_id, bias in row.params.logit_bias.items():
+            if 0 <= token_id < vocab:
+                at_rows.append(pos)
+                at_ids.append(token_id)
+                values.append(float(bias))
+    if values:
+        device = logits.device
+        logits.index_put_((_index(at_rows, device), _index(at_ids, device)),
+                          torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:
@@ -341,26 +378,20 @@ def exponential_noise(rows: list[SamplingRow], vocab: int, device: torch.device,
     return noise.clamp_min_(_TINY)
 
 
-def _logprobs(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    token_ids: list[int],
-    params: list[SamplingParams],
-    positions: list[int],
-) -> list[Logprob]:
-    """Logprob of the chosen token and the top-n alternatives (best first) under the log_softmax of
-    the penalised logits, before temperature and filters. Equal logprobs among the top-n come in
-    whatever order topk gives."""
-    idx = _index(positions, logits.device)
-    logp = logits.index_select(0, idx).log_softmax(dim=-1)
-    chosen: list[float] = logp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
-    counts = [min(p.logprobs or 0, logits.shape[1]) for p in params]
-    top_values: list[list[float]] = [[] for _ in params]
-    top_ids: list[list[int]] = [[] for _ in params]
+def token_logprobs(logp: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[Logprob]:
+    """Per row of `logp` ([m, vocab] log-probabilities), the Logprob of token_ids[r] with its num_top[r]
+    best alternatives (best first; equal values among them come in whatever order topk gives)."""
+    if not token_ids:
+        return []
+    tokens = torch.tensor(list(token_ids), dtype=torch.long, device=logp.device)
+    chosen: list[float] = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    counts = [min(n, logp.shape[1]) for n in num_top]
+    top_values: list[list[float]] = [[] for _ in counts]
+    top_ids: list[list[int]] = [[] for _ in counts]
     if max(counts) > 0:
         values, ids = logp.topk(max(counts), dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
     return [
-        Logprob(token_ids[i], chosen[r], list(zip(top_ids[r][:count], top_values[r][:count], strict=True)))
-        for r, (i, count) in enumerate(zip(positions, counts, strict=True))
+        Logprob(int(token_ids[r]), chosen[r], list(zip(top_ids[r][:count], top_values[r][:count], strict=True)))
+        for r, count in enumerate(counts)
     ]

@@ -20,7 +20,8 @@ Prefix caching (when enabled, for requests that carry a hash chain):
   longest cached prefix of the request's full blocks from the pool, sharing them (ref +1), and
   starts computing after it. The hit stops short of the last token, whose logits must be computed:
   at most (num_tokens - 1) // block_size blocks. If the rest of the first chunk's blocks are not
-  free, nothing is taken and the request keeps waiting;
+  free, nothing is taken and the request keeps waiting. A request still collecting prompt logprobs takes
+  no hit (a cached block has KV, not logits): it computes its whole prompt;
 * after each step (`update`), every block that just became full of computed KV — prompt or output —
   is named in the pool by its hash, so a later prompt (or this request, after a preemption) finds it.
   A block is only ever written while unnamed: hit blocks lie wholly before the first computed token.
@@ -249,8 +250,10 @@ class Scheduler:
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """The pool's blocks for the longest cached prefix of an unadmitted request, never covering
-        its last token. Empty for a request that already holds blocks. Takes nothing."""
-        if not self._caches(req) or req.block_ids:
+        its last token. Empty for a request that already holds blocks, and for one still collecting prompt
+        logprobs: a cached block has the prefix's KV but not its logits, so such a request computes its whole
+        prompt (its full blocks are still named and cached for others). Takes nothing."""
+        if not self._caches(req) or req.block_ids or req.wants_prompt_logprobs:
             return []
         cap = (req.num_tokens - 1) // self.block_size
         return self.pool.lookup(req.block_hashes(cap)) if cap else []

@@ -177,14 +177,18 @@ def encode_output(o: RequestOutput) -> list[Any]:
             [u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cached_by_tier, u.spec_proposed_tokens,
              u.spec_accepted_tokens],
             None if o.logprobs is None else [encode_logprob(lp) for lp in o.logprobs],
-            o.error, o.text, o.handoff, o.block_hashes]
+            o.error, o.text, o.handoff, o.block_hashes,
+            None if o.new_logprobs is None else [encode_logprob(lp) for lp in o.new_logprobs],
+            None if o.prompt_logprobs is None else [encode_logprob(lp) for lp in o.prompt_logprobs]]
 
 
 def decode_output(v: list[Any]) -> RequestOutput:
-    rid, new, ids, finished, reason, usage, logprobs, error, text, handoff, hashes = v
+    rid, new, ids, finished, reason, usage, logprobs, error, text, handoff, hashes, new_lps, prompt_lps = v
     return RequestOutput(rid, new, ids, finished, FinishReason(reason) if reason is not None else None,
                          Usage(*usage), None if logprobs is None else [decode_logprob(lp) for lp in logprobs],
-                         error, text, handoff, hashes)
+                         error, text, handoff, hashes,
+                         None if new_lps is None else [decode_logprob(lp) for lp in new_lps],
+                         None if prompt_lps is None else [decode_logprob(lp) for lp in prompt_lps])
 
 
 def kv_meta(kv: torch.Tensor) -> list[Any]:

@@ -51,6 +51,7 @@ request, or out of phase, are stale: counted and dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -357,6 +358,11 @@ class RouterCore:
         self._parked.pop(st.rid, None)
         # Cache-aware placement charges what the worker will compute; least-loaded stays the plain baseline.
         compute = prediction.uncached_tokens if self.cache.cache_aware else None
+        params = st.params
+        if params.prompt_logprobs is not None and (st.prompt_logprobs is not None or st.output_ids):
+            # A moved request whose prompt logprobs arrived (with its first tokens): its next worker
+            # need not compute them again, and can reuse cached blocks.
+            params = dataclasses.replace(params, prompt_logprobs=None)
         self.table.assign(st.where, placement, len(st.job_tokens), compute)
         st.predicted_blocks = prediction.blocks
         st.phase, st.attempts = Phase.PREFILLING, st.attempts + 1
@@ -365,7 +371,7 @@ class RouterCore:
             st.rid,
             st.job_tokens,
             st.block_hashes,
-            st.params,
+            params,
             decode_worker=placement.decode.name,
             detokenizer=st.where.tokenizer,
             priority=st.priority,
@@ -411,8 +417,14 @@ class RouterCore:
             st.output_ids.extend(item.token_ids)
             if item.logprobs:
                 st.logprobs.extend(item.logprobs)
+            if item.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = item.prompt_logprobs
             if st.req.stream:
                 delta = StreamDelta(st.req.request_id, item.text, item.token_ids, item.offset, item.logprobs)
+                if not st.streamed and st.params.prompt_logprobs is not None:  # the first delta: the prompt's
+                    delta = dataclasses.replace(delta, prompt_token_ids=list(st.prompt_ids),
+                                                prompt_logprobs=st.prompt_logprobs)
+                st.streamed = True
                 out.append(Outbound(st.client, delta))
         if not item.finished:
             return out
@@ -552,7 +564,9 @@ class RouterCore:
         stop = st.stop_string if reason == "stop" else None
         logprobs: list[LogprobWire] | None = st.logprobs or None
         text = "".join(st.text)
-        return RequestFinished(st.req.request_id, text, st.output_ids, reason, usage, timings, stop, logprobs)
+        prompt_ids = list(st.prompt_ids) if st.params.prompt_logprobs is not None and st.prompt_ids else None
+        return RequestFinished(st.req.request_id, text, st.output_ids, reason, usage, timings, stop, logprobs,
+                               prompt_ids, st.prompt_logprobs)
 
     def _stale(self) -> list[Outbound]:
         self.metrics.stale += 1

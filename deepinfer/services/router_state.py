@@ -78,6 +78,10 @@ class RouterRequest:
     text: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobWire] = field(default_factory=list)
+    # Asked for with params.prompt_logprobs: from the first text item that had them; sent to a streaming
+    # client (with prompt_ids) on its first delta, and in the RequestFinished.
+    prompt_logprobs: list[LogprobWire | None] | None = None
+    streamed: bool = False  # a StreamDelta went to the client
     prefill_done: PrefillDone | None = None
     # Speculative decoding's counts for this request, the latest totals its decode worker reported.
     spec_proposed_tokens: int = 0

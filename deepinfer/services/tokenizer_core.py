@@ -10,7 +10,8 @@ Decisions:
   are taken as they are, after a vocabulary check. A prompt must leave room for one generated token
   within `max_model_len`. Every failure is ErrorReply "invalid_request" naming the problem.
 * Speculation counts (draft tokens proposed and accepted, the request's totals so far) pass through
-  from each DetokenizeItem to its TextDeltaItem unchanged.
+  from each DetokenizeItem to its TextDeltaItem unchanged, as do prompt logprobs (on a request's first
+  item). Per-token logprobs are cut with the tokens they belong to (one per token id, always).
 * Offsets: an item's tokens already seen (a duplicate, or the seen part of an overlap) are skipped. A gap
   (tokens were lost) cannot be repaired: the request ends with a finished item, finish_reason "error",
   and the router fails it.
@@ -190,7 +191,8 @@ class TokenizerCore:
         if item.finished and not stopped:
             tail = stream.detok.flush()  # a held-back partial character or stop-string prefix
             text, stopped, stop_string = text + tail.text, tail.stopped, tail.stop_string
-        spec = dict(spec_proposed_tokens=item.spec_proposed_tokens, spec_accepted_tokens=item.spec_accepted_tokens)
+        spec = dict(spec_proposed_tokens=item.spec_proposed_tokens, spec_accepted_tokens=item.spec_accepted_tokens,
+                    prompt_logprobs=item.prompt_logprobs)
         if stopped:
             del self._streams[rid]
             return TextDeltaItem(rid, start, text, new, True, "stop", stop_string, logprobs, **spec)

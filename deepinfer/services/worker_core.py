@@ -27,7 +27,7 @@ from deepinfer.protocol.messages import (
     PrefillDone,
     PrefillJob,
 )
-from deepinfer.services.wire import to_wire_logprobs
+from deepinfer.services.wire import to_wire_logprobs, to_wire_prompt_logprobs
 
 HANDOFF_TIMEOUT_S = 30.0  # the most a prefill worker waits for each of the decode worker's replies
 LEASE_S = 10.0  # asked of the decode worker: how long it keeps blocks reserved for a KvTransfer
@@ -190,6 +190,7 @@ class Track:
     started: float = 0.0
     fetch_s: float = 0.0  # spent loading cached blocks from the cache daemon
     handoff: Handoff | None = None
+    prompt_logprobs_sent: bool = False  # the request's first DetokenizeItem carried them (they go once)
 
 
 # -- the core ------------------------------------------------------------------------------------------
@@ -309,10 +310,14 @@ class WorkerCore:
                 del self._tracks[rid]
                 actions.append(ToRouter(ErrorReply(rid, "internal", out.error or "")))
                 continue
+            prompt_logprobs = None
+            if out.prompt_logprobs is not None and not track.prompt_logprobs_sent:
+                prompt_logprobs, track.prompt_logprobs_sent = to_wire_prompt_logprobs(out.prompt_logprobs), True
             batches.setdefault(track.detokenizer, []).append(DetokenizeItem(
                 rid, track.sent, list(out.new_token_ids), out.finished,
                 out.finish_reason.value if out.finish_reason else None,
-                None,  # per-token logprobs do not cross the mesh yet (the engine reports them at the end)
+                to_wire_logprobs(out.new_logprobs),  # one per new token: the step's own
+                prompt_logprobs=prompt_logprobs,
                 spec_proposed_tokens=out.usage.spec_proposed_tokens,
                 spec_accepted_tokens=out.usage.spec_accepted_tokens))
             track.sent += len(out.new_token_ids)
@@ -390,9 +395,9 @@ class WorkerCore:
         return [ToDecode(hand.peer, KvTransfer(
             out.request_id, lease_id, out.new_token_ids[0], list(job.token_ids), list(job.block_hashes), job.params,
             self.block_size, self.kv.layout, hand.kv, job.detokenizer,
-            first_logprob=(to_wire_logprobs(out.logprobs) or [None])[-1], priority=job.priority,
+            first_logprob=(to_wire_logprobs(out.new_logprobs) or [None])[-1], priority=job.priority,
             arrival_time=job.arrival_time, num_cached_tokens=out.usage.cached_tokens, cache_salt=job.cache_salt,
-            num_output_tokens=job.num_output_tokens))]
+            num_output_tokens=job.num_output_tokens, prompt_logprobs=to_wire_prompt_logprobs(out.prompt_logprobs)))]
 
     def on_tick(self, now: float) -> list[Action]:
         """Fail every handoff whose awaited reply is overdue."""
@@ -440,8 +445,12 @@ class WorkerCore:
             return self._refuse(identity, t, str(exc))
         self._tracks[t.request_id] = Track(t.detokenizer, sent=len(resumed) + 1)
         # The first token goes to the tokenizer before the engine can produce the second: the shell performs
-        # these in order, and one PUSH socket per tokenizer keeps them in order.
-        first = DetokenizeBatch(self.instance, step, [DetokenizeItem(t.request_id, len(resumed), [t.first_token])])
+        # these in order, and one PUSH socket per tokenizer keeps them in order. It carries the prefill
+        # worker's logprob of that token and the prompt's logprobs, when the request asked for them.
+        first_logprobs = [t.first_logprob] if t.first_logprob is not None and t.params.logprobs is not None else None
+        item = DetokenizeItem(t.request_id, len(resumed), [t.first_token], logprobs=first_logprobs,
+                              prompt_logprobs=t.prompt_logprobs)
+        first = DetokenizeBatch(self.instance, step, [item])
         return [ToTokenizer(t.detokenizer, first), Install(identity, t, prompt, resumed)]
 
     def on_installed(self, identity: bytes, t: KvTransfer) -> list[Action]:

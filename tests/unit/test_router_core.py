@@ -21,6 +21,7 @@ from deepinfer.protocol.messages import (
     Hello,
     KvEvents,
     KvResync,
+    LogprobWire,
     PrefillDone,
     PrefillJob,
     RequestFinished,
@@ -1222,3 +1223,75 @@ def test_every_admitted_request_ends_exactly_once(data: Any) -> None:
     for _ in range(data.draw(st.integers(1, 60))):
         model.step()
     model.drain()
+
+
+# ----- logprobs and prompt logprobs (protocol 8) -----
+
+
+def _lp(token: int, value: float = -0.5) -> LogprobWire:
+    return LogprobWire(token, value, [(token, value)])
+
+
+def test_per_delta_logprobs_accumulate_and_prompt_logprobs_come_first() -> None:
+    mesh = basic_mesh()
+    params = SamplingParamsWire(logprobs=1, prompt_logprobs=1)
+    job = mesh.placed(stream=True, params=params, n=3)
+    assert job.params.prompt_logprobs == 1  # the worker computes them
+    mesh.done(job)
+    prompt_lps = [None, _lp(101), _lp(102)]
+    rid = job.request_id
+    out = mesh.deltas(TextDeltaItem(rid, 0, "", [7, 8], logprobs=[_lp(7), _lp(8)], prompt_logprobs=prompt_lps))
+    out += mesh.deltas(TextDeltaItem(rid, 2, "ab", [9], logprobs=[_lp(9)]))
+    out += mesh.deltas(TextDeltaItem(rid, 3, "c", [10], finished=True, finish_reason="length", logprobs=[_lp(10)]))
+    first, *rest = msgs(out, StreamDelta)
+    assert (first.prompt_token_ids, first.prompt_logprobs) == ([100, 101, 102], prompt_lps)
+    assert all(d.prompt_token_ids is None and d.prompt_logprobs is None for d in rest)
+    [fin] = msgs(out, RequestFinished)
+    assert [lp for d in [first, *rest] for lp in d.logprobs] == fin.logprobs
+    assert [lp.token_id for lp in fin.logprobs] == fin.token_ids == [7, 8, 9, 10]
+    assert (fin.prompt_token_ids, fin.prompt_logprobs) == ([100, 101, 102], prompt_lps)
+    assert_clean(mesh.core)
+
+
+def test_without_prompt_logprobs_asked_none_are_sent() -> None:
+    mesh = basic_mesh()
+    job = mesh.placed(stream=True)
+    mesh.done(job)
+    out = mesh.deltas(TextDeltaItem(job.request_id, 0, "a", [7], finished=True, finish_reason="stop"))
+    [delta] = msgs(out, StreamDelta)
+    [fin] = msgs(out, RequestFinished)
+    assert delta.prompt_token_ids is delta.prompt_logprobs is fin.prompt_token_ids is fin.prompt_logprobs is None
+
+
+def test_a_moved_request_does_not_ask_for_prompt_logprobs_again() -> None:
+    mesh = pd_mesh()
+    params = SamplingParamsWire(logprobs=0, prompt_logprobs=0, max_tokens=10)
+    job = mesh.placed(stream=True, params=params, n=2)
+    mesh.done(job)
+    prompt_lps = [None, _lp(101)]
+    mesh.deltas(TextDeltaItem(job.request_id, 0, "x", [7], logprobs=[_lp(7)], prompt_logprobs=prompt_lps))
+    mesh.now = 2.5
+    for name, role in (("tok0", "tokenizer"), ("tok1", "tokenizer"), ("pre0", "prefill"), ("dec1", "decode")):
+        mesh.beat(name, role)
+    [enc] = msgs(mesh.core.tick(3.5), EncodeRequest)
+    [job2] = msgs(mesh.core.on_encode_result("tok0", EncodeResult(enc.request_id, enc.prompt_token_ids, []), 3.5),
+                  PrefillJob)
+    assert job2.params.prompt_logprobs is None and job2.params.logprobs == 0  # only what is still owed
+    mesh.done(job2)
+    out = mesh.deltas(TextDeltaItem(enc.request_id, 1, "y", [8], True, "length", logprobs=[_lp(8)]))
+    [delta] = msgs(out, StreamDelta)
+    assert delta.prompt_logprobs is None  # the client had them on its first delta
+    [fin] = msgs(out, RequestFinished)
+    assert fin.prompt_logprobs == prompt_lps and [lp.token_id for lp in fin.logprobs] == [7, 8]
+    assert_clean(mesh.core)
+
+
+def test_unauthorized_and_unavailable_refusals_leave_nothing_behind() -> None:
+    strict = basic_mesh(tenants={"k": "s"}, require_api_key=True)
+    [out] = strict.generate(api_key="wrong")
+    assert (out.msg.code, out.msg.retry_after_s) == ("unauthorized", None)
+    empty = Mesh(RouterConfig(heartbeat_timeout_s=3.0))
+    [out] = empty.generate()
+    assert out.msg.code == "unavailable" and out.msg.retry_after_s == empty.core.config.retry_after_s
+    assert_clean(strict.core)
+    assert_clean(empty.core)

@@ -267,14 +267,11 @@ LOGITS = [2.0, -1.0, 0.5, 3.0, -2.0, 1.0]
 
 
 def penalised(**kwargs: object) -> list[float]:
-    """The penalised logits, recovered exactly (up to a constant) from full logprobs."""
+    """The log-softmax of the penalised logits (reported logprobs are raw: they do not show penalties)."""
     prompt = kwargs.pop("prompt", ())
     output = kwargs.pop("output", ())
-    row = make_row(prompt=prompt, output=output, logprobs=len(LOGITS), **kwargs)  # type: ignore[arg-type]
-    _, lp = sampler(torch.tensor([LOGITS]), [row])[0]
-    assert lp is not None
-    by_id = dict(lp.top)
-    return [by_id[i] for i in range(len(LOGITS))]
+    row = make_row(prompt=prompt, output=output, **kwargs)  # type: ignore[arg-type]
+    return sampler.penalise(torch.tensor([LOGITS]), [row]).log_softmax(dim=-1)[0].tolist()
 
 
 def assert_logprobs_of(actual: list[float], expected_logits: list[float]) -> None:
@@ -328,17 +325,20 @@ def test_penalties_are_per_row_in_a_batch() -> None:
         make_row(prompt=[0], output=[3, 3], logprobs=6, frequency_penalty=1.0),
         make_row(temperature=1.0, seed=1, output=[1], logprobs=6, presence_penalty=1.0),
     ]
-    result = sampler(torch.tensor([LOGITS] * 4), rows)
+    result = sampler.penalise(torch.tensor([LOGITS] * 4), rows).log_softmax(dim=-1).tolist()
     expected = [
         [1.0, -1.0, 0.5, 1.5, -2.0, 1.0],
         LOGITS,
         [2.0, -1.0, 0.5, 1.0, -2.0, 1.0],
         [2.0, -2.0, 0.5, 3.0, -2.0, 1.0],
     ]
-    for (_, lp), logits in zip(result, expected, strict=True):
+    for got, logits in zip(result, expected, strict=True):
+        assert_logprobs_of(got, logits)
+    # The reported logprobs stay the raw model's, whatever the penalties.
+    for _, lp in sampler(torch.tensor([LOGITS] * 4), rows):
         assert lp is not None
         by_id = dict(lp.top)
-        assert_logprobs_of([by_id[i] for i in range(6)], logits)
+        assert_logprobs_of([by_id[i] for i in range(6)], LOGITS)
 
 
 def test_out_of_vocab_penalty_ids_rejected() -> None:

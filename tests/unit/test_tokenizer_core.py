@@ -283,3 +283,15 @@ def test_resume_hashes_cover_prompt_and_output(tok: Tokenizer, tmp_path: Path) -
     assert res.block_hashes == hash_blocks(ns, prompt + output, HashKeys("s")) and len(res.block_hashes) == 4
     bad = core.on_encode(EncodeRequest("r2", prompt_token_ids=prompt, resume_output_ids=[5, 10**6]))
     assert isinstance(bad, ErrorReply) and "output token id 1000000" in bad.message
+
+
+def test_prompt_logprobs_and_cut_logprobs_pass_through(core: TokenizerCore, tok: Tokenizer) -> None:
+    # Logprobs stay one per token id, also in the item a stop string ends (its tokens are all of the batch's).
+    ids = tok.encode(" one two STOP three", add_special_tokens=False)
+    start(core, stop=["STOP"])
+    prompt = [None, LogprobWire(5, -1.0)]
+    lps = [LogprobWire(t, -0.5) for t in ids]
+    a = feed(core, "r1", ids[:2], 0, logprobs=lps[:2], prompt_logprobs=prompt)
+    b = feed(core, "r1", ids[2:], 2, logprobs=lps[2:])
+    assert a[0].prompt_logprobs == prompt and b[0].prompt_logprobs is None
+    assert b[0].stop_string == "STOP" and b[0].logprobs == lps[2:] and b[0].token_ids == ids[2:]

@@ -5,6 +5,7 @@ is sent about it afterwards, and held KV blocks are freed exactly once."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from deepinfer.engine.kv_spec import KvSpec
-from deepinfer.engine.request import FinishReason, InvalidRequestError, RequestOutput, Usage
+from deepinfer.engine.request import FinishReason, InvalidRequestError, Logprob, RequestOutput, Usage
 from deepinfer.protocol.messages import (
     DetokenizeItem,
     ErrorReply,
@@ -22,6 +23,7 @@ from deepinfer.protocol.messages import (
     KvReserve,
     KvReserveReply,
     KvTransfer,
+    LogprobWire,
     PrefillDone,
     PrefillJob,
     SamplingParamsWire,
@@ -633,3 +635,54 @@ TestPrefillCore = PrefillCoreMachine.TestCase
 TestPrefillCore.settings = _settings(200)  # a handoff needs many events in a row to end
 TestDecodeCore = DecodeCoreMachine.TestCase
 TestDecodeCore.settings = _settings(60)
+
+
+# -- logprobs (protocol 8) ----------------------------------------------------------------------------------
+
+
+def _lps(tokens: list[int]) -> list[Logprob]:
+    return [Logprob(t, -0.25 * (i + 1), [(t, -0.25 * (i + 1))]) for i, t in enumerate(tokens)]
+
+
+def test_each_item_carries_its_own_tokens_logprobs_and_the_first_the_prompts() -> None:
+    core = colocated()
+    core.on_job(job(n=3), now=0.0)
+    prompt = [None, *_lps([101, 102])]
+    a = output(new=[5, 6])
+    a.new_logprobs, a.prompt_logprobs = _lps([5, 6]), prompt
+    b = output(new=[7], finish="length")
+    b.new_logprobs, b.prompt_logprobs, b.logprobs = _lps([7]), prompt, _lps([5, 6]) + _lps([7])
+    [(_, first)] = items(core.on_outputs([a], 1, 1.0))
+    [(_, last)] = items(core.on_outputs([b], 2, 2.0))
+    assert [lp.token_id for lp in first.logprobs] == [5, 6] and [lp.token_id for lp in last.logprobs] == [7]
+    assert first.prompt_logprobs == [None, LogprobWire(101, -0.25, [(101, -0.25)]),
+                                     LogprobWire(102, -0.5, [(102, -0.5)])]
+    assert last.prompt_logprobs is None  # once, with the first item
+
+
+def test_handoff_carries_prompt_and_first_logprobs_to_the_decode_worker() -> None:
+    core = prefill()
+    core.on_job(job(n=3), 0.0)
+    out = output(new=[7], handoff=True)
+    out.new_logprobs, out.prompt_logprobs = _lps([7]), [None, *_lps([101, 102])]
+    core.on_outputs([out], 1, 1.0)
+    core.on_exported("r1", KV, 1.0)
+    [send] = core.on_kv_reply("d1", KvReserveReply("r1", "L1", True, "", 10.0), 1.0)
+    t = send.msg
+    assert isinstance(t, KvTransfer) and t.first_logprob == LogprobWire(7, -0.25, [(7, -0.25)])
+    assert t.prompt_logprobs is not None and t.prompt_logprobs[0] is None and t.prompt_logprobs[2].token_id == 102
+
+
+def test_the_decode_workers_first_item_carries_the_transferred_logprobs() -> None:
+    core = WorkerCore("d1", "decode", SPEC, set())
+    prompt = [None, LogprobWire(1, -1.0)]
+    t = dataclasses.replace(transfer(n=2), params=SamplingParamsWire(logprobs=0, prompt_logprobs=0),
+                            first_logprob=LogprobWire(42, -0.1), prompt_logprobs=prompt)
+    push, _ = core.on_transfer(PEER, t, step=1)
+    [item] = push.batch.items
+    assert (item.token_ids, item.logprobs, item.prompt_logprobs) == ([42], [LogprobWire(42, -0.1)], prompt)
+    nxt = core.on_outputs([dataclasses.replace(output("t1", new=[43]), new_logprobs=_lps([43]))], 2, 1.0)
+    [(_, it)] = items(nxt)
+    assert [lp.token_id for lp in it.logprobs] == [43] and it.prompt_logprobs is None
+    plain = WorkerCore("d1", "decode", SPEC, set()).on_transfer(PEER, transfer(n=2), step=1)[0]
+    assert plain.batch.items[0].logprobs is None and plain.batch.items[0].prompt_logprobs is None

@@ -19,8 +19,9 @@ exactly those of plain decoding at that position.
   p_k. The committed tokens are distributed exactly as the target's; the draws come from the row's
   seeded streams (ACCEPT and RESIDUAL purposes), so a seeded request repeats itself for the same drafts.
 
-Logprobs of committed tokens are the target's (penalised logits, before temperature and filters),
-as plain decoding reports them.
+Every row's logits get the request's logit_bias and penalties first, exactly as in plain decoding, so
+greedy output with speculation equals output without it. Logprobs of committed tokens are the target's
+raw log-softmax (before bias, penalties, temperature and filters), as plain decoding reports them.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _accept_point_mass(drafts: Sequence[int], picks: list[tuple[int, Logprob | N
 def _verify_distributions(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
                           groups: Sequence[VerifyGroup]) -> list[VerifyResult]:
     """The standard rule for groups whose drafts carry q; `logits` and `rows` hold all their rows."""
+    raw = sampler.raw_logprobs(logits, rows)  # before penalise writes into the logits
     penalised = sampler.penalise(logits, rows)
     p = sampler.probs(penalised, rows)
     results = []
@@ -121,7 +123,8 @@ def _verify_distributions(sampler: Sampler, logits: torch.Tensor, rows: list[Sam
         else:
             tokens.append(_draw(p[at + k], rows[at + k], 0))
         used = list(range(at, at + len(tokens)))
-        logprobs = sampler.logprobs(penalised[at : at + len(tokens)], [rows[r] for r in used], tokens)
+        logprobs = sampler.logprobs(None if raw is None else raw[at : at + len(tokens)], [rows[r] for r in used],
+                                    tokens)
         results.append(VerifyResult(tokens, logprobs, len(tokens) - 1))
         at += k + 1
     return results
