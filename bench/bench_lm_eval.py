@@ -74,7 +74,7 @@ def evaluate(model: str, model_args: dict[str, Any] | str | Any, task_dir: Path,
     from lm_eval.tasks import TaskManager
 
     kwargs: dict[str, Any] = {"model": model, "tasks": [TASK], "task_manager": TaskManager(include_path=str(task_dir)),
-                              "batch_size": 1, "limit": limit, "log_samples": False}
+                              "batch_size": 1, "limit": limit, "log_samples": True}
     if isinstance(model_args, dict | str):
         kwargs["model_args"] = model_args
     else:  # an lm_eval model instance
@@ -84,7 +84,10 @@ def evaluate(model: str, model_args: dict[str, Any] | str | Any, task_dir: Path,
     wall = time.perf_counter() - start
     metrics = {k.replace(",none", ""): v for k, v in out["results"][TASK].items() if k != "alias"}
     samples = out.get("n-samples", {}).get(TASK) or {}
-    return {"metrics": metrics, "samples": samples.get("effective", samples), "wall_s": wall}
+    # Per question (by doc id): the log-likelihood of each answer, as the harness received it.
+    lls = {x["doc_id"]: [float(r[0][0]) for r in x["resps"]] for x in out.get("samples", {}).get(TASK, [])}
+    return {"metrics": metrics, "samples": samples.get("effective", samples), "wall_s": wall,
+            "loglikelihoods": [lls[k] for k in sorted(lls)]}
 
 
 def http_model_args(url: str, model: str, tokenizer: Path, concurrent: int) -> dict[str, Any]:
@@ -188,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference:
             report["transformers"] = evaluate("hf", reference_model(tokenizer), task_dir, args.limit)
     report["loadavg_at_end"] = os.getloadavg()
+    if "transformers" in report:
+        pairs = [(a, b) for qa, qb in zip(report["http"]["loglikelihoods"], report["transformers"]["loglikelihoods"])
+                 for a, b in zip(qa, qb)]
+        report["max_abs_loglikelihood_diff"] = max(abs(a - b) for a, b in pairs) if pairs else None
+        print(f"log-likelihoods, HTTP vs transformers: {len(pairs)} (question, answer) pairs, max |diff| "
+              f"{report['max_abs_loglikelihood_diff']:.2e} nats")
     for side in ("http", "transformers"):
         if side in report:
             m = report[side]["metrics"]
