@@ -7,6 +7,12 @@ run meshes under the same instance names."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,10 +33,23 @@ REPEATED = ("You are a careful assistant. Read the question, think about what it
 MAX_TOKENS = 8
 
 
-def snapshot() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    body, _ = metrics.exposition()
+def parse(body: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def snapshot() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return parse(metrics.exposition()[0])
+
+
+def aggregate(directory: Path) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """What GET /metrics shows for the processes writing to `directory` (read in a process of its own, so
+    this one's prometheus_client mode does not matter)."""
+    env = {**os.environ, metrics.MULTIPROC_ENV: str(directory)}
+    out = subprocess.run([sys.executable, "-c", "import sys; from deepinfer import metrics; "
+                          "sys.stdout.write(metrics.exposition()[0].decode())"],
+                         env=env, capture_output=True, check=True, timeout=120)
+    return parse(out.stdout)
 
 
 def total(snap: dict[Any, float], name: str, **labels: str) -> float:
@@ -106,3 +125,45 @@ def test_a_mesh_exports_its_requests_pool_cache_and_handoffs(smollm2_path):
     assert grew("deepinfer_kv_transfer_seconds_count", path="handoff_send") == handoffs > 0
     assert total(after, "deepinfer_cache_tier_capacity_bytes", service="kvcache", tier="host") > 0
     assert total(after, "deepinfer_service_up", service="tokenizer") >= 1
+
+
+def test_the_processes_of_a_launched_mesh_add_up_in_one_directory(smollm2_path, tmp_path):
+    """`up` (a process per service): the router's, the tokenizer's and the worker's samples meet in the run's
+    metrics directory; once the mesh stops, every service says it is down and the counters stay."""
+    import deepinfer
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deepinfer.launch.cli", "up", "--model", str(smollm2_path), "--threads", "1",
+         "--kv-cache-mb", "64", "--run-dir", str(tmp_path), "--colocated", "--no-kvcache"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    directory = tmp_path / "metrics"
+    try:
+        assert "ready" in proc.stdout.readline()
+        frontend = proc.stdout.readline().strip()
+        ready = aggregate(directory)  # the supervisor's readiness probe was a request too
+        with deepinfer.Client(frontend, timeout_s=120) as c:
+            results = [c.generate(q, max_tokens=MAX_TOKENS) for q in QUESTIONS[:2]]
+        for _ in range(100):  # the worker's pool gauges and steps come with its heartbeats
+            snap = aggregate(directory)
+            if total(snap, "deepinfer_kv_blocks_free", service="worker") and total(
+                    snap, "deepinfer_worker_step_duration_seconds_count", service="worker"):
+                break
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    assert code == 0
+    def grew(name: str) -> float:
+        return total(snap, name, service="router") - total(ready, name, service="router")
+
+    assert grew("deepinfer_time_to_first_token_seconds_count") == len(results)
+    assert grew("deepinfer_request_success_total") == len(results)
+    assert grew("deepinfer_generation_tokens_total") == sum(len(r.token_ids) for r in results)
+    assert total(snap, "deepinfer_kv_blocks_free", service="worker") > 0
+    assert total(snap, "deepinfer_worker_step_duration_seconds_count", service="worker") > 0
+    up = {dict(labels)["service"]: v for (name, labels), v in snap.items() if name == "deepinfer_service_up"}
+    assert up == {"router": 1, "tokenizer": 1, "worker": 1}
+    after = aggregate(directory)
+    assert total(after, "deepinfer_service_up") == 0
+    assert total(after, "deepinfer_time_to_first_token_seconds_count", service="router") == total(
+        snap, "deepinfer_time_to_first_token_seconds_count", service="router")
