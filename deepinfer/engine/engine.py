@@ -98,6 +98,7 @@ from deepinfer.parallel.group import EpGroup, ExpertParallelError
 from deepinfer.parallel.placement import ExpertPlacement
 
 log = structlog.get_logger("deepinfer.engine")
+_PROMPT_LOGPROB_ROWS = 256  # prompt positions whose log-softmax is taken at once (bounds the extra memory)
 
 
 @dataclass
@@ -579,10 +580,13 @@ class LLMEngine:
         lps = req.prompt_logprobs
         assert lps is not None
         start, m = part.chunk.start, part.logits.shape[0]
-        targets = req.prompt_token_ids[start + 1 : start + 1 + m]
         num_top = req.params.prompt_logprobs or 0
-        for j, lp in enumerate(token_logprobs(part.logits.float().log_softmax(dim=-1), targets, [num_top] * m)):
-            lps[start + 1 + j] = lp
+        for lo in range(0, m, _PROMPT_LOGPROB_ROWS):  # a slice at a time: one more [rows, vocab] at most
+            hi = min(m, lo + _PROMPT_LOGPROB_ROWS)
+            logp = part.logits[lo:hi].float().log_softmax(dim=-1)
+            targets = req.prompt_token_ids[start + 1 + lo : start + 1 + hi]
+            for j, lp in enumerate(token_logprobs(logp, targets, [num_top] * (hi - lo)), start + 1 + lo):
+                lps[j] = lp
         if start + 1 + m >= len(req.prompt_token_ids):
             req.prompt_logprobs_done = True
 

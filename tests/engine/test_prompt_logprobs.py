@@ -236,3 +236,13 @@ def test_smollm2_greedy_logit_bias_matches_transformers(smollm2_case, speculativ
     ref = hf_biased_greedy(hf, prompt, n, bias)
     assert ref[0] == favourite
     assert_same_biased_greedy(hf, prompt, out.token_ids, ref, bias)
+
+
+def test_prompt_logprobs_of_a_long_chunk_are_taken_a_slice_at_a_time(tiny_llama, tiny_hf, monkeypatch):
+    import deepinfer.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_PROMPT_LOGPROB_ROWS", 3)  # 70 positions in one chunk: many slices
+    prompt = random_tokens(70, 70, VOCAB)
+    [out] = engine(tiny_llama, max_num_batched_tokens=512).generate([prompt], SamplingParams(max_tokens=1,
+                                                                                            prompt_logprobs=TOP))
+    assert_prompt_logprobs(out.prompt_logprobs, hf_prompt_logprobs(tiny_hf, prompt), prompt, 1e-4)
