@@ -366,7 +366,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--launch-arg", action="append", default=[], help="extra argument for `deepinfer-launch up`")
     ap.add_argument("--streams", type=int, default=32, help="the closed-burst scenario's concurrency (0: none)")
-    ap.add_argument("--rates", default="1,2,4", help="request rates (req/s, or inf), one scenario each")
+    ap.add_argument("--rates", default="1,2,4", help="request rates (req/s, or inf), one scenario each; none: only "
+                    "the --streams scenario")
     ap.add_argument("--request-rate", type=float, default=None, help="one rate (instead of --rates)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="bound on in-flight requests at --rates")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -402,7 +403,7 @@ async def bench(args: argparse.Namespace, url: str, frontend: str | None) -> lis
     scenarios: list[tuple[str, float, int | None]] = []
     if args.streams and args.trace is None:
         scenarios.append((f"{args.streams} streams", math.inf, args.streams))
-    rates = [args.request_rate] if args.request_rate else parse_rates(args.rates)
+    rates = [args.request_rate] if args.request_rate else [] if args.rates in ("", "none") else parse_rates(args.rates)
     if args.trace is not None:
         rates = [math.nan]  # the trace's own arrivals
     scenarios += [(f"rate {r:g}" if not math.isnan(r) else "trace", r, args.max_concurrency) for r in rates]
