@@ -60,10 +60,11 @@ def _ecdf(ax: Any, values: Sequence[float], label: str, **kw: Any) -> None:
 
 
 def _log_x(ax: Any) -> None:
-    """A log x axis labelled with plain numbers at the decades and none at the minor ticks."""
+    """A log x axis labelled with plain numbers at 1, 2 and 5 times the powers of ten, none at the minor ticks."""
     from matplotlib import ticker
 
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
 
