@@ -337,6 +337,7 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+                _metrics_process_exited(p.pid)  # its live gauges (KV blocks, running) end with it
         if self._lifeline is not None:
             for fd in self._lifeline:
                 os.close(fd)

@@ -165,5 +165,7 @@ def test_the_processes_of_a_launched_mesh_add_up_in_one_directory(smollm2_path, 
     assert up == {"router": 1, "tokenizer": 1, "worker": 1}
     after = aggregate(directory)
     assert total(after, "deepinfer_service_up") == 0
+    # The supervisor reported every child's exit: their live gauges went with them, their counters stayed.
+    assert not any(name == "deepinfer_kv_blocks_free" for name, _ in after)
     assert total(after, "deepinfer_time_to_first_token_seconds_count", service="router") == total(
         snap, "deepinfer_time_to_first_token_seconds_count", service="router")
