@@ -75,7 +75,7 @@ class Gateway:
     @property
     def ready(self) -> bool:
         # The session's view of the connection (inproc:// counts as always connected).
-        return self.client is not None and self.client._session.connected and self.client._session.refusal is None
+        return self.client is not None and self.client.connected
 
     async def connect_forever(self) -> None:
         """Make the shared client once a router answers its Hello; the client then reconnects by itself."""

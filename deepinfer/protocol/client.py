@@ -603,6 +603,12 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def connected(self) -> bool:
+        """A router is connected and accepted our Hello (an inproc:// endpoint counts as always connected).
+        Requests sent while this is False wait for a router until their connect timeout."""
+        return not self._closed and self._session.connected and self._session.refusal is None
+
     async def connect(self) -> None:
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._flush())]
         if self._monitor is not None:

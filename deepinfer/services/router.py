@@ -391,11 +391,7 @@ class RouterService(BaseService):
         events = {"admitted": metrics.admitted, "retries": metrics.retries, "moves": metrics.moves,
                   "stale": metrics.stale, "kv_events": metrics.kv_events, "resyncs": metrics.resyncs,
                   "forged": self.forged, "malformed": self.malformed}
-        # The core keeps no count by phase: its requests are read here (a few thousand at most, twice a second).
-        reqs = getattr(self.core, "_reqs", None)
-        phases = ([st.phase.value for st in reqs.values()] if isinstance(reqs, dict)
-                  else ["other"] * self.core.num_inflight)
-        self.export.state(phases, len(self._backlog), events, self.core.table.instances.values())
+        self.export.state(self.core.phase_counts(), len(self._backlog), events, self.core.table.instances.values())
 
     def _log_state(self) -> None:
         """One line per period: what an operator (or bench/soak.py) watches for leaks and stalls."""

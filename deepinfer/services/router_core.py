@@ -115,6 +115,10 @@ class RouterCore:
     def num_inflight(self) -> int:
         return len(self._reqs)
 
+    def phase_counts(self) -> Counter[str]:
+        """Requests in flight by phase (Phase values), for the metrics."""
+        return Counter(st.phase.value for st in self._reqs.values())
+
     def request(self, request_id: str) -> RouterRequest | None:
         """By our id, as the services know it now."""
         return self._reqs.get(request_id)

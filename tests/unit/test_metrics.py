@@ -126,8 +126,8 @@ def test_router_state_and_expert_load():
             self.role, self.alive = role, alive
 
     members = [Member("worker", True), Member("worker", False), Member("tokenizer", True), Member("mystery", True)]
-    export.state(["parked", "decoding", "decoding"], 1, {"admitted": 5, "moves": 1}, members)
-    export.state(["decoding", "prefilling"], 0, {"admitted": 9, "moves": 1}, [Member("worker", True)])
+    export.state({"parked": 1, "decoding": 2}, 1, {"admitted": 5, "moves": 1}, members)
+    export.state({"decoding": 1, "prefilling": 1}, 0, {"admitted": 9, "moves": 1}, [Member("worker", True)])
     load = m.ExpertLoad("g0", placement_version=4, period_s=5.0, rank_tokens=[10, 30],
                         rank_expert_tokens=[[1, 3], [2, 2]])
     export.expert_load("g0", load, 1.25)

@@ -159,6 +159,16 @@ def test_text_prompts_are_estimated_then_counted_exactly() -> None:
     assert mesh.core.queued_tokens == 30 and mesh.core.num_inflight == 1
 
 
+def test_phase_counts_follow_requests() -> None:
+    mesh = basic_mesh()
+    first = mesh.admit(prompt="x" * 100)
+    mesh.admit(prompt="y" * 100)
+    assert mesh.core.phase_counts() == {"tokenizing": 2}
+    mesh.encoded(first, n=30)
+    counts = mesh.core.phase_counts()
+    assert sum(counts.values()) == 2 and counts["tokenizing"] == 1
+
+
 @pytest.mark.parametrize(
     ("kw", "says"),
     [

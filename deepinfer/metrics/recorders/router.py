@@ -4,7 +4,7 @@ expert load. All children are bound once; a label value outside its known set is
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from deepinfer.metrics import definitions as d
@@ -79,12 +79,13 @@ class RouterExport:
 
     # -- periodic ---------------------------------------------------------------------------------------
 
-    def state(self, phases: Iterable[str], slow_clients: int, events: dict[str, int], members: Iterable[Any]) -> None:
-        """The router's gauges and counters now: the phase of each request in flight, slow clients, its event
+    def state(self, phases: Mapping[str, int], slow_clients: int, events: dict[str, int],
+              members: Iterable[Any]) -> None:
+        """The router's gauges and counters now: its requests in flight by phase, slow clients, its event
         totals (monotonic), and its members (objects with `role` and `alive`)."""
         inflight = dict.fromkeys(self.inflight, 0)
-        for phase in phases:
-            inflight[_known(phase, PHASES)] += 1
+        for phase, n in phases.items():
+            inflight[_known(phase, PHASES)] += n
         for phase, n in inflight.items():
             self.inflight[phase].set(n)
         self.slow_clients.set(slow_clients)
