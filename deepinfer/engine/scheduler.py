@@ -99,6 +99,15 @@ class SchedulerOutput:
         return not self.chunks
 
 
+# A request collecting prompt logprobs has logits at every position of its chunks ([chunk, vocab] floats: 400 MB
+# for a 2,048-token chunk of a 49k vocabulary); its chunks are kept this short to bound that.
+PROMPT_LOGPROBS_CHUNK = 512
+
+
+def _chunk_cap(req: Request) -> int:
+    return PROMPT_LOGPROBS_CHUNK if req.wants_prompt_logprobs else 1 << 62
+
+
 class Scheduler:
     def __init__(
         self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -196,7 +205,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
             before = len(req.block_ids)
             spec = min(req.num_spec_tokens, budget - n) if req.num_tokens - req.num_computed_tokens == 1 else 0
             # Drafts only take blocks that are free now: never preempt for a guess.
@@ -213,7 +222,7 @@ class Scheduler:
             req = self.waiting[0]
             hit = self._cached_prefix(req)
             computed = req.num_computed_tokens + len(hit) * self.block_size
-            n = min(req.num_tokens - computed, budget)
+            n = min(req.num_tokens - computed, budget, _chunk_cap(req))
             need = self._blocks_for(computed + n) - len(req.block_ids) - len(hit)
             # Hit blocks that are free now stop being free once taken.
             if need + sum(self.pool.ref_cnt(b) == 0 for b in hit) > self.pool.num_free:

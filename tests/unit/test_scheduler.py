@@ -643,3 +643,20 @@ def test_random_workload_with_shared_prefixes_computes_the_right_kv():
         s.finish(r, FinishReason.ABORT)
     assert pool.num_free == 14
     pool.check_integrity()
+
+
+def test_a_request_collecting_prompt_logprobs_is_chunked_short() -> None:
+    # Its chunks carry logits at every position, so their length is bounded whatever the token budget.
+    from deepinfer.engine.scheduler import PROMPT_LOGPROBS_CHUNK
+
+    s = Scheduler(BlockPool(256), block_size=16, max_num_seqs=8, max_num_batched_tokens=4096)
+    n = 2 * PROMPT_LOGPROBS_CHUNK + 100
+    plain = make("plain", n)
+    scored = Request("scored", list(range(1, n + 1)), SamplingParams(max_tokens=4, prompt_logprobs=0))
+    assert scored.wants_prompt_logprobs
+    s.add(plain)
+    s.add(scored)
+    first = run_step(s)
+    assert first == {"plain": n, "scored": PROMPT_LOGPROBS_CHUNK}
+    assert run_step(s)["scored"] == PROMPT_LOGPROBS_CHUNK
+    assert run_step(s)["scored"] == 100
