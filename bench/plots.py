@@ -102,13 +102,17 @@ def serving(report: Report, out: Path) -> list[Path]:
     fig.suptitle("bench_serving: TTFT CDF, HTTP vs ZeroMQ on the same mesh and load", fontsize=10)
     paths = [_save(fig, png_path(out, "ttft-cdf"))]
 
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * n + 2), 3.8))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.6 * n + 2), 3.8))
     width = 0.38
     for k, (name, label, color) in enumerate((("http", "HTTP gateway", "tab:blue"),
                                                ("zmq", "ZeroMQ client (baseline)", "tab:orange"))):
         xs = [i + (k - 0.5) * width for i in range(n)]
         ys = [sc[name]["output_throughput"] if name in sc else 0.0 for sc in scenarios]
         ax.bar(xs, ys, width, label=label, color=color)
+        for x, sc in zip(xs, scenarios):  # every run when repeated (the bar is the median run)
+            runs = [r["output_throughput"] for r in sc.get("runs", {}).get(name, [])]
+            if len(runs) > 1:
+                ax.scatter([x] * len(runs), runs, color="k", s=10, zorder=3)
     for i, sc in enumerate(scenarios):
         r = sc.get("ratio_http_zmq", {}).get("output_throughput")
         if r is not None and not math.isnan(r):
@@ -117,7 +121,8 @@ def serving(report: Report, out: Path) -> list[Path]:
                         textcoords="offset points")
     ax.set_xticks(range(n), [sc["label"] for sc in scenarios])
     ax.set_ylabel("output tokens/s")
-    ax.set_title("bench_serving: output tokens/s, HTTP vs ZeroMQ (label: HTTP / ZeroMQ)", fontsize=10)
+    ax.set_title("bench_serving: output tokens/s, HTTP vs ZeroMQ\n(bars: median run, dots: runs, label: HTTP / ZeroMQ)",
+                 fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     ax.margins(y=0.15)
