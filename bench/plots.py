@@ -91,7 +91,7 @@ def serving(report: Report, out: Path) -> list[Path]:
     n = len(scenarios)
     cols = min(n, 3)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.5, 4.6 * cols), 3.6 * rows), squeeze=False)
     for ax, sc in zip(axes.flat, scenarios):
         for name, label, color in (("http", "HTTP gateway", "tab:blue"), ("zmq", "ZeroMQ client", "tab:orange")):
             if name in sc:
