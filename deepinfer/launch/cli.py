@@ -452,6 +452,7 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         logs = f"logs in {log_dir or run_dir}" + (" until exit" if temporary and log_dir is None else "")
+        _share_metrics_dir(run_dir / "metrics")
         _supervise(topology, log_dir or run_dir, logs)
     finally:
         _remove_run_files(run_dir, temporary, made)
@@ -472,20 +473,22 @@ def expert_balancer(model: str, ep: int, off: bool, interval_s: float | None,
     return dataclasses.replace(BALANCER_DEFAULTS, **given)
 
 
-def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
-    """Start the supervisor's children and keep them up until SIGINT/SIGTERM, then drain and stop them.
-    Every child writes its metrics samples to `log_dir/metrics` (the run directory's unless --log-dir; emptied
-    first, left after exit with the logs), which gateways export."""
+def _share_metrics_dir(metrics_dir: Path) -> None:
+    """Every child `up` starts writes its metrics samples to `metrics_dir` (in the run directory: emptied now;
+    a temporary run directory goes at exit with it, one the user gave keeps it), which gateways export."""
     import os
 
+    from deepinfer.metrics import MULTIPROC_ENV, prepare_dir
+
+    prepare_dir(metrics_dir)
+    os.environ[MULTIPROC_ENV] = str(metrics_dir)  # the children inherit it; process_exited reads it here
+
+
+def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
+    """Start the supervisor's children and keep them up until SIGINT/SIGTERM, then drain and stop them."""
     from deepinfer.launch.exit_notes import ExitNotifier
     from deepinfer.launch.keys import supervisor_auth
     from deepinfer.launch.supervisor import Supervisor, gateway_url
-    from deepinfer.metrics import MULTIPROC_ENV, prepare_dir
-
-    metrics_dir = log_dir / "metrics"
-    prepare_dir(metrics_dir)
-    os.environ[MULTIPROC_ENV] = str(metrics_dir)  # the children inherit it; process_exited reads it here
 
     stopping = False
 
@@ -537,7 +540,6 @@ def _announce(endpoint: str, extra: str = "", urls: list[str] | None = None) -> 
     for url in urls or []:
         click.echo(f"OpenAI-compatible HTTP API: {url}/v1")
     sys.stdout.flush()
-
 
 
 @main.command()

@@ -8,7 +8,7 @@ OpenMP threads spin while waiting, and oversubscribed they slow matmuls by order
 router, tokenizers, cache daemons, the expert balancer and HTTP gateways get one.
 
 Metrics: children inherit the supervisor's environment, `PROMETHEUS_MULTIPROC_DIR` included (`up` sets it to
-`<log dir>/metrics`, the run directory's by default, emptied first), so every process of the host writes its
+`<run dir>/metrics`, emptied first), so every process of the host writes its
 samples there and a gateway's GET /metrics aggregates them; when a child exits its live gauges are dropped
 (`metrics.process_exited`).
 
