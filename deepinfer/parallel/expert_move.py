@@ -235,6 +235,7 @@ class _Staging:
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    thread: threading.Thread | None = None  # the loading thread (joined by PlacementStager.close)
 
 
 class PlacementStager:
@@ -279,10 +280,11 @@ class PlacementStager:
             wanted.append(from_files)
         staging = _Staging(placement, self.placement.version, rows)
         self._staging = staging
-        self._loading = [s for s in self._loading if not s.done.is_set()] + [staging]
+        self._loading = [s for s in self._loading if s.thread is not None and s.thread.is_alive()] + [staging]
         dtypes = [(ex.bank.gate_up.dtype, ex.bank.gate_up.device) for ex in self.executors]
-        threading.Thread(target=self._load, args=(staging, wanted, dtypes), daemon=True,
-                         name=f"stage-placement-v{placement.version}").start()
+        staging.thread = threading.Thread(target=self._load, args=(staging, wanted, dtypes), daemon=True,
+                                          name=f"stage-placement-v{placement.version}")
+        staging.thread.start()
 
     def _load(self, staging: _Staging, wanted: list[dict[int, int]],
               dtypes: list[tuple[torch.dtype, torch.device]]) -> None:
@@ -366,7 +368,11 @@ class PlacementStager:
         finalises is torn down mid C++ call, and the process aborts ("exception not rethrown")."""
         self.drop()
         loading, self._loading = self._loading, []
-        return all(s.done.wait(timeout_s) for s in loading)
+        deadline = time.monotonic() + timeout_s
+        for s in loading:
+            if s.thread is not None:
+                s.thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(s.thread is not None and s.thread.is_alive() for s in loading)
 
 
 def shard_movable(model: object, loaded: LoadedModel, group: EpGroup, placement: ExpertPlacement | None,
