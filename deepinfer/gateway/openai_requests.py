@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from deepinfer.engine.request import InvalidRequestError, SamplingParams
 from deepinfer.gateway.errors import ApiError, invalid, model_not_found
+from deepinfer.protocol.client import logit_bias_pairs
 
 MAX_N = 128  # samples per prompt
 MAX_BATCH = 1024  # prompts per completions request
@@ -138,22 +139,16 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
 
 
 def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
-    """OpenAI's {"token id as a string": bias}; ids must be integers, biases numbers."""
+    """OpenAI's {"token id as a string": bias}; ids must be integers, biases numbers (the client's rules)."""
     v = body.get("logit_bias")
     if v is None:
         return {}
     if not isinstance(v, Mapping):
         raise invalid("logit_bias must map token ids to biases", "logit_bias")
-    bias: dict[int, float] = {}
-    for key, value in v.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise invalid(f"logit_bias: {key!r} is not a token id", "logit_bias") from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise invalid(f"logit_bias[{key!r}] must be a number, got {value!r}", "logit_bias")
-        bias[token] = float(value)
-    return bias
+    try:
+        return dict(logit_bias_pairs(v))
+    except ValueError as exc:
+        raise invalid(str(exc), "logit_bias") from None
 
 
 def _check_keys(body: Any, known: set[str]) -> None:

@@ -30,10 +30,12 @@ def to_wire_params(params: SamplingParams) -> SamplingParamsWire:
     return SamplingParamsWire(**values)
 
 
+def to_wire_logprob(lp: Logprob) -> LogprobWire:
+    return LogprobWire(lp.token_id, lp.logprob, [tuple(t) for t in lp.top])
+
+
 def to_wire_logprobs(lps: list[Logprob] | None) -> list[LogprobWire] | None:
-    if lps is None:
-        return None
-    return [LogprobWire(lp.token_id, lp.logprob, [tuple(t) for t in lp.top]) for lp in lps]
+    return None if lps is None else [to_wire_logprob(lp) for lp in lps]
 
 
 def from_wire_logprob(lp: LogprobWire | None) -> Logprob | None:
@@ -44,7 +46,7 @@ def to_wire_prompt_logprobs(lps: list[Logprob | None] | None) -> list[LogprobWir
     """Prompt logprobs: one per prompt token, the first None (no context before it)."""
     if lps is None:
         return None
-    return [None if lp is None else LogprobWire(lp.token_id, lp.logprob, [tuple(t) for t in lp.top]) for lp in lps]
+    return [None if lp is None else to_wire_logprob(lp) for lp in lps]
 
 
 def from_wire_prompt_logprobs(lps: list[LogprobWire | None] | None) -> list[Logprob | None] | None:

@@ -5,18 +5,18 @@ expert load. All children are bound once; a label value outside its known set is
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, get_args
 
 from deepinfer.metrics import definitions as d
 from deepinfer.metrics.bind import TotalsFeed, bind
 from deepinfer.protocol import messages as m
+from deepinfer.services.router_state import Phase
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-ERROR_CODES = ("overloaded", "unauthorized", "unavailable", "invalid_request", "bad_message", "worker_lost",
-               "timeout", "internal")
+FINISH_REASONS: tuple[str, ...] = get_args(m.FinishReason)
+ERROR_CODES: tuple[str, ...] = get_args(m.ErrorCode)
 TIERS = ("device", "host", "disk")
 ROLES = ("tokenizer", "worker", "prefill", "decode", "kvcache", "balancer")
-PHASES = ("tokenizing", "parked", "prefilling", "decoding", "finishing")
+PHASES = tuple(p.value for p in Phase)
 EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed")
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
 MAX_RANKS = 256
