@@ -135,11 +135,18 @@ class Sampler:
         return list(zip(token_ids, self.logprobs(raw, rows, token_ids), strict=True))
 
     def raw_logprobs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
-        """[n, vocab] fp32 log-softmax of the raw logits (before bias and penalties) when any row asks
-        for logprobs, else None. Take it before `penalise`, which writes into fp32 logits."""
-        if all(row.params.logprobs is None for row in rows):
+        """[n, vocab] fp32 log-softmax of the raw logits (before bias and penalties) in the rows that ask for
+        logprobs (the other rows are left unset: nobody reads them), or None when no row asks. Take it
+        before `penalise`, which writes into fp32 logits."""
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if not wanted:
             return None
-        return logits.float().log_softmax(dim=-1)
+        if len(wanted) == len(rows):
+            return logits.float().log_softmax(dim=-1)
+        raw = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        idx = _index(wanted, logits.device)
+        raw[idx] = logits.index_select(0, idx).float().log_softmax(dim=-1)
+        return raw
 
     def penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """`logits` with each row's logit bias added, then its penalties applied (in place), as fp32."""
