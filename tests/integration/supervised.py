@@ -4,6 +4,7 @@ it, for fault tests: dead children are restarted in the background while the tes
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,9 +29,27 @@ def supervised_mesh(topo: Topology, run_dir: Path, poll_s: float = 0.2) -> Itera
 
     try:
         sup.wait_ready(timeout_s=300)
+        wait_every_child_serving(sup, timeout_s=300)
         threading.Thread(target=keep_alive, daemon=True).start()
         yield sup
     finally:
         stop.set()
         sup.stop()
         notes.close()
+
+
+def wait_every_child_serving(sup: Supervisor, timeout_s: float) -> None:
+    """`wait_ready` needs one path through the mesh; a fault test needs every service registered before its
+    fault (on a loaded machine a second decode worker may still be loading its weights), or what it checks
+    afterwards (e.g. that each service greets a restarted router) is about a service that never met the old
+    one. A service logs "serving" once the router has welcomed it (a gateway, which is no mesh service, and
+    a group's follower ranks, which meet the router through their leader, are left out)."""
+    services = [c for c in sup.children if c.role != "gateway" and c.rank == 0]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        waiting = [c.name for c in services if "serving" not in (sup.log_dir / f"{c.name}.log").read_text()]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not serving after {timeout_s}s: {waiting}")
+        time.sleep(0.2)
