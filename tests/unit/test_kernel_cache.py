@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepinfer.engine.kernels import build
 from deepinfer.engine.kernels import paged_attention as pa
 
 COMPILER = pa._find_compiler()
@@ -30,7 +31,7 @@ def cache(monkeypatch, tmp_path) -> Path:
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setattr(pa, "_fresh_dir", None)
+    monkeypatch.setattr(build, "_fresh_dir", None)  # the per-process fallback dir lives in build.py
     return tmp_path / "cache" / "kernels"
 
 

@@ -2,9 +2,9 @@
 
 `paged_decode_attention` reads K/V in place through the block tables with a small C kernel
 (`paged_attention.c`), compiled on first use with the system C compiler into a per-user cache
-and loaded with ctypes. Loading a shared library runs its code, so a cached build is used only
-from a directory and file that this user owns and nobody else can write (see `_check_private`);
-anything else is refused with a warning and the kernel is rebuilt in a fresh private directory.
+and loaded with ctypes (build.py: a cached build is used only from a directory and file that this user
+owns and nobody else can write; anything else is refused with a warning and the kernel is rebuilt
+in a fresh private directory).
 `paged_decode_attention_reference` is the pure-torch version (gather + softmax): the oracle for
 tests, and what `paged_decode_attention` falls back to when the kernel cannot be built or loaded.
 
@@ -22,21 +22,15 @@ GQA: query head h reads kv head h // (num_heads // num_kv_heads).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import stat
 import struct
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from deepinfer.engine.kernels import build
 
 __all__ = [
     "native_available",
@@ -65,180 +59,36 @@ _fn = None  # the ctypes function once loaded
 # Build and load
 
 
-def kernel_cache_dir() -> Path:
-    """Where compiled kernels are kept: $DEEPINFER_CACHE_DIR, else $XDG_CACHE_HOME/deepinfer,
-    else ~/.cache/deepinfer; subdirectory `kernels` (created 0700, checked before every use)."""
-    root = os.environ.get("DEEPINFER_CACHE_DIR")
-    if root:
-        base = Path(root)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg) / "deepinfer" if xdg else Path.home() / ".cache" / "deepinfer"
-    return base / "kernels"
-
-
-class UnsafeKernelPath(OSError):
-    """A kernel directory or library another user could have written (or could still change)."""
-
-
-def _check_private(st: os.stat_result, path: Path, *, is_dir: bool) -> None:
-    """Raise UnsafeKernelPath unless `st` (from lstat/fstat, never following a link) is a real
-    directory / regular file owned by this user and not writable by group or others: only then
-    can nobody else have put code there or swap it in later."""
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafeKernelPath(f"{path} is a symlink")
-    if not (stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)):
-        raise UnsafeKernelPath(f"{path} is not a {'directory' if is_dir else 'regular file'}")
-    if st.st_uid != os.geteuid():
-        raise UnsafeKernelPath(f"{path} is owned by uid {st.st_uid}, not {os.geteuid()}")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeKernelPath(f"{path} is group/world-writable (mode {stat.S_IMODE(st.st_mode):o})")
-
-
-def _ensure_private_dir(path: Path) -> None:
-    """Create `path` with mode 0700 (parents with the default mode) and check it. An existing
-    directory is accepted only if it passes `_check_private`; it is not silently repaired."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700)  # the umask can only clear bits
-    except FileExistsError:
-        pass
-    _check_private(os.lstat(path), path, is_dir=True)
-
-
-_fresh_dir: Path | None = None
-
-
-def _fresh_private_dir() -> Path:
-    """A new directory only this process knows (mkdtemp: random name, created 0700, fails rather
-    than reuse an existing one); one per process, removed at exit. Used when the cache is refused."""
-    global _fresh_dir
-    if _fresh_dir is None:
-        _fresh_dir = Path(tempfile.mkdtemp(prefix=f"deepinfer-kernels-{os.geteuid()}-"))
-        atexit.register(shutil.rmtree, _fresh_dir, True)  # a loaded .so stays mapped after unlink
-    return _fresh_dir
-
-
-def _reusable(target: Path) -> bool:
-    """True if a build is already at `target` and safe to load; False if there is none; raises
-    UnsafeKernelPath if something is there that must not be loaded."""
-    try:
-        st = os.lstat(target)
-    except FileNotFoundError:
-        return False
-    _check_private(st, target, is_dir=False)
-    return True
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+# The shared machinery lives in build.py; these names stay here (the tests patch and call them).
+UnsafeKernelPath = build.UnsafeKernelPath
+kernel_cache_dir = build.kernel_cache_dir
+_check_private = build.check_private
+_find_compiler = build.find_compiler
 
 
 def _compile_flags(openmp: bool = True, simd: bool = True) -> list[str]:
-    flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno"]
-    if openmp:
-        flags.append("-fopenmp")
-    if simd and platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma"]
-    return flags
-
-
-def _find_compiler() -> str | None:
-    for name in (os.environ.get("CC"), "gcc", "cc"):
-        if name:
-            path = shutil.which(name)
-            if path:
-                return path
-    return None
+    return build.compile_flags(openmp, simd)
 
 
 def _lib_name(compiler: str, flags: list[str]) -> str:
-    """File name of the build: keyed by source, flags, compiler and machine."""
-    key = hashlib.sha256(
-        b"\0".join([_SOURCE.read_bytes(), " ".join(flags).encode(), os.path.basename(compiler).encode(),
-                    platform.machine().encode()])
-    ).hexdigest()[:20]
-    return f"{_LIB_STEM}-{key}.so"
+    return build.lib_name(_SOURCE, _LIB_STEM, compiler, flags)
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    """Path of a checked build for these flags: reused from the cache, else compiled into it. If the
-    cache directory or the file found there fails the checks (or cannot be written), warn and
-    compile into a fresh private directory instead. Raises RuntimeError if the compiler fails."""
-    name = _lib_name(compiler, flags)
-    cache = kernel_cache_dir()
-    try:
-        _ensure_private_dir(cache)
-        target = cache / name
-        if _reusable(target):
-            return target
-        if not os.access(cache, os.W_OK | os.X_OK):
-            raise PermissionError(f"{cache} is not writable")
-    except OSError as e:  # UnsafeKernelPath included
-        target = _fresh_private_dir() / name
-        logger.warning("refusing kernel cache: %s; building the paged attention kernel in %s instead",
-                       e, target.parent)
-    if not _reusable(target):
-        _compile(compiler, flags, target)
-    return target
+    return build.build(_SOURCE, _LIB_STEM, compiler, flags, what="paged attention kernel", log=logger)
 
 
 def _compile(compiler: str, flags: list[str], target: Path) -> None:
-    """Compile to a private temporary name in target's directory, then rename atomically: a
-    concurrent process (building the same key) sees no file or a complete one, never a partial one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *flags, "-o", tmp, str(_SOURCE)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr.strip()}")
-        os.chmod(tmp, 0o755)  # the linker creates it with the umask; never group/world-writable
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    build.compile_source(_SOURCE, compiler, flags, target)
 
 
 _NUM_PARAMS = 16
 _pack_params = struct.Struct(f"<{_NUM_PARAMS}q").pack
 
 
-def _dlopen_checked(path: Path) -> ctypes.CDLL:
-    """dlopen `path` only if it and its directory pass `_check_private`. The file is opened with
-    O_NOFOLLOW and checked with fstat, and on Linux that same open file is loaded through
-    /proc/self/fd, so nothing can be swapped in between the check and the load."""
-    _check_private(os.lstat(path.parent), path.parent, is_dir=True)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if os.path.islink(path):
-            raise UnsafeKernelPath(f"{path} is a symlink") from e
-        raise
-    try:
-        _check_private(os.fstat(fd), path, is_dir=False)
-        proc_path = f"/proc/self/fd/{fd}"
-        if os.path.exists(proc_path):
-            # fd stays open for the life of the process, like the mapping: dlopen hands back an
-            # already loaded object of the same name, so a reused fd number would load the wrong one.
-            return ctypes.CDLL(proc_path)
-    except BaseException:
-        os.close(fd)
-        raise
-    os.close(fd)
-    return ctypes.CDLL(str(path))  # no /proc: the checked 0700 directory is what protects the path
-
-
 def _load(path: Path):
     """Load the checked library at `path`; returns (lib, ctypes function). Raises on a refused path."""
-    lib = _dlopen_checked(path)
+    lib = build.dlopen_checked(path)
     if lib.pa_num_params() != _NUM_PARAMS:
         raise RuntimeError(f"{path} expects {lib.pa_num_params()} parameters, this wrapper passes {_NUM_PARAMS}")
     fn = lib.pa_paged_decode_attention_f32
@@ -265,20 +115,12 @@ def native_available() -> bool:
                 raise RuntimeError("no C compiler found (looked for $CC, gcc, cc)")
             # Fall back to a serial build when the compiler has no OpenMP, and to plain C when
             # the SIMD flags are refused.
-            errors: list[str] = []
-            for openmp, simd in ((True, True), (False, True), (False, False)):
-                try:
-                    path = _build(compiler, _compile_flags(openmp, simd))
-                    break
-                except RuntimeError as e:
-                    errors.append(str(e))
-            else:
-                raise RuntimeError("\n".join(errors))
+            path, flags, errors = build.build_first(lambda f: _build(compiler, f), build.flag_fallbacks())
             if errors:
                 logger.warning("paged attention kernel built with reduced flags %s; first failure: %s",
-                               _compile_flags(openmp, simd), errors[0])
+                               flags, errors[0])
             _lib, fn = _load(path)
-            _state.update(path=str(path), flags=_compile_flags(openmp, simd),
+            _state.update(path=str(path), flags=flags,
                           avx2=bool(_lib.pa_has_avx2()), openmp=bool(_lib.pa_has_openmp()))
             _fn = fn
             logger.debug("paged attention kernel loaded from %s", path)
