@@ -1,0 +1,256 @@
+"""Linear layers that compute straight from GGUF block formats (Q8_0, Q4_0, Q4_1).
+
+`PackedWeight` holds one projection's weight W [out_features, in_features] as the file stores it: each
+row is in_features / 32 blocks of 32 weights along the input dimension (layouts in `quant_linear.c`).
+`quant_linear(x, packed, num_threads)` computes x @ W^T with the C kernel (`quant_linear.c`, built on
+first use by build.py), which dequantises the blocks in registers; the fp32 matrix is never made. When
+the kernel cannot be built, or x lives on another device (CUDA), it dequantises with torch and
+multiplies (`quant_linear_reference`).
+
+Invariants: in_features is a multiple of 32 (GGUF guarantees it; anything else is a ValueError);
+`blocks` is a contiguous uint8 tensor [out_features, in_features // 32 * block_bytes]; `dequantize()`
+gives bit for bit what `deepinfer.engine.gguf.dequantize` gives for the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepinfer.engine.kernels import build
+
+__all__ = [
+    "FORMATS",
+    "PackedWeight",
+    "native_available",
+    "native_info",
+    "native_unavailable_reason",
+    "quant_linear",
+    "quant_linear_reference",
+]
+
+logger = logging.getLogger(__name__)
+
+QK = 32
+# name → (format code passed to the C kernel, bytes per block of 32 weights)
+FORMATS: dict[str, tuple[int, int]] = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}
+_GGML_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}  # GGMLQuantizationType values
+_ERRORS = {-1: "K is not a positive multiple of 32", -2: "unknown format", -3: "bad shape or strides",
+           -4: "out of memory"}
+
+_SOURCE = Path(__file__).with_name("quant_linear.c")
+_LIB_STEM = "quant_linear"
+_SIMD = ("avx2", "fma", "f16c")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "reason": None}
+_fns: dict[str, object] = {}  # "native" and "portable" ctypes functions once loaded
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """One weight matrix in a GGUF block format.
+
+    format: "Q8_0", "Q4_0" or "Q4_1"; blocks: contiguous uint8 [out_features, in_features // 32 *
+    block_bytes]; row n holds output feature n's weights, 32 per block, in input order."""
+
+    format: str
+    blocks: torch.Tensor
+    out_features: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unsupported format {self.format!r}; supported: {', '.join(FORMATS)}")
+        if self.in_features <= 0 or self.in_features % QK:
+            raise ValueError(f"in_features must be a positive multiple of {QK}, got {self.in_features}")
+        shape = (self.out_features, self.in_features // QK * self.block_bytes)
+        b = self.blocks
+        if b.dtype != torch.uint8 or tuple(b.shape) != shape or not b.is_contiguous():
+            raise ValueError(f"blocks must be a contiguous uint8 tensor of shape {shape}, got {b.dtype} "
+                             f"{tuple(b.shape)}{'' if b.is_contiguous() else ' (not contiguous)'}")
+
+    @property
+    def block_bytes(self) -> int:
+        return FORMATS[self.format][1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed weights (what one pass over W reads)."""
+        return self.blocks.numel()
+
+    @classmethod
+    def from_raw(cls, raw: np.ndarray | bytes | memoryview | torch.Tensor, qtype: int | str,
+                 shape: Sequence[int]) -> PackedWeight:
+        """From a GGUF tensor's stored bytes (`ReaderTensor.data`), its type (GGMLQuantizationType or
+        name) and its shape in numpy order [out_features, in_features] (GGUF's dims reversed).
+        The bytes are copied (a reader's data is a read-only memory map)."""
+        fmt = _GGML_TYPES.get(int(qtype), f"type {int(qtype)}") if not isinstance(qtype, str) else qtype
+        if fmt not in FORMATS:
+            raise ValueError(f"unsupported format {fmt!r}; supported: {', '.join(FORMATS)}")
+        if len(shape) != 2:
+            raise ValueError(f"shape must be [out_features, in_features], got {tuple(shape)}")
+        n, k = (int(d) for d in shape)
+        if k <= 0 or k % QK:
+            raise ValueError(f"in_features must be a positive multiple of {QK}, got {k}")
+        if isinstance(raw, torch.Tensor):
+            flat = raw.detach().contiguous().view(torch.uint8).reshape(-1).clone()
+        else:
+            flat = torch.from_numpy(np.array(np.frombuffer(raw, np.uint8) if isinstance(raw, bytes | memoryview)
+                                             else np.ascontiguousarray(raw).view(np.uint8).reshape(-1)))
+        row = k // QK * FORMATS[fmt][1]
+        if flat.numel() != n * row:
+            raise ValueError(f"{flat.numel()} bytes of {fmt} cannot hold [{n}, {k}] (needs {n * row})")
+        return cls(fmt, flat.reshape(n, row), n, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [out_features, in_features] on the blocks' device, equal to gguf.dequantize's values."""
+        bsz = self.block_bytes
+        b = self.blocks.reshape(-1, bsz)  # one row per block
+
+        def half(lo: int) -> torch.Tensor:  # [blocks, 1] fp32 from the f16 at bytes lo, lo + 1
+            return b[:, lo:lo + 2].contiguous().view(torch.float16).float()
+
+        d = half(0)
+        if self.format == "Q8_0":
+            w = d * b[:, 2:].contiguous().view(torch.int8).float()
+        else:
+            nib = b[:, bsz - QK // 2:]
+            q = torch.cat([nib & 0x0F, nib >> 4], dim=1).float()  # low nibbles: elements 0-15
+            # Same operations as the numpy dequantiser: one product (Q4_0) or a product then a sum (Q4_1).
+            w = d * (q - 8.0) if self.format == "Q4_0" else d * q + half(2)
+        return w.reshape(self.out_features, self.in_features)
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        return PackedWeight(self.format, self.blocks.to(device), self.out_features, self.in_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build and load
+
+
+def _build(compiler: str, flags: list[str]) -> Path:
+    return build.build(_SOURCE, _LIB_STEM, compiler, flags, what="quantized linear kernel", log=logger)
+
+
+def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
+    lib = build.dlopen_checked(path)
+    fns: dict[str, object] = {}
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    for key, name in (("native", "ql_linear_f32"), ("portable", "ql_linear_f32_portable")):
+        fn = getattr(lib, name)
+        # x, ldx, w, y, ldy, M, N, K, format, num_threads
+        fn.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        fns[key] = fn
+    lib.ql_block_bytes.argtypes = [ctypes.c_int]
+    for name, (code, bsz) in FORMATS.items():
+        if lib.ql_block_bytes(code) != bsz:
+            raise RuntimeError(f"{path}: {name} blocks are {lib.ql_block_bytes(code)} bytes there, {bsz} here")
+    return lib, fns
+
+
+def native_available() -> bool:
+    """Build (once per source/flags, cached on disk) and load the kernel. False, with the reason
+    logged once, when there is no C compiler or the build or load fails."""
+    if _fns:
+        return True
+    with _lock:
+        if _state["tried"]:
+            return bool(_fns)
+        _state["tried"] = True
+        try:
+            compiler = build.find_compiler()
+            if compiler is None:
+                raise RuntimeError("no C compiler found (looked for $CC, gcc, cc)")
+            path, flags, errors = build.build_first(lambda f: _build(compiler, f), build.flag_fallbacks(_SIMD))
+            if errors:
+                logger.warning("quantized linear kernel built with reduced flags %s; first failure: %s",
+                               flags, errors[0])
+            lib, fns = _load(path)
+            _state.update(path=str(path), flags=flags, avx2=bool(lib.ql_has_avx2()),
+                          openmp=bool(lib.ql_has_openmp()), lib=lib)
+            _fns.update(fns)
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
+            _state["reason"] = f"{type(e).__name__}: {e}"
+            logger.warning("native quantized linear kernel unavailable, using the torch fallback: %s",
+                           _state["reason"])
+            return False
+
+
+def native_info() -> dict[str, object] | None:
+    """Where the loaded kernel came from and how it was built (None when not loaded)."""
+    if not _fns:
+        return None
+    return {key: _state[key] for key in ("path", "flags", "avx2", "openmp")}
+
+
+def native_unavailable_reason() -> str | None:
+    """Why `native_available()` returned False (None if it was not tried or succeeded)."""
+    return _state["reason"]  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def _check(x: torch.Tensor, packed: PackedWeight) -> None:
+    if not x.is_floating_point() or x.dim() < 1 or x.shape[-1] != packed.in_features:
+        raise ValueError(f"x must be a floating tensor [..., {packed.in_features}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if x.device != packed.blocks.device:
+        raise ValueError(f"x is on {x.device}, the packed weight on {packed.blocks.device}")
+
+
+def quant_linear_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [..., in_features] @ W^T → [..., out_features], by dequantising W with torch (any device;
+    the result has x's dtype)."""
+    _check(x, packed)
+    return torch.matmul(x, packed.dequantize().to(x.dtype).t())
+
+
+def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, impl: str = "auto") -> torch.Tensor:
+    """x [..., in_features] @ W^T → [..., out_features] (fp32 activations, fp32 sums).
+
+    On CPU, x must be float32; it is read in place when its rows are contiguous, else copied. Uses
+    at most `num_threads` threads (one for small problems). `impl`: "auto" (the C kernel, else
+    torch), "native" / "portable" (the kernel's SIMD / plain-C path; RuntimeError if it cannot be
+    built), "torch" (`quant_linear_reference`). On other devices it is always the torch path.
+    Raises ValueError on bad shapes, dtypes or devices."""
+    _check(x, packed)
+    if impl not in ("auto", "native", "portable", "torch"):
+        raise ValueError(f"impl must be auto, native, portable or torch, got {impl!r}")
+    if not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+    if impl == "torch" or not x.is_cpu:
+        return quant_linear_reference(x, packed)
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32 on CPU, got {x.dtype}")
+    if not native_available():
+        if impl != "auto":
+            raise RuntimeError(f"quantized linear kernel unavailable: {native_unavailable_reason()}")
+        return quant_linear_reference(x, packed)
+    fn = _fns["portable" if impl == "portable" else "native"]
+    k, n = packed.in_features, packed.out_features
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    # The kernel reads rows of K contiguous floats, ldx apart (ldx >= K when there are several rows).
+    if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m and n:
+        rc = fn(x2.data_ptr(), x2.stride(0), packed.blocks.data_ptr(), y.data_ptr(), n, m, n, k,
+                FORMATS[packed.format][0], num_threads)
+        if rc != 0:
+            if rc == -4:
+                raise MemoryError("quant_linear: out of memory for a row buffer")
+            raise ValueError(f"quant_linear: {_ERRORS.get(rc, f'error {rc}')}")
+    return y.reshape(*x.shape[:-1], n)
