@@ -83,8 +83,19 @@ def test_kernel_matches_float64_reference(fmt, n, k):
     packed, w = _packed(fmt, n, k, seed=n * 7 + k)
     x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(k))
     for m in ROWS:
-        for impl, threads in (("native", 1), ("native", 2), ("portable", 2)):
+        for impl, threads in (("auto", 2), ("native", 1), ("native", 2), ("portable", 2), ("gemm", 2)):
             _assert_product(quant_linear(x[:m], packed, threads, impl=impl), x[:m], w)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QTYPES))
+def test_gemm_path_in_chunks(monkeypatch, fmt):
+    """Dequantised chunks of rows (the last one short) + torch GEMM, as for a large LM head."""
+    monkeypatch.setattr(ql, "GEMM_CHUNK_FLOATS", 5 * 64)
+    packed, w = _packed(fmt, 17, 64, seed=9)
+    x = torch.randn(40, 64)
+    _assert_product(quant_linear(x, packed, 2), x, w)
+    _assert_product(quant_linear(x[:3], packed, 2, impl="gemm"), x[:3], w)
 
 
 @needs_native

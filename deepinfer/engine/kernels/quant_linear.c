@@ -51,6 +51,8 @@
 #endif
 /* Up to this many rows take the decode path (8 accumulators + 4 weight vectors fit in 16 ymm). */
 #define QL_SMALL_M 8
+/* Up to this many rows take out the block scale after the sum (few_rows). */
+#define QL_FEW_M 2
 #define QL_NR 16  /* output features per tile of the prefill path */
 #define QL_KC 512 /* inputs per tile: 16 x 512 fp32 = 32 KiB */
 #define QL_MR 3   /* rows of x per micro-kernel call */
@@ -117,6 +119,17 @@ static inline void dequant_block_scalar(int fmt, const uint8_t *b, float *out) {
     }
 }
 
+/* Which element of a block the SIMD path keeps at position p (0..31); see dequant_block. */
+static const int32_t Q4_SHIFT[4][8] = {
+    {0, 0, 0, 0, 8, 8, 8, 8}, {16, 16, 16, 16, 24, 24, 24, 24}, {4, 4, 4, 4, 12, 12, 12, 12},
+    {20, 20, 20, 20, 28, 28, 28, 28}};
+
+static inline int lane_element(int fmt, int p) {
+    if (!QL_AVX2 || fmt == QL_Q8_0) return p;
+    int j = p >> 3, l = p & 7; /* byte 4 * (l % 4) + shift / 8; high nibble (+16) when shift % 8 */
+    return 4 * (l & 3) + Q4_SHIFT[j][l] / 8 + (Q4_SHIFT[j][l] % 8 ? QK / 2 : 0);
+}
+
 static int work_threads(int num_threads, int64_t M, int64_t N, int64_t K, int64_t items) {
     if (num_threads < 1 || M * N * K < QL_MIN_PARALLEL_WORK) return 1;
     return items < num_threads ? (int)(items > 0 ? items : 1) : num_threads;
@@ -128,25 +141,61 @@ static int work_threads(int num_threads, int64_t M, int64_t N, int64_t K, int64_
 
 #define QL_INLINE static inline __attribute__((always_inline))
 
-/* Block b's 32 weights in four vectors (elements 0-7, 8-15, 16-23, 24-31). `fmt` is a constant
- * at every call site, so the branches fold away. */
-QL_INLINE void dequant_block(const int fmt, const uint8_t *b, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
+/* xp[m][32 b + p] = x[m][32 b + lane_element(fmt, p)]: x in the lane order of the weights. */
+static void permute_x(int fmt, const float *x, int64_t ldx, int64_t M, int64_t K, float *xp) {
+    int perm[QK];
+    for (int p = 0; p < QK; p++) perm[p] = lane_element(fmt, p);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k0 = 0; k0 < K; k0 += QK)
+            for (int p = 0; p < QK; p++) xp[m * K + k0 + p] = x[m * ldx + k0 + perm[p]];
+}
+
+/* Block b's 32 weights in four vectors, in "lane order": vector j, lane l holds element
+ * lane_element(fmt, 8 * j + l). Q8_0 is in element order (one sign-extending shuffle per vector);
+ * Q4 nibbles are pulled out of a broadcast 16-byte load with per-lane variable shifts (no shuffle
+ * port): lane l of vector j reads dword l % 4, shifted by Q4_SHIFT[j][l]. Callers permute x to
+ * match (`permute_x`), since a dot product does not care in which order its terms come. `fmt` is a
+ * constant at every call site, so the branches fold away. */
+QL_INLINE void block_ints(const int fmt, const uint8_t *b, __m256 q[4]) {
     if (fmt == QL_Q8_0) {
-        for (int j = 0; j < 4; j++) {
-            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)));
-            w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
-        }
+        for (int j = 0; j < 4; j++)
+            q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))));
         return;
     }
-    const uint8_t *nib = b + (fmt == QL_Q4_0 ? 2 : 4);
-    const __m128i v = _mm_loadu_si128((const __m128i *)nib), mask = _mm_set1_epi8(0x0f);
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (fmt == QL_Q4_0 ? 2 : 4))));
+    const __m256i mask = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
+    for (int j = 0; j < 4; j++) {
+        __m256i qi = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_loadu_si256((const __m256i *)Q4_SHIFT[j])), mask);
+        q[j] = _mm256_cvtepi32_ps(fmt == QL_Q4_0 ? _mm256_sub_epi32(qi, eight) : qi);
+    }
+}
+
+/* The block's weights themselves: d * q (Q8_0, Q4_0 with q - 8), d * q + m (Q4_1; a product then a
+ * sum, no FMA, so the values equal the loader's). */
+QL_INLINE void dequant_block(const int fmt, const uint8_t *b, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
+    block_ints(fmt, b, w);
+    if (fmt == QL_Q4_1) {
+        const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2)));
+        for (int j = 0; j < 4; j++) w[j] = _mm256_add_ps(_mm256_mul_ps(d, w[j]), m);
+    } else {
+        for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(d, w[j]);
+    }
+}
+
+/* The block's weights in element order (for ql_dequantize_f32): Q4 nibbles widened with shuffles. */
+QL_INLINE void dequant_block_natural(const int fmt, const uint8_t *b, __m256 w[4]) {
+    if (fmt == QL_Q8_0) {
+        dequant_block(fmt, b, w); /* its lane order is element order */
+        return;
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + (fmt == QL_Q4_0 ? 2 : 4))), mask = _mm_set1_epi8(0x0f);
     const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    __m256i q[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                    _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    const __m256i q[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                          _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
     if (fmt == QL_Q4_0) {
-        const __m256i eight = _mm256_set1_epi32(8);
-        for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], eight)));
+        for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8))));
     } else {
         const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2)));
         for (int j = 0; j < 4; j++) w[j] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[j])), m);
@@ -186,6 +235,48 @@ QL_INLINE void small_rows(const int fmt, const int mr, const uint8_t *wrow, int6
         for (int a = 1; a < A; a++) s = _mm256_add_ps(s, acc[i][a]);
         y[i * ldy] = hsum8(s);
     }
+}
+
+/* One or two rows: the scale comes out of the block's sum, sum_k x_k (d q_k + m) = d (x . q) + m sum_k x_k,
+ * which saves the per-weight multiply (and add) of dequantising. xs holds, per row and block, the
+ * 8-lane partial sums of x over the block (Q4_1 only). */
+QL_INLINE void few_rows(const int fmt, const int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x,
+                        int64_t ldx, const float *xs, int64_t ldxs, float *y, int64_t ldy) {
+    __m256 acc[2][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wrow + b * bsz;
+        __m256 q[4];
+        block_ints(fmt, blk, q);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+        for (int i = 0; i < mr; i++) {
+            const float *xb = x + i * ldx + b * QK;
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q[2], t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], t);
+            acc[i][0] = _mm256_fmadd_ps(d, t, acc[i][0]);
+            if (fmt == QL_Q4_1)
+                acc[i][1] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2))),
+                                            _mm256_loadu_ps(xs + i * ldxs + b * 8), acc[i][1]);
+        }
+    }
+    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+static void few_dispatch(int fmt, int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x, int64_t ldx,
+                         const float *xs, int64_t ldxs, float *y, int64_t ldy) {
+#define QL_FEW(f)                                                                                        \
+    if (mr == 1) few_rows(f, 1, wrow, nb, bsz, x, ldx, xs, ldxs, y, ldy);                                 \
+    else few_rows(f, 2, wrow, nb, bsz, x, ldx, xs, ldxs, y, ldy);
+    if (fmt == QL_Q8_0) {
+        QL_FEW(QL_Q8_0)
+    } else if (fmt == QL_Q4_0) {
+        QL_FEW(QL_Q4_0)
+    } else {
+        QL_FEW(QL_Q4_1)
+    }
+#undef QL_FEW
 }
 
 #define QL_SMALL_CASES(fmt)                                                                              \
@@ -264,10 +355,18 @@ static inline void micro_3x4(const float *const xr[QL_MR], const float *tile, in
     }
 }
 
-static void linear_avx2(int fmt, const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int64_t M,
-                        int64_t N, int64_t K, int num_threads) {
+/* x must already be in the weights' lane order (permute_x). */
+static void linear_avx2_lanes(int fmt, const float *x, int64_t ldx, const float *xs, const uint8_t *w, float *y,
+                              int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int bsz = ql_block_bytes(fmt);
     const int64_t nb = K / QK, row_bytes = nb * bsz;
+    if (M <= QL_FEW_M) {
+        int nt = work_threads(num_threads, M, N, K, N);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+        for (int64_t n = 0; n < N; n++)
+            few_dispatch(fmt, (int)M, w + n * row_bytes, nb, bsz, x, ldx, xs, K / 4, y + n, ldy);
+        return;
+    }
     if (M <= QL_SMALL_M) {
         int nt = work_threads(num_threads, M, N, K, N);
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
@@ -300,6 +399,29 @@ static void linear_avx2(int fmt, const float *x, int64_t ldx, const uint8_t *w, 
         }
     }
 }
+static int linear_avx2(int fmt, const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int64_t M,
+                       int64_t N, int64_t K, int num_threads) {
+    if (fmt == QL_Q8_0) { /* element order: x as it is */
+        linear_avx2_lanes(fmt, x, ldx, NULL, w, y, ldy, M, N, K, num_threads);
+        return QL_OK;
+    }
+    /* One permuted copy of x per call (M x K floats; for Q4_1 on the few-rows path also its block
+     * partial sums, M x K/4), against M x N x K multiply-adds. */
+    const int sums = fmt == QL_Q4_1 && M <= QL_FEW_M;
+    float *xp = aligned_alloc(32, (size_t)((M * (K + (sums ? K / 4 : 0)) * sizeof(float) + 31) / 32 * 32));
+    if (!xp) return QL_ERR_NOMEM;
+    permute_x(fmt, x, ldx, M, K, xp);
+    float *xs = sums ? xp + M * K : NULL;
+    for (int64_t i = 0; sums && i < M; i++)
+        for (int64_t b = 0; b < K / QK; b++)
+            for (int l = 0; l < 8; l++) {
+                const float *v = xp + i * K + b * QK + l;
+                xs[i * (K / 4) + b * 8 + l] = (v[0] + v[8]) + (v[16] + v[24]);
+            }
+    linear_avx2_lanes(fmt, xp, K, xs, w, y, ldy, M, N, K, num_threads);
+    free(xp);
+    return QL_OK;
+}
 #endif /* QL_AVX2 */
 
 /* ------------------------------------------------------------------------------------ */
@@ -310,6 +432,7 @@ static int linear_portable(int fmt, const float *x, int64_t ldx, const uint8_t *
     const int bsz = ql_block_bytes(fmt);
     const int64_t nb = K / QK, row_bytes = nb * bsz;
     int nt = work_threads(num_threads, M, N, K, N), failed = 0;
+    (void)nt; /* unused in a build without OpenMP */
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float *row = malloc(sizeof(float) * K);
@@ -341,11 +464,35 @@ int ql_linear_f32(const float *x, int64_t ldx, const uint8_t *w, float *y, int64
     if (M < 0 || N < 0 || (M > 1 && ldx < K) || (M > 1 && ldy < N)) return QL_ERR_SHAPE;
     if (M == 0 || N == 0) return QL_OK;
 #if QL_AVX2
-    linear_avx2(fmt, x, ldx, w, y, ldy, M, N, K, num_threads);
-    return QL_OK;
+    return linear_avx2(fmt, x, ldx, w, y, ldy, M, N, K, num_threads);
 #else
     return linear_portable(fmt, x, ldx, w, y, ldy, M, N, K, num_threads);
 #endif
+}
+
+/* out[N][K] = W as fp32, the same values as gguf.py's dequantiser (for a caller that runs its own GEMM on
+ * a chunk of rows: w points at the chunk's first row). */
+int ql_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K, int fmt, int num_threads) {
+    if (K <= 0 || K % QK) return QL_ERR_K;
+    const int bsz = ql_block_bytes(fmt);
+    if (bsz == 0) return QL_ERR_FORMAT;
+    if (N < 0) return QL_ERR_SHAPE;
+    const int64_t nb = N * (K / QK);
+    int nt = work_threads(num_threads, 1, nb, 64 * QK, nb); /* ~64 multiply-adds' worth per weight */
+    (void)nt;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t b = 0; b < nb; b++) {
+#if QL_AVX2
+        __m256 v[4];
+        if (fmt == QL_Q8_0) dequant_block_natural(QL_Q8_0, w + b * bsz, v);
+        else if (fmt == QL_Q4_0) dequant_block_natural(QL_Q4_0, w + b * bsz, v);
+        else dequant_block_natural(QL_Q4_1, w + b * bsz, v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + b * QK + 8 * j, v[j]);
+#else
+        dequant_block_scalar(fmt, w + b * bsz, out + b * QK);
+#endif
+    }
+    return QL_OK;
 }
 
 /* The portable path on any build (for tests: the two must agree). */

@@ -2,10 +2,16 @@
 
 `PackedWeight` holds one projection's weight W [out_features, in_features] as the file stores it: each
 row is in_features / 32 blocks of 32 weights along the input dimension (layouts in `quant_linear.c`).
-`quant_linear(x, packed, num_threads)` computes x @ W^T with the C kernel (`quant_linear.c`, built on
-first use by build.py), which dequantises the blocks in registers; the fp32 matrix is never made. When
-the kernel cannot be built, or x lives on another device (CUDA), it dequantises with torch and
-multiplies (`quant_linear_reference`).
+`quant_linear(x, packed, num_threads)` computes x @ W^T on CPU with the C kernel (`quant_linear.c`, built
+on first use by build.py):
+* fewer than GEMM_MIN_ROWS rows (decode batches): the kernel proper, which dequantises the blocks in
+  registers; the fp32 matrix is never made;
+* more rows (prefill): the kernel dequantises chunks of W (at most GEMM_CHUNK_FLOATS floats, a reused
+  per-thread buffer) and torch's GEMM multiplies them. At that size the product is compute-bound and
+  dequantising a chunk costs a few percent of it, so this runs at torch's fp32 speed, which on a CPU
+  with AVX-512 is about twice what the kernel's AVX2 micro-kernel reaches (bench/bench_quant_linear.py).
+When the kernel cannot be built, or x lives on another device (CUDA), W is dequantised with torch
+(`quant_linear_reference`).
 
 Invariants: in_features is a multiple of 32 (GGUF guarantees it; anything else is a ValueError);
 `blocks` is a contiguous uint8 tensor [out_features, in_features // 32 * block_bytes]; `dequantize()`
@@ -48,6 +54,9 @@ _ERRORS = {-1: "K is not a positive multiple of 32", -2: "unknown format", -3: "
 _SOURCE = Path(__file__).with_name("quant_linear.c")
 _LIB_STEM = "quant_linear"
 _SIMD = ("avx2", "fma", "f16c")
+GEMM_MIN_ROWS = 32  # from this many rows of x, dequantise chunks + torch GEMM (measured crossover: 16-64)
+GEMM_CHUNK_FLOATS = 1 << 21  # 8 MiB of fp32 weights per chunk
+_scratch = threading.local()  # per-thread fp32 chunk buffer for the GEMM path
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "reason": None}
@@ -150,6 +159,10 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
         fn.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         fns[key] = fn
+    fn = lib.ql_dequantize_f32  # w, out, N, K, format, num_threads
+    fn.argtypes = [vp, vp, i64, i64, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fns["dequantize"] = fn
     lib.ql_block_bytes.argtypes = [ctypes.c_int]
     for name, (code, bsz) in FORMATS.items():
         if lib.ql_block_bytes(code) != bsz:
@@ -220,37 +233,73 @@ def quant_linear_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tenso
 def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, impl: str = "auto") -> torch.Tensor:
     """x [..., in_features] @ W^T → [..., out_features] (fp32 activations, fp32 sums).
 
-    On CPU, x must be float32; it is read in place when its rows are contiguous, else copied. Uses
-    at most `num_threads` threads (one for small problems). `impl`: "auto" (the C kernel, else
-    torch), "native" / "portable" (the kernel's SIMD / plain-C path; RuntimeError if it cannot be
-    built), "torch" (`quant_linear_reference`). On other devices it is always the torch path.
-    Raises ValueError on bad shapes, dtypes or devices."""
-    _check(x, packed)
-    if impl not in ("auto", "native", "portable", "torch"):
-        raise ValueError(f"impl must be auto, native, portable or torch, got {impl!r}")
-    if not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-    if impl == "torch" or not x.is_cpu:
+    On CPU, x must be float32; it is read in place when its rows are contiguous, else copied. The
+    kernel uses at most `num_threads` threads (one for small problems); the GEMM path's matmul runs
+    on torch's intra-op pool (torch.get_num_threads()), as the fp32 layer it replaces would. `impl`:
+    "auto" (kernel below GEMM_MIN_ROWS rows, else dequantised chunks + GEMM; torch when the kernel
+    is unavailable), "native" / "portable" (the kernel's SIMD / plain-C path for every row count;
+    RuntimeError if it cannot be built), "gemm" (dequantised chunks + GEMM), "torch"
+    (`quant_linear_reference`). On other devices it is always the torch path. Raises ValueError on
+    bad shapes, dtypes, devices or thread counts."""
+    k, n = packed.in_features, packed.out_features
+    if not (x.dtype is torch.float32 and x.is_cpu and x.dim() >= 1 and x.shape[-1] == k and packed.blocks.is_cpu
+            and type(num_threads) is int and num_threads >= 1 and impl in _IMPLS):
+        _check(x, packed)
+        if impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(_IMPLS)}, got {impl!r}")
+        if type(num_threads) is not int or num_threads < 1:
+            raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+        if x.is_cpu:
+            raise ValueError(f"x must be float32 on CPU, got {x.dtype}")
         return quant_linear_reference(x, packed)
-    if x.dtype != torch.float32:
-        raise ValueError(f"x must be float32 on CPU, got {x.dtype}")
-    if not native_available():
-        if impl != "auto":
+    if impl == "torch" or not (_fns or native_available()):
+        if impl not in ("auto", "torch"):
             raise RuntimeError(f"quantized linear kernel unavailable: {native_unavailable_reason()}")
         return quant_linear_reference(x, packed)
-    fn = _fns["portable" if impl == "portable" else "native"]
-    k, n = packed.in_features, packed.out_features
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     # The kernel reads rows of K contiguous floats, ldx apart (ldx >= K when there are several rows).
     if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
-    y = torch.empty((m, n), dtype=torch.float32)
-    if m and n:
-        rc = fn(x2.data_ptr(), x2.stride(0), packed.blocks.data_ptr(), y.data_ptr(), n, m, n, k,
-                FORMATS[packed.format][0], num_threads)
-        if rc != 0:
-            if rc == -4:
-                raise MemoryError("quant_linear: out of memory for a row buffer")
-            raise ValueError(f"quant_linear: {_ERRORS.get(rc, f'error {rc}')}")
+    code = FORMATS[packed.format][0]
+    if impl == "gemm" or (impl == "auto" and m >= GEMM_MIN_ROWS):
+        y = _dequantize_gemm(x2, packed, code, num_threads)
+    else:
+        y = torch.empty((m, n), dtype=torch.float32)
+        if m and n:
+            fn = _fns["portable" if impl == "portable" else "native"]
+            _raise_on(fn(x2.data_ptr(), x2.stride(0), packed.blocks.data_ptr(), y.data_ptr(), n, m, n, k, code,
+                         num_threads))
     return y.reshape(*x.shape[:-1], n)
+
+
+_IMPLS = ("auto", "native", "portable", "gemm", "torch")
+
+
+def _raise_on(rc: int) -> None:
+    if rc == -4:
+        raise MemoryError("quant_linear: out of memory")
+    if rc != 0:
+        raise ValueError(f"quant_linear: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def _dequantize_gemm(x2: torch.Tensor, packed: PackedWeight, code: int, num_threads: int) -> torch.Tensor:
+    """x2 [M, K] @ W^T, W dequantised by the kernel a chunk of rows at a time into a reused buffer."""
+    k, n = packed.in_features, packed.out_features
+    rows = max(1, min(n, GEMM_CHUNK_FLOATS // k))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * k:
+        buf = _scratch.buf = torch.empty(rows * k, dtype=torch.float32)
+    dequantize_rows, row_bytes = _fns["dequantize"], packed.blocks.stride(0)
+    base = packed.blocks.data_ptr()
+    if rows == n:  # one chunk: multiply straight into the result
+        w = buf[: n * k].view(n, k)
+        _raise_on(dequantize_rows(base, w.data_ptr(), n, k, code, num_threads))
+        return torch.mm(x2, w.t())
+    y = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    for n0 in range(0, n, rows):
+        nc = min(rows, n - n0)
+        w = buf[: nc * k].view(nc, k)
+        _raise_on(dequantize_rows(base + n0 * row_bytes, w.data_ptr(), nc, k, code, num_threads))
+        y[:, n0:n0 + nc] = torch.mm(x2, w.t())
+    return y
