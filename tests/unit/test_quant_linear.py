@@ -67,6 +67,19 @@ def test_dequantize_equals_gguf_loader_bit_for_bit(fmt, n, k):
     assert ours.dtype == torch.float32 and torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
 
 
+@needs_native
+@pytest.mark.parametrize("fmt", list(QTYPES))
+def test_kernel_dequantizer_equals_gguf_loader_bit_for_bit(fmt):
+    """ql_dequantize_f32 (what the many-rows path feeds to torch's GEMM), rows 3..19 of 20."""
+    raw = _random_raw(fmt, 20, 576, seed=10)
+    packed = PackedWeight.from_raw(raw, QTYPES[fmt], (20, 576))
+    out = torch.empty(17, 576)
+    code, bsz = ql.FORMATS[fmt]
+    assert ql._fns["dequantize"](packed.blocks.data_ptr() + 3 * 18 * bsz, out.data_ptr(), 17, 576, code, 2) == 0
+    theirs = torch.from_numpy(dequantize(raw, QTYPES[fmt], (20, 576)))[3:]
+    assert torch.equal(out.view(torch.int32), theirs.view(torch.int32))
+
+
 @pytest.mark.parametrize("fmt", list(QTYPES))
 def test_dequantize_random_bytes_including_inf_and_nan_scales(fmt):
     raw = np.random.default_rng(2).integers(0, 256, size=64 * 2 * ql.FORMATS[fmt][1], dtype=np.uint8)

@@ -10,15 +10,15 @@
  * element j + 16 (j = 0..15).
  *
  * x rows are ldx floats apart (x[m][k] = x[m * ldx + k], k contiguous); y rows ldy floats apart.
- * Weights are dequantised in registers (or into a small per-thread tile) and never written to memory
- * as a whole fp32 matrix.
- *
- * Two shapes:
+ * ql_linear_f32 dequantises weights in registers (or into a small per-thread tile), never the whole
+ * fp32 matrix:
+ *   M <= QL_FEW_M: each weight row is read once; the block scale is applied to the block's sum.
  *   M <= QL_SMALL_M (decode): each weight row is read and dequantised once, and all M rows of x are
- *     multiplied against it in registers; work is split over N.
- *   larger M (prefill): a tile of QL_NR rows x QL_KC columns of W is dequantised once into a
- *     per-thread fp32 buffer (L1-sized), then a 3x4 register-blocked dot-product kernel runs every
- *     row of x against it; work is split over tiles of N.
+ *     multiplied against it in registers.
+ *   larger M: a tile of QL_NR rows x QL_KC columns of W is dequantised into a per-thread fp32 buffer
+ *     (L1-sized), then a 3x4 register-blocked dot-product kernel runs every row of x against it.
+ * ql_dequantize_f32 writes fp32 rows for a caller that multiplies them with its own GEMM (the Python
+ * wrapper does so for many rows, where torch's AVX-512 GEMM outruns the AVX2 tile kernel).
  * OpenMP over N with an explicit thread count; small problems run on one thread, because forking
  * the team costs microseconds.
  */
@@ -57,7 +57,6 @@
 #define QL_KC 512 /* inputs per tile: 16 x 512 fp32 = 32 KiB */
 #define QL_MR 3   /* rows of x per micro-kernel call */
 
-int ql_version(void) { return 1; }
 int ql_has_avx2(void) { return QL_AVX2; }
 int ql_has_openmp(void) {
 #ifdef _OPENMP
@@ -129,6 +128,22 @@ static inline int lane_element(int fmt, int p) {
     int j = p >> 3, l = p & 7; /* byte 4 * (l % 4) + shift / 8; high nibble (+16) when shift % 8 */
     return 4 * (l & 3) + Q4_SHIFT[j][l] / 8 + (Q4_SHIFT[j][l] % 8 ? QK / 2 : 0);
 }
+
+/* Runs `stmt` with F a compile-time constant equal to fmt, so the always-inline helpers it calls are
+ * specialised per format (their format branches fold away). */
+#define QL_BY_FORMAT(fmt, stmt)                                                                          \
+    do {                                                                                                 \
+        if ((fmt) == QL_Q8_0) {                                                                          \
+            enum { F = QL_Q8_0 };                                                                        \
+            stmt;                                                                                        \
+        } else if ((fmt) == QL_Q4_0) {                                                                   \
+            enum { F = QL_Q4_0 };                                                                        \
+            stmt;                                                                                        \
+        } else {                                                                                         \
+            enum { F = QL_Q4_1 };                                                                        \
+            stmt;                                                                                        \
+        }                                                                                                \
+    } while (0)
 
 static int work_threads(int num_threads, int64_t M, int64_t N, int64_t K, int64_t items) {
     if (num_threads < 1 || M * N * K < QL_MIN_PARALLEL_WORK) return 1;
@@ -214,12 +229,12 @@ static inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* Decode: one weight row (nb blocks) against mr <= 8 rows of x; y[i * ldy] = row i's dot product.
- * Few rows get several accumulators each, so the FMA latency chain does not limit them. */
+/* Decode: one weight row (nb blocks) against 2 < mr <= 8 rows of x; y[i * ldy] = row i's dot product.
+ * Up to 4 rows get two accumulators each, so the FMA latency chain does not limit them. */
 QL_INLINE void small_rows(const int fmt, const int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x,
                           int64_t ldx, float *y, int64_t ldy) {
-    const int A = mr <= 2 ? 4 : mr <= 4 ? 2 : 1;
-    __m256 acc[QL_SMALL_M][4];
+    const int A = mr <= 4 ? 2 : 1;
+    __m256 acc[QL_SMALL_M][2];
     for (int i = 0; i < mr; i++)
         for (int a = 0; a < A; a++) acc[i][a] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -264,42 +279,24 @@ QL_INLINE void few_rows(const int fmt, const int mr, const uint8_t *wrow, int64_
     for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 
+/* One specialised copy per (format, row count). */
 static void few_dispatch(int fmt, int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x, int64_t ldx,
                          const float *xs, int64_t ldxs, float *y, int64_t ldy) {
-#define QL_FEW(f)                                                                                        \
-    if (mr == 1) few_rows(f, 1, wrow, nb, bsz, x, ldx, xs, ldxs, y, ldy);                                 \
-    else few_rows(f, 2, wrow, nb, bsz, x, ldx, xs, ldxs, y, ldy);
-    if (fmt == QL_Q8_0) {
-        QL_FEW(QL_Q8_0)
-    } else if (fmt == QL_Q4_0) {
-        QL_FEW(QL_Q4_0)
-    } else {
-        QL_FEW(QL_Q4_1)
-    }
-#undef QL_FEW
+    if (mr == 1) QL_BY_FORMAT(fmt, few_rows(F, 1, wrow, nb, bsz, x, ldx, xs, ldxs, y, ldy));
+    else QL_BY_FORMAT(fmt, few_rows(F, 2, wrow, nb, bsz, x, ldx, xs, ldxs, y, ldy));
 }
 
-#define QL_SMALL_CASES(fmt)                                                                              \
-    switch (mr) {                                                                                        \
-    case 1: small_rows(fmt, 1, wrow, nb, bsz, x, ldx, y, ldy); break;                                    \
-    case 2: small_rows(fmt, 2, wrow, nb, bsz, x, ldx, y, ldy); break;                                    \
-    case 3: small_rows(fmt, 3, wrow, nb, bsz, x, ldx, y, ldy); break;                                    \
-    case 4: small_rows(fmt, 4, wrow, nb, bsz, x, ldx, y, ldy); break;                                    \
-    case 5: small_rows(fmt, 5, wrow, nb, bsz, x, ldx, y, ldy); break;                                    \
-    case 6: small_rows(fmt, 6, wrow, nb, bsz, x, ldx, y, ldy); break;                                    \
-    case 7: small_rows(fmt, 7, wrow, nb, bsz, x, ldx, y, ldy); break;                                    \
-    default: small_rows(fmt, 8, wrow, nb, bsz, x, ldx, y, ldy); break;                                   \
-    }
+_Static_assert(QL_FEW_M == 2 && QL_SMALL_M == 8, "small_dispatch covers 3..8 rows");
 
-/* One specialised copy per (format, row count). */
 static void small_dispatch(int fmt, int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x, int64_t ldx,
                            float *y, int64_t ldy) {
-    if (fmt == QL_Q8_0) {
-        QL_SMALL_CASES(QL_Q8_0)
-    } else if (fmt == QL_Q4_0) {
-        QL_SMALL_CASES(QL_Q4_0)
-    } else {
-        QL_SMALL_CASES(QL_Q4_1)
+    switch (mr) {
+    case 3: QL_BY_FORMAT(fmt, small_rows(F, 3, wrow, nb, bsz, x, ldx, y, ldy)); break;
+    case 4: QL_BY_FORMAT(fmt, small_rows(F, 4, wrow, nb, bsz, x, ldx, y, ldy)); break;
+    case 5: QL_BY_FORMAT(fmt, small_rows(F, 5, wrow, nb, bsz, x, ldx, y, ldy)); break;
+    case 6: QL_BY_FORMAT(fmt, small_rows(F, 6, wrow, nb, bsz, x, ldx, y, ldy)); break;
+    case 7: QL_BY_FORMAT(fmt, small_rows(F, 7, wrow, nb, bsz, x, ldx, y, ldy)); break;
+    default: QL_BY_FORMAT(fmt, small_rows(F, 8, wrow, nb, bsz, x, ldx, y, ldy)); break;
     }
 }
 
@@ -315,9 +312,7 @@ static void fill_tile(int fmt, const uint8_t *w, int64_t row_bytes, int bsz, int
         const uint8_t *blk = w + (n0 + j) * row_bytes + (k0 / QK) * bsz;
         for (int b = 0; b < kc / QK; b++, blk += bsz) {
             __m256 v[4];
-            if (fmt == QL_Q8_0) dequant_block(QL_Q8_0, blk, v);
-            else if (fmt == QL_Q4_0) dequant_block(QL_Q4_0, blk, v);
-            else dequant_block(QL_Q4_1, blk, v);
+            QL_BY_FORMAT(fmt, dequant_block(F, blk, v));
             for (int q = 0; q < 4; q++) _mm256_store_ps(t + b * QK + 8 * q, v[q]);
         }
     }
@@ -399,6 +394,7 @@ static void linear_avx2_lanes(int fmt, const float *x, int64_t ldx, const float 
         }
     }
 }
+
 static int linear_avx2(int fmt, const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int64_t M,
                        int64_t N, int64_t K, int num_threads) {
     if (fmt == QL_Q8_0) { /* element order: x as it is */
@@ -456,13 +452,18 @@ static int linear_portable(int fmt, const float *x, int64_t ldx, const uint8_t *
     return failed ? QL_ERR_NOMEM : QL_OK;
 }
 
-/* y[M,N] (row stride ldy) = x[M,K] (row stride ldx) @ W^T, W [N,K] in format `fmt` (see the top). */
-int ql_linear_f32(const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int64_t M, int64_t N,
-                  int64_t K, int fmt, int num_threads) {
+static int check_args(int64_t ldx, int64_t ldy, int64_t M, int64_t N, int64_t K, int fmt) {
     if (K <= 0 || K % QK) return QL_ERR_K;
     if (ql_block_bytes(fmt) == 0) return QL_ERR_FORMAT;
     if (M < 0 || N < 0 || (M > 1 && ldx < K) || (M > 1 && ldy < N)) return QL_ERR_SHAPE;
-    if (M == 0 || N == 0) return QL_OK;
+    return QL_OK;
+}
+
+/* y[M,N] (row stride ldy) = x[M,K] (row stride ldx) @ W^T, W [N,K] in format `fmt` (see the top). */
+int ql_linear_f32(const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int64_t M, int64_t N,
+                  int64_t K, int fmt, int num_threads) {
+    int rc = check_args(ldx, ldy, M, N, K, fmt);
+    if (rc != QL_OK || M == 0 || N == 0) return rc;
 #if QL_AVX2
     return linear_avx2(fmt, x, ldx, w, y, ldy, M, N, K, num_threads);
 #else
@@ -473,10 +474,9 @@ int ql_linear_f32(const float *x, int64_t ldx, const uint8_t *w, float *y, int64
 /* out[N][K] = W as fp32, the same values as gguf.py's dequantiser (for a caller that runs its own GEMM on
  * a chunk of rows: w points at the chunk's first row). */
 int ql_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K, int fmt, int num_threads) {
-    if (K <= 0 || K % QK) return QL_ERR_K;
+    int rc = check_args(K, N, 1, N, K, fmt);
+    if (rc != QL_OK) return rc;
     const int bsz = ql_block_bytes(fmt);
-    if (bsz == 0) return QL_ERR_FORMAT;
-    if (N < 0) return QL_ERR_SHAPE;
     const int64_t nb = N * (K / QK);
     int nt = work_threads(num_threads, 1, nb, 64 * QK, nb); /* ~64 multiply-adds' worth per weight */
     (void)nt;
@@ -484,9 +484,7 @@ int ql_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K, int fm
     for (int64_t b = 0; b < nb; b++) {
 #if QL_AVX2
         __m256 v[4];
-        if (fmt == QL_Q8_0) dequant_block_natural(QL_Q8_0, w + b * bsz, v);
-        else if (fmt == QL_Q4_0) dequant_block_natural(QL_Q4_0, w + b * bsz, v);
-        else dequant_block_natural(QL_Q4_1, w + b * bsz, v);
+        QL_BY_FORMAT(fmt, dequant_block_natural(F, w + b * bsz, v));
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + b * QK + 8 * j, v[j]);
 #else
         dequant_block_scalar(fmt, w + b * bsz, out + b * QK);
@@ -498,9 +496,7 @@ int ql_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K, int fm
 /* The portable path on any build (for tests: the two must agree). */
 int ql_linear_f32_portable(const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int64_t M,
                            int64_t N, int64_t K, int fmt, int num_threads) {
-    if (K <= 0 || K % QK) return QL_ERR_K;
-    if (ql_block_bytes(fmt) == 0) return QL_ERR_FORMAT;
-    if (M < 0 || N < 0 || (M > 1 && ldx < K) || (M > 1 && ldy < N)) return QL_ERR_SHAPE;
-    if (M == 0 || N == 0) return QL_OK;
+    int rc = check_args(ldx, ldy, M, N, K, fmt);
+    if (rc != QL_OK || M == 0 || N == 0) return rc;
     return linear_portable(fmt, x, ldx, w, y, ldy, M, N, K, num_threads);
 }

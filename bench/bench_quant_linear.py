@@ -1,0 +1,145 @@
+"""Micro-benchmark: the GGUF-block linear kernel (deepinfer/engine/kernels/quant_linear.c) vs torch's fp32
+matmul on the same weights dequantised, at SmolLM2-135M's projection shapes.
+
+    python -m bench.bench_quant_linear                         # 2 threads, M = 1, 8, 32, 256, 30 layers
+    python -m bench.bench_quant_linear --layers 1              # one layer again and again: hot in cache
+    python -m bench.bench_quant_linear --threads 1 --rows 1 8 --json /tmp/ql.json
+
+Weights: q_proj (576→576), up_proj (576→1536) and down_proj (1536→576) of the first `--layers` layers, and
+the LM head (the tied token embedding, 576→49152, one of it), read from the real SmolLM2 Q4_1 GGUF in the cache
+when it is there (Q4_1, the head Q8_0), else random blocks of the same formats and shapes (printed as
+"random"). A timed call is one sweep over the layers (each its own weights, as in a forward pass, so the
+working set is the model's and not one layer's L2-resident copy), reported per layer. Both arms run with
+`--threads` threads (the kernel's `num_threads`, `torch.set_num_threads` for torch), on the same x.
+
+Per shape and row count M: µs per call (best of `--samples` samples, each enough calls for ~`--sample-ms`), the
+baseline / native ratio (>1: the kernel is faster) and, at M=1 (decode, where a layer reads its weights once per
+token), the GB/s of weights read: packed bytes for the kernel, fp32 bytes for torch. A max relative
+difference check against torch runs first; the bench stops if it exceeds 1e-4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deepinfer.engine.fetch import SMOLLM2_FILE, default_cache_dir
+from deepinfer.engine.gguf import open_gguf
+from deepinfer.engine.kernels import quant_linear as ql
+
+SHAPES = [  # (label, GGUF tensor, default format, out_features, in_features)
+    ("q_proj 576->576", "blk.0.attn_q.weight", "Q4_1", 576, 576),
+    ("up_proj 576->1536", "blk.0.ffn_up.weight", "Q4_1", 1536, 576),
+    ("down_proj 1536->576", "blk.0.ffn_down.weight", "Q4_1", 576, 1536),
+    ("lm_head 576->49152", "token_embd.weight", "Q8_0", 49152, 576),
+]
+
+
+def _weights(path: Path, layers: int) -> dict[str, tuple[list[ql.PackedWeight], str]]:
+    """Each shape's packed weights (one per layer; one LM head) and where they came from."""
+    out: dict[str, tuple[list[ql.PackedWeight], str]] = {}
+    tensors = {t.name: t for t in open_gguf(path).tensors} if path.exists() else {}
+    rng = np.random.default_rng(0)
+    for label, name, fmt, n, k in SHAPES:
+        names = [name.replace("blk.0.", f"blk.{i}.") for i in range(layers)] if name.startswith("blk.") else [name]
+        found = [tensors[x] for x in names if x in tensors and tensors[x].tensor_type.name in ql.FORMATS]
+        if len(found) == len(names):
+            shape = tuple(reversed([int(d) for d in found[0].shape]))
+            out[label] = ([ql.PackedWeight.from_raw(t.data, t.tensor_type, shape) for t in found], "file")
+            continue
+        packed = []
+        for _ in names:
+            bsz = ql.FORMATS[fmt][1]
+            raw = rng.integers(0, 256, size=n * k // 32 * bsz, dtype=np.uint8)
+            blocks = raw.reshape(-1, bsz)
+            for lo in (0, 2) if fmt == "Q4_1" else (0,):  # finite scales
+                scales = rng.normal(scale=0.02, size=len(blocks)).astype(np.float16)
+                blocks[:, lo:lo + 2] = scales.view(np.uint8).reshape(-1, 2)
+            packed.append(ql.PackedWeight.from_raw(raw, fmt, (n, k)))
+        out[label] = (packed, "random")
+    return out
+
+
+def _time(fn, sample_s: float, samples: int) -> float:
+    """Best per-call seconds over `samples` samples of ~sample_s each."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    calls = max(1, int(sample_s / once))
+    best = float("inf")
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
+    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--sample-ms", type=float, default=30.0)
+    p.add_argument("--layers", type=int, default=30, help="layers swept per timed call (1: hot in cache)")
+    p.add_argument("--model", type=Path, default=default_cache_dir() / "smollm2" / SMOLLM2_FILE)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not ql.native_available():
+        print(f"native kernel unavailable: {ql.native_unavailable_reason()}")
+        return 1
+    info = ql.native_info() or {}
+    print(f"threads={args.threads} layers={args.layers} kernel avx2={info['avx2']} openmp={info['openmp']} "
+          f"torch {torch.__version__}")
+    print(f"{'shape':22} {'fmt':5} {'src':6} {'M':>4} {'native us':>10} {'torch us':>10} {'torch/native':>12} "
+          f"{'native GB/s':>11} {'torch GB/s':>10}")
+    rows = []
+    for label, (packs, src) in _weights(args.model, args.layers).items():
+        ws = [p.dequantize() for p in packs]
+        packed, nl = packs[0], len(packs)
+
+        def native(x: torch.Tensor, packs: list[ql.PackedWeight] = packs) -> None:
+            for p in packs:
+                ql.quant_linear(x, p, args.threads)
+
+        def fp32(x: torch.Tensor, ws: list[torch.Tensor] = ws) -> None:
+            for w in ws:
+                torch.nn.functional.linear(x, w)
+
+        for m in args.rows:
+            x = torch.randn(m, packed.in_features, generator=torch.Generator().manual_seed(m))
+            ref = torch.nn.functional.linear(x, ws[0])
+            y = ql.quant_linear(x, packed, args.threads)
+            rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            if rel > 1e-4:
+                print(f"{label} M={m}: max relative difference {rel:.2e} > 1e-4")
+                return 1
+            t_native = _time(lambda x=x: native(x), args.sample_ms / 1e3, args.samples) / nl
+            t_torch = _time(lambda x=x: fp32(x), args.sample_ms / 1e3, args.samples) / nl
+            gbs = ""
+            row = {"shape": label, "format": packed.format, "source": src, "layers": nl, "rows": m,
+                   "native_us": t_native * 1e6, "torch_us": t_torch * 1e6, "ratio": t_torch / t_native,
+                   "max_rel_diff": rel}
+            if m == 1:
+                row["native_gbs"] = packed.nbytes / t_native / 1e9
+                row["torch_gbs"] = ws[0].numel() * 4 / t_torch / 1e9
+                gbs = f"{row['native_gbs']:11.1f} {row['torch_gbs']:10.1f}"
+            rows.append(row)
+            print(f"{label:22} {packed.format:5} {src:6} {m:4d} {t_native * 1e6:10.1f} {t_torch * 1e6:10.1f} "
+                  f"{t_torch / t_native:12.2f} {gbs}", flush=True)
+    if args.json:
+        report = {"threads": args.threads, "layers": args.layers, "kernel": info, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
