@@ -68,6 +68,11 @@ class EngineThread:
         self._wake.set()
         self._thread.join(timeout=30)
 
+    @property
+    def pending(self) -> int:
+        """Commands queued for the next step boundary."""
+        return len(self._commands)
+
     def call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run `fn()` on the engine thread before the next step; the future resolves on the event loop."""
         fut: asyncio.Future[T] = self.loop.create_future()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq.asyncio
@@ -271,9 +272,14 @@ class WorkerService(Service):
     async def _on_reserve(self, peer: bytes, req: m.KvReserve) -> None:
         assert self._thread is not None
         engine = self.engine
-        ok, free = await self._thread.call(lambda: (engine.reserve(req.request_id, req.num_blocks, req.lease_s),
-                                                    engine.num_free_blocks))
-        await self._run(self.core.on_reserved(peer, req, ok, free))
+        reserved = self._thread.call(lambda: (engine.reserve(req.request_id, req.num_blocks, req.lease_s),
+                                              engine.num_free_blocks))
+
+        async def reply() -> None:  # in a task: this socket's loop goes on reading (see `_perform`)
+            ok, free = await reserved
+            await self._run(self.core.on_reserved(peer, req, ok, free))
+
+        self.spawn(reply(), "KvReserve")
 
     async def _on_transfer(self, peer: bytes, t: m.KvTransfer) -> None:
         if self.worker_export is not None:
@@ -295,6 +301,10 @@ class WorkerService(Service):
             await self._perform(action)
 
     async def _perform(self, action: Action) -> None:
+        """Engine commands are queued here, in action order, and never awaited by the caller: a handler that
+        waited for one held its socket's receive loop until the next step boundary, so a burst of jobs (or
+        aborts, or transfers) was taken one per engine step. What follows from a command's result runs in a
+        task of its own."""
         assert self._thread is not None
         engine = self.engine
         match action:
@@ -313,13 +323,14 @@ class WorkerService(Service):
             case Install():
                 await self._install(action)
             case Release(rid):
-                await self._thread.call(lambda: engine.release(rid))
+                self._command(lambda: engine.release(rid), "release")
             case CancelReservation(lease_id):
-                await self._thread.call(lambda: engine.cancel_reservation(lease_id))
+                self._command(lambda: engine.cancel_reservation(lease_id), "cancel_reservation")
             case Abort(rid):
-                await self._thread.call(lambda: engine.abort(rid))
+                self._command(lambda: engine.abort(rid), "abort")
             case AbortAll():
-                self.log.info("dropped the old router's requests", count=await self._thread.call(self._abort_all))
+                self._command(self._abort_all, "abort_all",
+                              lambda n: self.log.info("dropped the old router's requests", count=n))
             case OfferBlocks(rid, hashes, kv):
                 if self.cache is not None:
                     self.cache.offer(rid, hashes, kv)
@@ -331,37 +342,71 @@ class WorkerService(Service):
             return
         await asend_msg(sock, batch)
 
-    async def _add_job(self, action: AddJob) -> None:
+    def _command(self, fn: Callable[[], Any], what: str, then: Callable[[Any], None] | None = None) -> None:
+        """Queue `fn` on the engine thread; its failure is logged, its result given to `then`."""
         assert self._thread is not None
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled():
+                return
+            if (exc := fut.exception()) is not None:
+                if not isinstance(exc, GroupBroken):  # the group's end is logged where it is handled
+                    self.log.error("engine command failed", command=what, error=repr(exc))
+            elif then is not None:
+                then(fut.result())
+
+        self._thread.call(fn).add_done_callback(done)
+
+    async def _add_job(self, action: AddJob) -> None:
+        if self.cache is None:
+            self.spawn(self._added(action.job, self._queue_add(action, None)), "AddJob")
+        else:
+            self.spawn(self._load_prefix_then_add(action), "AddJob")
+
+    async def _load_prefix_then_add(self, action: AddJob) -> None:
+        assert self.cache is not None
         job = action.job
         try:
-            importer = None
-            if self.cache is not None:
-                fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
-                if importer is not None and self.worker_export is not None:
-                    self.worker_export.prefix_fetched(fetch_s)
-                if not self.core.on_prefix_loaded(job, fetch_s):
-                    return  # aborted while its prefix was loading
+            fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
+        except Exception as exc:
+            await self._add_failed(job, exc)
+            return
+        if importer is not None and self.worker_export is not None:
+            self.worker_export.prefix_fetched(fetch_s)
+        if self.core.on_prefix_loaded(job, fetch_s):  # else aborted while its prefix was loading
+            await self._added(job, self._queue_add(action, importer))
 
-            def add() -> None:
-                if importer is not None:
-                    try:
-                        importer()
-                    except Exception:  # cached KV that cannot be used is a miss, never a failed request
-                        self.log.exception("importing cached blocks failed", request_id=job.request_id)
-                self.engine.add_request(job.request_id, action.prompt, to_engine_params(job.params), job.priority,
-                                        prefill_only=action.prefill_only, cache_salt=job.cache_salt,
-                                        resume_output_ids=action.resumed)
+    def _queue_add(self, action: AddJob, importer: Callable[[], int] | None) -> asyncio.Future[None]:
+        """Queue the job on the engine thread now, so that an abort read after it is queued after it."""
+        assert self._thread is not None
+        job = action.job
 
-            await self._thread.call(add)
-        except GroupBroken:
+        def add() -> None:
+            if importer is not None:
+                try:
+                    importer()
+                except Exception:  # cached KV that cannot be used is a miss, never a failed request
+                    self.log.exception("importing cached blocks failed", request_id=job.request_id)
+            self.engine.add_request(job.request_id, action.prompt, to_engine_params(job.params), job.priority,
+                                    prefill_only=action.prefill_only, cache_salt=job.cache_salt,
+                                    resume_output_ids=action.resumed)
+
+        return self._thread.call(add)
+
+    async def _added(self, job: m.PrefillJob, added: asyncio.Future[None]) -> None:
+        try:
+            await added
+        except Exception as exc:
+            await self._add_failed(job, exc)
+
+    async def _add_failed(self, job: m.PrefillJob, exc: Exception) -> None:
+        if isinstance(exc, GroupBroken):
             # Not this request's fault: the group is over and this process exits, so the router moves the
             # request to another worker as for any dead worker. An error reply would end it at the client.
             return
-        except Exception as exc:
-            if not isinstance(exc, InvalidRequestError):
-                self.log.exception("adding the request failed", request_id=job.request_id)
-            await self._run(self.core.on_add_failed(job, exc))
+        if not isinstance(exc, InvalidRequestError):
+            self.log.exception("adding the request failed", request_id=job.request_id)
+        await self._run(self.core.on_add_failed(job, exc))
 
     def _abort_all(self) -> int:
         """On the engine thread: abort everything it holds — requests, held handoffs, reservations."""
@@ -403,11 +448,16 @@ class WorkerService(Service):
     async def _install(self, action: Install) -> None:
         assert self._thread is not None
         t = action.transfer
+        installed = self._thread.call(lambda: self.engine.add_prefilled_request(
+            t.request_id, action.prompt, t.first_token, to_engine_params(t.params), t.kv,
+            reservation_id=t.lease_id, priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob),
+            cache_salt=t.cache_salt, resume_output_ids=action.resumed))
+        self.spawn(self._installed(action, installed), "Install")
+
+    async def _installed(self, action: Install, installed: asyncio.Future[None]) -> None:
+        t = action.transfer
         try:
-            await self._thread.call(lambda: self.engine.add_prefilled_request(
-                t.request_id, action.prompt, t.first_token, to_engine_params(t.params), t.kv,
-                reservation_id=t.lease_id, priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob),
-                cache_salt=t.cache_salt, resume_output_ids=action.resumed))
+            await installed
         except Exception as exc:
             actions = self.core.on_install_failed(action.identity, t, exc)
         else:
