@@ -104,7 +104,8 @@ def test_kernel_matches_float64_reference(fmt, n, k):
 @pytest.mark.parametrize("fmt", list(QTYPES))
 def test_gemm_path_in_chunks(monkeypatch, fmt):
     """Dequantised chunks of rows (the last one short) + torch GEMM, as for a large LM head."""
-    monkeypatch.setattr(ql, "GEMM_CHUNK_FLOATS", 5 * 64)
+    monkeypatch.setattr(ql, "GEMM_CHUNK_FLOATS", 16 * 64)
+    monkeypatch.setattr(ql, "GEMM_SPLIT_FLOATS", 5 * 64)
     packed, w = _packed(fmt, 17, 64, seed=9)
     x = torch.randn(40, 64)
     _assert_product(quant_linear(x, packed, 2), x, w)

@@ -6,8 +6,8 @@ row is in_features / 32 blocks of 32 weights along the input dimension (layouts 
 on first use by build.py):
 * fewer than GEMM_MIN_ROWS rows (decode batches): the kernel proper, which dequantises the blocks in
   registers; the fp32 matrix is never made;
-* more rows (prefill): the kernel dequantises chunks of W (at most GEMM_CHUNK_FLOATS floats, a reused
-  per-thread buffer) and torch's GEMM multiplies them. At that size the product is compute-bound and
+* more rows (prefill): the kernel dequantises W, or chunks of it, into a reused per-thread buffer (at
+  most GEMM_CHUNK_FLOATS floats) and torch's GEMM multiplies them. At that size the product is compute-bound and
   dequantising a chunk costs a few percent of it, so this runs at torch's fp32 speed, which on a CPU
   with AVX-512 is about twice what the kernel's AVX2 micro-kernel reaches (bench/bench_quant_linear.py).
 When the kernel cannot be built, or x lives on another device (CUDA), W is dequantised with torch
@@ -55,7 +55,11 @@ _SOURCE = Path(__file__).with_name("quant_linear.c")
 _LIB_STEM = "quant_linear"
 _SIMD = ("avx2", "fma", "f16c")
 GEMM_MIN_ROWS = 32  # from this many rows of x, dequantise chunks + torch GEMM (measured crossover: 16-64)
-GEMM_CHUNK_FLOATS = 1 << 21  # 8 MiB of fp32 weights per chunk
+# A W of up to GEMM_CHUNK_FLOATS weights is dequantised whole (8 MiB, one GEMM); a larger one (the LM
+# head) in chunks of GEMM_SPLIT_FLOATS (2 MiB: measured 10-20% faster at 32 rows than 8 MiB chunks,
+# ~7% slower at 256).
+GEMM_CHUNK_FLOATS = 1 << 21
+GEMM_SPLIT_FLOATS = 1 << 19
 _scratch = threading.local()  # per-thread fp32 chunk buffer for the GEMM path
 
 _lock = threading.Lock()
@@ -286,7 +290,7 @@ def _raise_on(rc: int) -> None:
 def _dequantize_gemm(x2: torch.Tensor, packed: PackedWeight, code: int, num_threads: int) -> torch.Tensor:
     """x2 [M, K] @ W^T, W dequantised by the kernel a chunk of rows at a time into a reused buffer."""
     k, n = packed.in_features, packed.out_features
-    rows = max(1, min(n, GEMM_CHUNK_FLOATS // k))
+    rows = n if n * k <= GEMM_CHUNK_FLOATS else max(1, GEMM_SPLIT_FLOATS // k)
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < rows * k:
         buf = _scratch.buf = torch.empty(rows * k, dtype=torch.float32)
