@@ -260,7 +260,7 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
         if impl not in ("auto", "torch"):
             raise RuntimeError(f"quantized linear kernel unavailable: {native_unavailable_reason()}")
         return quant_linear_reference(x, packed)
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     m = x2.shape[0]
     # The kernel reads rows of K contiguous floats, ldx apart (ldx >= K when there are several rows).
     if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):
@@ -274,7 +274,7 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
             fn = _fns["portable" if impl == "portable" else "native"]
             _raise_on(fn(x2.data_ptr(), x2.stride(0), packed.blocks.data_ptr(), y.data_ptr(), n, m, n, k, code,
                          num_threads))
-    return y.reshape(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
 _IMPLS = ("auto", "native", "portable", "gemm", "torch")
