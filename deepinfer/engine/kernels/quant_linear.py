@@ -7,9 +7,10 @@ on first use by build.py):
 * fewer than GEMM_MIN_ROWS rows (decode batches): the kernel proper, which dequantises the blocks in
   registers; the fp32 matrix is never made;
 * more rows (prefill): the kernel dequantises W, or chunks of it, into a reused per-thread buffer (at
-  most GEMM_CHUNK_FLOATS floats) and torch's GEMM multiplies them. At that size the product is compute-bound and
-  dequantising a chunk costs a few percent of it, so this runs at torch's fp32 speed, which on a CPU
-  with AVX-512 is about twice what the kernel's AVX2 micro-kernel reaches (bench/bench_quant_linear.py).
+  most GEMM_CHUNK_FLOATS floats) and torch's GEMM multiplies them. At that size the product is
+  compute-bound and dequantising costs a few percent of it, so this runs at torch's fp32 speed, which
+  on a CPU with AVX-512 is about twice what the kernel's AVX2 micro-kernel reaches
+  (bench/bench_quant_linear.py).
 When the kernel cannot be built, or x lives on another device (CUDA), W is dequantised with torch
 (`quant_linear_reference`).
 
@@ -64,7 +65,7 @@ _scratch = threading.local()  # per-thread fp32 chunk buffer for the GEMM path
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "reason": None}
-_fns: dict[str, object] = {}  # "native" and "portable" ctypes functions once loaded
+_fns: dict[str, object] = {}  # "native", "portable", "dequantize": the ctypes functions once loaded
 
 
 @dataclass(frozen=True)
