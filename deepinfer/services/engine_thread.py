@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+import torch
+
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import RequestOutput
 from deepinfer.parallel.group_engine import GroupEngine
@@ -36,6 +38,29 @@ COALESCE_GAP_S = 0.003  # a burst has ended when no command came for this long
 COALESCE_MAX_S = 0.03  # never hold an idle engine back longer than this
 RATE_MIN_TOKENS = 16  # steps computing fewer tokens (decode only) say little about prefill throughput
 RATE_ALPHA = 0.2
+
+
+def load_on_a_passing_thread(load: Callable[[], T], name: str = "engine-load") -> T:
+    """`load()` run on a thread that ends with it; its result or exception. Load the engine this way in a
+    process whose engine then steps on an `EngineThread`: a thread that runs torch ops keeps its OpenMP pool
+    for life, and while two threads own one, every GEMM is ~20% slower in both (measured:
+    `python -m bench.bench_openmp_masters`). Loaded on a thread that has ended, the model leaves no pool
+    behind, so the engine thread's is the only one."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(load())
+        except BaseException as exc:  # re-raised on the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 class EngineThread:
@@ -116,6 +141,8 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
+            if self.engine.config.num_threads:
+                torch.set_num_threads(self.engine.config.num_threads)  # OpenMP's count is per thread
             self._loop()
         except Exception as exc:
             self._fail(exc)

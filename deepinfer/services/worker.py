@@ -50,7 +50,7 @@ from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, arecv_routed, asend_msg, make_dealer, make_push, make_router
 from deepinfer.services.base import Handler, Service
 from deepinfer.services.cache_client import CacheClient
-from deepinfer.services.engine_thread import EngineThread
+from deepinfer.services.engine_thread import EngineThread, load_on_a_passing_thread
 from deepinfer.services.kv_events import KvEventPublisher
 from deepinfer.services.wire import from_wire_logprob, to_engine_params
 from deepinfer.services.worker_core import (
@@ -88,8 +88,9 @@ class WorkerService(Service):
         if ep > 1 and kvcache is not None:
             raise ValueError("a worker group cannot use a cache daemon yet")
         # Rank 0 of a group waits here for every rank to join, then loads the model like each of them.
-        self.engine: LLMEngine | GroupEngine = (GroupEngine.start(model, config, ep, ep_master) if ep > 1
-                                                else LLMEngine.load(model, config))
+        self.engine: LLMEngine | GroupEngine = (
+            GroupEngine.start(model, config, ep, ep_master) if ep > 1
+            else load_on_a_passing_thread(lambda: LLMEngine.load(model, config), f"{instance}-load"))
         super().__init__(instance, backend, ctx, model_fingerprint=self.engine.fingerprint,
                          block_hash_scheme=self.engine.cache_namespace.handshake_scheme, **kw)
         self.kvcache = kvcache  # (daemon name, endpoint)
