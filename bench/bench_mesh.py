@@ -2,6 +2,7 @@
 prefill/decode split costs on the same cores, how a KV move compares with recomputing, and TTFT under load.
 
     python -m bench.bench_mesh [--quick] [--threads N] [--seed S] [--out report.json]
+    python -m bench.bench_mesh --batch1 200 [--threads N]
 
 1. messaging overhead: one workload through the in-process engine (step loop), the in-process mesh (every
    service a task, inproc://) and the co-located mesh as processes (Supervisor, ipc://), same worker threads;
@@ -9,6 +10,9 @@ prefill/decode split costs on the same cores, how a KV move compares with recomp
 3. KV transfer vs prefill: one long prompt prefilled by an engine, its KV moved to a second engine over real
    ipc:// sockets (KvReserve → KvTransfer → install → KvAck), each part timed;
 4. TTFT p50/p99 against the disaggregated mesh under Poisson arrivals at several rates.
+With `--batch1 N`, only batch-1 decode instead: one prompt, N greedy tokens, through the engine, the
+co-located and the disaggregated mesh as processes, every worker with all the threads as `up --threads N` gives
+them (the engine before and after), each twice after a warm-up.
 Every ratio is against a baseline measured in the same run. See bench/README.md for what each figure means.
 """
 
@@ -311,6 +315,29 @@ def print_report(r: dict[str, Any], command: str) -> None:
     print(f"\nreproduce: {command}")
 
 
+def batch1(model: str, loaded: LoadedModel, tok: Tokenizer, threads: int, new_tokens: int, seed: int) -> None:
+    """Batch-1 decode through the engine and the meshes: one 128-token prompt, `new_tokens` greedy tokens,
+    the better of two runs after a warm-up (the engine before and after the meshes)."""
+    prompt = make_prompts(1, 128, 128, loaded.config.vocab_size, seed)
+    warm = make_prompts(1, 16, 16, loaded.config.vocab_size, seed + 1)
+    mb = kv_mb(prompt, new_tokens, KvSpec.for_model(loaded.config, BLOCK).bytes_per_token)
+    cfg = engine_config(Topology.local(model, "inproc", disaggregated=False, threads=threads,
+                                       kv_cache_mb=mb).worker("worker-0"))
+    best = lambda runs: max(x["aggregate_tok_s"] for x in runs)
+    rates: dict[str, float] = {}
+    rates[ENGINE] = best([engine_phase(loaded, tok, cfg, prompt, warm, new_tokens) for _ in range(2)])
+    for name, disaggregated in ((PROCS, False), (DISAGG, True)):
+        gc.collect()
+        with process_mesh(model, disaggregated, threads, mb) as topo:  # every worker all threads, as `up` gives
+            rates[name] = best([run_client(topo.frontend, prompt, warm, new_tokens) for _ in range(2)])
+    rates[ENGINE_AGAIN] = best([engine_phase(loaded, tok, cfg, prompt, warm, new_tokens) for _ in range(2)])
+    engine = max(rates[ENGINE], rates[ENGINE_AGAIN])
+    print(f"\nbatch-1 decode, SmolLM2-135M fp32, {threads} threads, {new_tokens} greedy tokens:")
+    for name, rate in rates.items():
+        print(f"  {name:>32}: {rate:6.1f} tok/s  ({rate / engine:.2f} of the engine's better run)")
+    print(f"reproduce: python -m bench.bench_mesh --batch1 {new_tokens} --threads {threads} --seed {seed}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run (~2 min): 8 requests, 16 new tokens, short prompts")
@@ -320,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-inproc", action="store_true", help="skip the in-process mesh")
     ap.add_argument("--out", type=Path, help="write the JSON report here")
     ap.add_argument("--no-plots", action="store_true", help="no PNG figures beside the JSON (bench/plots.py)")
+    ap.add_argument("--batch1", type=int, metavar="N", help="only batch-1 decode of N tokens: engine vs meshes")
     args = ap.parse_args(argv)
     w = dict(QUICK if args.quick else FULL)
     command = (f"python -m bench.bench_mesh{' --quick' if args.quick else ''} --threads {args.threads} "
@@ -331,6 +359,9 @@ def main(argv: list[str] | None = None) -> None:
     path = fetch_smollm2()
     model = str(path)
     loaded, tok = load_model_weights(path), Tokenizer.load(path)
+    if args.batch1:
+        batch1(model, loaded, tok, args.threads, args.batch1, args.seed * 1000 + 6)
+        return
     vocab = loaded.config.vocab_size
     prompts = make_prompts(w["requests"], *w["prompt_len"], vocab, args.seed * 1000 + 1)
     warm = make_prompts(2, 16, 32, vocab, args.seed * 1000 + 2)
