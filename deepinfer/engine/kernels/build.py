@@ -11,6 +11,10 @@ compiled under a temporary name and renamed into place, so concurrent builders n
 Flags: -O3, OpenMP, and the SIMD features the CPU reports in /proc/cpuinfo (x86-64 only). A wrapper tries
 flag sets in order (`flag_fallbacks`): without OpenMP when the compiler has none, then plain C. What it
 could not build is the wrapper's "unavailable reason", and it then uses its torch path.
+
+`KernelLoader` is that whole sequence for one kernel (find a compiler, build with the first flag set that
+compiles, load, remember how or why not); each wrapper holds one and delegates its `native_available`,
+`native_info` and `native_unavailable_reason` to it.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
+    "KernelLoader",
     "UnsafeKernelPath",
     "build",
     "build_first",
@@ -232,3 +239,77 @@ def dlopen_checked(path: Path) -> ctypes.CDLL:
         raise
     os.close(fd)
     return ctypes.CDLL(str(path))  # no /proc: the checked 0700 directory is what protects the path
+
+
+class KernelLoader:
+    """Builds and loads one kernel on first use, once per process, and remembers how or why not.
+
+    `load(path)` dlopens the checked build (`dlopen_checked`), sets up its ctypes functions and returns
+    (library, {name: function}); it raises when the library does not match its wrapper. The library
+    exports `<probe_prefix>_has_avx2()` and `<probe_prefix>_has_openmp()`, which `info()` reports.
+
+    Invariants: `fns` is one dict for the loader's life, empty until a load succeeds and then filled in
+    place (wrappers may alias it and test it on the hot path without the lock); the build is tried at
+    most once, and a failure is logged once on `log` and kept as `unavailable_reason()`."""
+
+    def __init__(self, source: Path, stem: str, what: str,
+                 load: Callable[[Path], tuple[ctypes.CDLL, dict[str, Any]]], *, probe_prefix: str,
+                 log: logging.Logger, simd: Sequence[str] = DEFAULT_SIMD) -> None:
+        self.source, self.stem, self.what = source, stem, what
+        self.simd = tuple(simd)
+        self.log = log
+        self.lib: ctypes.CDLL | None = None
+        self.fns: dict[str, Any] = {}
+        # "tried", "reason"; after a load also "path", "flags", "avx2", "openmp"
+        self.state: dict[str, object] = {"tried": False, "reason": None}
+        self._load = load
+        self._probe_prefix = probe_prefix
+        self._lock = threading.Lock()
+
+    def build_one(self, compiler: str, flags: list[str]) -> Path:
+        """A checked build of the source for these flags (cached; see `build`)."""
+        return build(self.source, self.stem, compiler, flags, what=self.what, log=self.log)
+
+    def load(self, path: Path) -> tuple[ctypes.CDLL, dict[str, Any]]:
+        """Load the build at `path` without recording it (tests load reduced builds this way)."""
+        return self._load(path)
+
+    def available(self) -> bool:
+        """Build (falling back to reduced flag sets) and load, the first time; True once loaded.
+        False, with the reason logged once, when there is no compiler or the build or load fails."""
+        if self.fns:
+            return True
+        with self._lock:
+            if self.state["tried"]:
+                return bool(self.fns)
+            self.state["tried"] = True
+            try:
+                compiler = find_compiler()
+                if compiler is None:
+                    raise RuntimeError("no C compiler found (looked for $CC, gcc, cc)")
+                path, flags, errors = build_first(lambda f: self.build_one(compiler, f), flag_fallbacks(self.simd))
+                if errors:
+                    self.log.warning("%s built with reduced flags %s; first failure: %s", self.what, flags, errors[0])
+                lib, fns = self._load(path)
+                probe = self._probe_prefix
+                self.state.update(path=str(path), flags=flags, avx2=bool(getattr(lib, f"{probe}_has_avx2")()),
+                                  openmp=bool(getattr(lib, f"{probe}_has_openmp")()))
+                self.lib = lib
+                self.fns.update(fns)  # last: a non-empty dict means fully loaded
+                self.log.debug("%s loaded from %s", self.what, path)
+                return True
+            except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
+                self.state["reason"] = f"{type(e).__name__}: {e}"
+                self.log.warning("native %s unavailable, using the torch fallback: %s", self.what,
+                                 self.state["reason"])
+                return False
+
+    def info(self) -> dict[str, object] | None:
+        """Where the loaded kernel came from and how it was built (None when not loaded)."""
+        if not self.fns:
+            return None
+        return {key: self.state[key] for key in ("path", "flags", "avx2", "openmp")}
+
+    def unavailable_reason(self) -> str | None:
+        """Why `available()` returned False (None if it was not tried or succeeded)."""
+        return self.state["reason"]  # type: ignore[return-value]

@@ -63,9 +63,6 @@ GEMM_CHUNK_FLOATS = 1 << 21
 GEMM_SPLIT_FLOATS = 1 << 19
 _scratch = threading.local()  # per-thread fp32 chunk buffer for the GEMM path
 
-_lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "reason": None}
-_fns: dict[str, object] = {}  # "native", "portable", "dequantize": the ctypes functions once loaded
 
 
 @dataclass(frozen=True)
@@ -151,7 +148,7 @@ class PackedWeight:
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    return build.build(_SOURCE, _LIB_STEM, compiler, flags, what="quantized linear kernel", log=logger)
+    return _loader.build_one(compiler, flags)
 
 
 def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
@@ -175,40 +172,24 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
     return lib, fns
 
 
+_loader = build.KernelLoader(_SOURCE, _LIB_STEM, "quantized linear kernel", _load, probe_prefix="ql",
+                             log=logger, simd=_SIMD)
+# The loader's own dicts under the names the code below and the tests use: `_fns` ("native",
+# "portable", "dequantize": the ctypes functions) is empty until the kernel is loaded.
+_state = _loader.state
+_fns = _loader.fns
+
+
 def native_available() -> bool:
     """Build (once per source/flags, cached on disk) and load the kernel. False, with the reason
     logged once, when there is no C compiler or the build or load fails."""
-    if _fns:
-        return True
-    with _lock:
-        if _state["tried"]:
-            return bool(_fns)
-        _state["tried"] = True
-        try:
-            compiler = build.find_compiler()
-            if compiler is None:
-                raise RuntimeError("no C compiler found (looked for $CC, gcc, cc)")
-            path, flags, errors = build.build_first(lambda f: _build(compiler, f), build.flag_fallbacks(_SIMD))
-            if errors:
-                logger.warning("quantized linear kernel built with reduced flags %s; first failure: %s",
-                               flags, errors[0])
-            lib, fns = _load(path)
-            _state.update(path=str(path), flags=flags, avx2=bool(lib.ql_has_avx2()),
-                          openmp=bool(lib.ql_has_openmp()), lib=lib)
-            _fns.update(fns)
-            return True
-        except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
-            _state["reason"] = f"{type(e).__name__}: {e}"
-            logger.warning("native quantized linear kernel unavailable, using the torch fallback: %s",
-                           _state["reason"])
-            return False
+    # Module globals first, so a test that swaps `_fns` / `_state` decides the answer.
+    return bool(_fns) or (not _state["tried"] and _loader.available())
 
 
 def native_info() -> dict[str, object] | None:
     """Where the loaded kernel came from and how it was built (None when not loaded)."""
-    if not _fns:
-        return None
-    return {key: _state[key] for key in ("path", "flags", "avx2", "openmp")}
+    return _loader.info() if _fns else None
 
 
 def native_unavailable_reason() -> str | None:
