@@ -156,10 +156,9 @@ def test_refused_at_load_falls_back_to_torch(monkeypatch, cache, caplog, tmp_pat
     cache.mkdir(parents=True, mode=0o700)
     link = cache / real.name
     link.symlink_to(real)
-    monkeypatch.setattr(pa, "_build", lambda compiler, flags: link)
-    monkeypatch.setattr(pa, "_fn", None)
-    monkeypatch.setattr(pa, "_lib", None)
-    monkeypatch.setattr(pa, "_state", {"tried": False, "reason": None})
+    loader = pa._new_loader()
+    monkeypatch.setattr(loader, "build_one", lambda compiler, flags: link)
+    monkeypatch.setattr(pa, "_loader", loader)
     with caplog.at_level(logging.WARNING, logger=pa.__name__):
         assert pa.native_available() is False
     assert "UnsafeKernelPath" in pa.native_unavailable_reason() and "symlink" in pa.native_unavailable_reason()

@@ -265,9 +265,7 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
 
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(pa, "_fn", None)
-    monkeypatch.setattr(pa, "_lib", None)
-    monkeypatch.setattr(pa, "_state", {"tried": False, "reason": None})
+    monkeypatch.setattr(pa, "_loader", pa._new_loader())
     with caplog.at_level("WARNING", logger=pa.__name__):
         assert pa.native_available() is False
         assert pa.native_available() is False
@@ -303,10 +301,10 @@ def test_reduced_builds(monkeypatch, tmp_path, openmp, simd):
     from deepinfer.engine.kernels import paged_attention as pa
 
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
-    lib, fn = pa._load(pa._build(pa._find_compiler(), pa._compile_flags(openmp=openmp, simd=simd)))
+    lib, fns = pa._load(pa._build(pa._find_compiler(), pa._compile_flags(openmp=openmp, simd=simd)))
     assert lib.pa_has_avx2() == 0 or simd
     assert lib.pa_has_openmp() == int(openmp)
-    monkeypatch.setattr(pa, "_fn", fn)
+    monkeypatch.setattr(pa._loader, "fns", fns)
     for heads, kv_heads, head_dim, block_size in SHAPES[:6]:
         lens = [1, block_size, 2 * block_size + 1, 300, 45]
         _assert_matches(*_make(batch=len(lens), heads=heads, kv_heads=kv_heads, head_dim=head_dim,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
-import threading
 from pathlib import Path
 
 import torch
@@ -49,12 +48,6 @@ _ERR_CONTEXT_LEN = -1
 _ERR_BLOCK_ID = -2
 _ERR_NOMEM = -3
 
-_lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "reason": None}
-_lib: ctypes.CDLL | None = None
-_fn = None  # the ctypes function once loaded
-
-
 # ---------------------------------------------------------------------------------------------
 # Build and load
 
@@ -75,7 +68,7 @@ def _lib_name(compiler: str, flags: list[str]) -> str:
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    return build.build(_SOURCE, _LIB_STEM, compiler, flags, what="paged attention kernel", log=logger)
+    return _loader.build_one(compiler, flags)
 
 
 def _compile(compiler: str, flags: list[str], target: Path) -> None:
@@ -86,8 +79,9 @@ _NUM_PARAMS = 16
 _pack_params = struct.Struct(f"<{_NUM_PARAMS}q").pack
 
 
-def _load(path: Path):
-    """Load the checked library at `path`; returns (lib, ctypes function). Raises on a refused path."""
+def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
+    """Load the checked library at `path`; returns (lib, {"f32": ctypes function}). Raises on a
+    refused path or a library built for another parameter block."""
     lib = build.dlopen_checked(path)
     if lib.pa_num_params() != _NUM_PARAMS:
         raise RuntimeError(f"{path} expects {lib.pa_num_params()} parameters, this wrapper passes {_NUM_PARAMS}")
@@ -96,52 +90,31 @@ def _load(path: Path):
     # q, k, v, block_tables, context_lens, out, packed int64 params, scale, num_threads
     fn.argtypes = [vp, vp, vp, vp, vp, vp, ctypes.c_char_p, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return lib, fn
+    return lib, {"f32": fn}
+
+
+def _new_loader() -> build.KernelLoader:
+    """A loader that has not tried yet (the module holds one; tests swap in fresh ones)."""
+    return build.KernelLoader(_SOURCE, _LIB_STEM, "paged attention kernel", _load, probe_prefix="pa", log=logger)
+
+
+_loader = _new_loader()
 
 
 def native_available() -> bool:
     """Build (once per source/flags, cached on disk) and load the native kernel. False, with the
     reason logged once, when there is no C compiler or the build or load fails."""
-    global _lib, _fn
-    if _fn is not None:
-        return True
-    with _lock:
-        if _state["tried"]:
-            return _fn is not None
-        _state["tried"] = True
-        try:
-            compiler = _find_compiler()
-            if compiler is None:
-                raise RuntimeError("no C compiler found (looked for $CC, gcc, cc)")
-            # Fall back to a serial build when the compiler has no OpenMP, and to plain C when
-            # the SIMD flags are refused.
-            path, flags, errors = build.build_first(lambda f: _build(compiler, f), build.flag_fallbacks())
-            if errors:
-                logger.warning("paged attention kernel built with reduced flags %s; first failure: %s",
-                               flags, errors[0])
-            _lib, fn = _load(path)
-            _state.update(path=str(path), flags=flags,
-                          avx2=bool(_lib.pa_has_avx2()), openmp=bool(_lib.pa_has_openmp()))
-            _fn = fn
-            logger.debug("paged attention kernel loaded from %s", path)
-            return True
-        except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
-            _state["reason"] = f"{type(e).__name__}: {e}"
-            logger.warning("native paged attention kernel unavailable, using the torch fallback: %s",
-                           _state["reason"])
-            return False
+    return _loader.available()
 
 
 def native_info() -> dict[str, object] | None:
     """Where the loaded kernel came from and how it was built (None when not loaded)."""
-    if _fn is None:
-        return None
-    return {key: _state[key] for key in ("path", "flags", "avx2", "openmp")}
+    return _loader.info()
 
 
 def native_unavailable_reason() -> str | None:
     """Why `native_available()` returned False (None if it was not tried or succeeded)."""
-    return _state["reason"]  # type: ignore[return-value]
+    return _loader.unavailable_reason()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,11 +224,10 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     Uses the native kernel; falls back to `paged_decode_attention_reference` when it cannot be
     built. Raises ValueError on bad arguments (including context lengths beyond the block table
     and out-of-range block ids)."""
-    fn = _fn
-    if fn is None:
-        if not native_available():
-            return paged_decode_attention_reference(q, k, v, block_tables, context_lens, scale, out)
-        fn = _fn
+    fns = _loader.fns
+    if not fns and not _loader.available():
+        return paged_decode_attention_reference(q, k, v, block_tables, context_lens, scale, out)
+    fn = fns["f32"]
     B, H, D, kvh, bs, max_blocks = _check(q, k, v, block_tables, context_lens, out)
     if out is None:
         out = torch.empty((B, H, D), dtype=torch.float32)
