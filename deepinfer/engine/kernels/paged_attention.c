@@ -1,12 +1,15 @@
 /*
- * Paged attention for decode rows (one query token per sequence), fp32, CPU.
+ * Paged attention for decode rows (one query token per sequence), CPU. Queries, outputs and all
+ * arithmetic are fp32; the cached K/V are fp32 (pa_paged_decode_attention_f32) or IEEE fp16
+ * (pa_paged_decode_attention_f16), widened to fp32 as they are loaded (F16C when built with it,
+ * else an exact scalar conversion).
  *
  * Reads K/V in place through the block tables: no gather, no copy of the context.
  * Plain C (no torch headers) so it builds in about a second; loaded with ctypes.
  *
  * Layout (element strides, as passed by the Python wrapper):
  *   q            [B, num_heads, head_dim]                 head_dim contiguous, other strides given
- *   k, v         [num_blocks, block_size, num_kv_heads, head_dim]
+ *   k, v         [num_blocks, block_size, num_kv_heads, head_dim] of float or fp16 (uint16_t)
  *                inner three dims contiguous, dim-0 stride given (the layer view of a
  *                [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] tensor)
  *   block_tables [B, bt_stride] int32, row b's first ceil(ctx/block_size) entries are used
@@ -19,6 +22,11 @@
  * processed a block at a time. When there are too few (sequence, kv_head) items to keep
  * every thread busy, long contexts are split into partitions whose partial results
  * (max, sum, unnormalised accumulator) are merged in a second step.
+ *
+ * One source for both K/V element types: the functions that read K/V take `half` (0: float,
+ * 1: fp16) and are forced inline, and every call chain starts from attend_range_f32 or
+ * attend_range_f16, where `half` is a constant, so each type gets its own loops with no
+ * per-element test. Offsets and strides are in elements of the K/V type.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +38,18 @@
 #define PA_AVX2 1
 #else
 #define PA_AVX2 0
+#endif
+/* The vector fp16 path needs F16C on top of AVX2 (every AVX2 CPU has it, but the build must ask). */
+#if PA_AVX2 && defined(__F16C__)
+#define PA_F16C 1
+#else
+#define PA_F16C 0
+#endif
+
+#if defined(__GNUC__)
+#define PA_INLINE static inline __attribute__((always_inline))
+#else
+#define PA_INLINE static inline
 #endif
 
 /* Prefetch this many tokens ahead (rounded up to whole blocks); 0 disables. */
@@ -57,6 +77,8 @@ int pa_version(void) { return 1; }
 
 int pa_has_avx2(void) { return PA_AVX2; }
 
+int pa_has_f16c(void) { return PA_F16C; }
+
 int pa_has_openmp(void) {
 #ifdef _OPENMP
     return 1;
@@ -64,6 +86,54 @@ int pa_has_openmp(void) {
     return 0;
 #endif
 }
+
+/* ------------------------------------------------------------------------------------ */
+/* K/V element access. `half` is a compile-time constant wherever these are inlined.     */
+
+/* IEEE binary16 -> float; exact (every half is a float). */
+static inline float half_to_float(uint16_t h) {
+#if PA_F16C
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu)
+        bits = sign | 0x7f800000u | (mant << 13); /* inf / nan, payload kept */
+    else if (exp)
+        bits = sign | ((exp + (127u - 15u)) << 23) | (mant << 13); /* normal: rebias the exponent */
+    else if (!mant)
+        bits = sign; /* signed zero */
+    else {           /* subnormal: mant * 2^-24, exact in float */
+        const float f = (float)mant * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Address of element i of a K/V array. */
+PA_INLINE const void *kv_at(const void *base, int64_t i, int half) {
+    return half ? (const void *)((const uint16_t *)base + i) : (const void *)((const float *)base + i);
+}
+
+PA_INLINE float kv_load1(const void *base, int64_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+#if PA_AVX2
+/* 8 consecutive elements from element i, as floats. Callers use it for fp16 only when PA_F16C
+ * (attend_range's `vec`). */
+PA_INLINE __m256 kv_load8(const void *base, int64_t i, int half) {
+#if PA_F16C
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+#endif
+    (void)half;
+    return _mm256_loadu_ps((const float *)base + i);
+}
+#endif
 
 /* ------------------------------------------------------------------------------------ */
 /* exp2 of an array, in place.                                                          */
@@ -129,14 +199,17 @@ static inline float exp2_sub_sum(float *restrict x, int n, float m) {
 /* ------------------------------------------------------------------------------------ */
 /* scores[j] = dot(q, k_j) for n rows k_j = k + j * tok_stride.                          */
 
-static inline void prefetch_rows(const float *base, int64_t tok_stride, int n, int D) {
+/* Prefetch n rows of D elements, tok_stride elements apart. */
+PA_INLINE void prefetch_rows(const void *base, int64_t tok_stride, int n, int D, int half) {
 #if defined(__GNUC__)
+    const int esize = half ? 2 : 4;
+    const int row_bytes = D * esize;
     for (int j = 0; j < n; ++j) {
-        const char *r = (const char *)(base + (int64_t)j * tok_stride);
-        for (int off = 0; off < D * (int)sizeof(float); off += 64) __builtin_prefetch(r + off, 0, PA_PREFETCH_LOCALITY);
+        const char *r = (const char *)base + (int64_t)j * tok_stride * esize;
+        for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(r + off, 0, PA_PREFETCH_LOCALITY);
     }
 #else
-    (void)base; (void)tok_stride; (void)n; (void)D;
+    (void)base; (void)tok_stride; (void)n; (void)D; (void)half;
 #endif
 }
 
@@ -170,16 +243,16 @@ static inline float hsum8(__m256 a) {
 }
 
 /* head_dim % 8 == 0; returns max_j scores[j] (n >= 1) */
-static float qk_scores_avx2(const float *restrict q, const float *restrict k, int64_t tok_stride, int n, int D,
-                            float *restrict scores, const float *pf, int pf_n) {
+PA_INLINE float qk_scores_avx2(const float *restrict q, const void *restrict k, int64_t tok_stride, int n, int D,
+                               float *restrict scores, const void *pf, int pf_n, int half) {
     int j = 0, pj = 0;
     const int per_group = pf ? (pf_n + (n + 7) / 8 - 1) / ((n + 7) / 8) : 0; /* spread over groups of 8 */
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     for (; j + 8 <= n; j += 8) {
-        const float *k0 = k + (int64_t)j * tok_stride;
+        const int64_t k0 = (int64_t)j * tok_stride;
         if (pj < pf_n) {
             const int c = (pf_n - pj) < per_group ? (pf_n - pj) : per_group;
-            prefetch_rows(pf + (int64_t)pj * tok_stride, tok_stride, c, D);
+            prefetch_rows(kv_at(pf, (int64_t)pj * tok_stride, half), tok_stride, c, D, half);
             pj += c;
         }
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
@@ -187,30 +260,30 @@ static float qk_scores_avx2(const float *restrict q, const float *restrict k, in
                a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
             __m256 qd = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + tok_stride + d), a1);
-            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * tok_stride + d), a2);
-            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * tok_stride + d), a3);
-            a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 4 * tok_stride + d), a4);
-            a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 5 * tok_stride + d), a5);
-            a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 6 * tok_stride + d), a6);
-            a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 7 * tok_stride + d), a7);
+            a0 = _mm256_fmadd_ps(qd, kv_load8(k, k0 + d, half), a0);
+            a1 = _mm256_fmadd_ps(qd, kv_load8(k, k0 + tok_stride + d, half), a1);
+            a2 = _mm256_fmadd_ps(qd, kv_load8(k, k0 + 2 * tok_stride + d, half), a2);
+            a3 = _mm256_fmadd_ps(qd, kv_load8(k, k0 + 3 * tok_stride + d, half), a3);
+            a4 = _mm256_fmadd_ps(qd, kv_load8(k, k0 + 4 * tok_stride + d, half), a4);
+            a5 = _mm256_fmadd_ps(qd, kv_load8(k, k0 + 5 * tok_stride + d, half), a5);
+            a6 = _mm256_fmadd_ps(qd, kv_load8(k, k0 + 6 * tok_stride + d, half), a6);
+            a7 = _mm256_fmadd_ps(qd, kv_load8(k, k0 + 7 * tok_stride + d, half), a7);
         }
         const __m256 s = hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
         vmax = _mm256_max_ps(vmax, s);
         _mm256_storeu_ps(scores + j, s);
     }
     float m = hmax8(vmax);
-    if (pj < pf_n) prefetch_rows(pf + (int64_t)pj * tok_stride, tok_stride, pf_n - pj, D);
+    if (pj < pf_n) prefetch_rows(kv_at(pf, (int64_t)pj * tok_stride, half), tok_stride, pf_n - pj, D, half);
     for (; j < n; ++j) {
-        const float *kj = k + (int64_t)j * tok_stride;
+        const int64_t kj = (int64_t)j * tok_stride;
         __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
         int d = 0;
         for (; d + 16 <= D; d += 16) {
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
-            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(kj + d + 8), b);
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv_load8(k, kj + d, half), a);
+            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), kv_load8(k, kj + d + 8, half), b);
         }
-        if (d < D) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
+        if (d < D) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv_load8(k, kj + d, half), a);
         const float sj = hsum8(_mm256_add_ps(a, b));
         scores[j] = sj;
         m = sj > m ? sj : m;
@@ -220,27 +293,27 @@ static float qk_scores_avx2(const float *restrict q, const float *restrict k, in
 
 /* acc[0:D] += sum_j p[j] * v_j, head_dim % 8 == 0. Keeps >= 8 independent FMA chains in flight
  * (FMA latency 4 x 2 ports): 64 dims at a time, else 32 dims x 2 token phases, else 8 dims x 4
- * token phases. */
-static void pv_accum_avx2(const float *restrict p, const float *restrict v, int64_t tok_stride, int n, int D,
-                          float *restrict acc, const float *pf, int pf_n) {
+ * token phases. `o` is the element offset of the current row's slice in v. */
+PA_INLINE void pv_accum_avx2(const float *restrict p, const void *restrict v, int64_t tok_stride, int n, int D,
+                             float *restrict acc, const void *pf, int pf_n, int half) {
     int d = 0;
-    if (pf) prefetch_rows(pf, tok_stride, pf_n, D);
+    if (pf) prefetch_rows(pf, tok_stride, pf_n, D, half);
     for (; d + 64 <= D; d += 64) {
         __m256 c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_loadu_ps(acc + d + 8),
                c2 = _mm256_loadu_ps(acc + d + 16), c3 = _mm256_loadu_ps(acc + d + 24),
                c4 = _mm256_loadu_ps(acc + d + 32), c5 = _mm256_loadu_ps(acc + d + 40),
                c6 = _mm256_loadu_ps(acc + d + 48), c7 = _mm256_loadu_ps(acc + d + 56);
-        const float *vj = v + d;
-        for (int j = 0; j < n; ++j, vj += tok_stride) {
+        int64_t o = d;
+        for (int j = 0; j < n; ++j, o += tok_stride) {
             const __m256 pj = _mm256_broadcast_ss(p + j);
-            c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj), c0);
-            c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8), c1);
-            c2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 16), c2);
-            c3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 24), c3);
-            c4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 32), c4);
-            c5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 40), c5);
-            c6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 48), c6);
-            c7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 56), c7);
+            c0 = _mm256_fmadd_ps(pj, kv_load8(v, o, half), c0);
+            c1 = _mm256_fmadd_ps(pj, kv_load8(v, o + 8, half), c1);
+            c2 = _mm256_fmadd_ps(pj, kv_load8(v, o + 16, half), c2);
+            c3 = _mm256_fmadd_ps(pj, kv_load8(v, o + 24, half), c3);
+            c4 = _mm256_fmadd_ps(pj, kv_load8(v, o + 32, half), c4);
+            c5 = _mm256_fmadd_ps(pj, kv_load8(v, o + 40, half), c5);
+            c6 = _mm256_fmadd_ps(pj, kv_load8(v, o + 48, half), c6);
+            c7 = _mm256_fmadd_ps(pj, kv_load8(v, o + 56, half), c7);
         }
         _mm256_storeu_ps(acc + d, c0);
         _mm256_storeu_ps(acc + d + 8, c1);
@@ -256,25 +329,25 @@ static void pv_accum_avx2(const float *restrict p, const float *restrict v, int6
                c2 = _mm256_loadu_ps(acc + d + 16), c3 = _mm256_loadu_ps(acc + d + 24);
         __m256 e0 = _mm256_setzero_ps(), e1 = _mm256_setzero_ps(), e2 = _mm256_setzero_ps(),
                e3 = _mm256_setzero_ps();
-        const float *vj = v + d;
+        int64_t o = d;
         int j = 0;
-        for (; j + 2 <= n; j += 2, vj += 2 * tok_stride) {
+        for (; j + 2 <= n; j += 2, o += 2 * tok_stride) {
             const __m256 pa = _mm256_broadcast_ss(p + j), pb = _mm256_broadcast_ss(p + j + 1);
-            c0 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj), c0);
-            c1 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 8), c1);
-            c2 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 16), c2);
-            c3 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 24), c3);
-            e0 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vj + tok_stride), e0);
-            e1 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vj + tok_stride + 8), e1);
-            e2 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vj + tok_stride + 16), e2);
-            e3 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vj + tok_stride + 24), e3);
+            c0 = _mm256_fmadd_ps(pa, kv_load8(v, o, half), c0);
+            c1 = _mm256_fmadd_ps(pa, kv_load8(v, o + 8, half), c1);
+            c2 = _mm256_fmadd_ps(pa, kv_load8(v, o + 16, half), c2);
+            c3 = _mm256_fmadd_ps(pa, kv_load8(v, o + 24, half), c3);
+            e0 = _mm256_fmadd_ps(pb, kv_load8(v, o + tok_stride, half), e0);
+            e1 = _mm256_fmadd_ps(pb, kv_load8(v, o + tok_stride + 8, half), e1);
+            e2 = _mm256_fmadd_ps(pb, kv_load8(v, o + tok_stride + 16, half), e2);
+            e3 = _mm256_fmadd_ps(pb, kv_load8(v, o + tok_stride + 24, half), e3);
         }
         if (j < n) {
             const __m256 pa = _mm256_broadcast_ss(p + j);
-            c0 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj), c0);
-            c1 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 8), c1);
-            c2 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 16), c2);
-            c3 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(vj + 24), c3);
+            c0 = _mm256_fmadd_ps(pa, kv_load8(v, o, half), c0);
+            c1 = _mm256_fmadd_ps(pa, kv_load8(v, o + 8, half), c1);
+            c2 = _mm256_fmadd_ps(pa, kv_load8(v, o + 16, half), c2);
+            c3 = _mm256_fmadd_ps(pa, kv_load8(v, o + 24, half), c3);
         }
         _mm256_storeu_ps(acc + d, _mm256_add_ps(c0, e0));
         _mm256_storeu_ps(acc + d + 8, _mm256_add_ps(c1, e1));
@@ -285,48 +358,48 @@ static void pv_accum_avx2(const float *restrict p, const float *restrict v, int6
     for (; d < D; d += 8) {
         __m256 c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(),
                c3 = _mm256_setzero_ps();
-        const float *vj = v + d;
+        int64_t o = d;
         int j = 0;
-        for (; j + 4 <= n; j += 4, vj += 4 * tok_stride) {
-            c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vj), c0);
-            c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 1), _mm256_loadu_ps(vj + tok_stride), c1);
-            c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 2), _mm256_loadu_ps(vj + 2 * tok_stride), c2);
-            c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 3), _mm256_loadu_ps(vj + 3 * tok_stride), c3);
+        for (; j + 4 <= n; j += 4, o += 4 * tok_stride) {
+            c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), kv_load8(v, o, half), c0);
+            c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 1), kv_load8(v, o + tok_stride, half), c1);
+            c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 2), kv_load8(v, o + 2 * tok_stride, half), c2);
+            c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 3), kv_load8(v, o + 3 * tok_stride, half), c3);
         }
-        for (; j < n; ++j, vj += tok_stride) c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vj), c0);
+        for (; j < n; ++j, o += tok_stride) c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), kv_load8(v, o, half), c0);
         _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
     }
 }
 #endif
 
-/* Generic versions: any head_dim; written so gcc vectorises the head_dim loops. */
-static float qk_scores_generic(const float *restrict q, const float *restrict k, int64_t tok_stride, int n,
-                               int D, float *restrict scores) {
+/* Generic versions: any head_dim; written so gcc vectorises the head_dim loops (the fp32 ones). */
+PA_INLINE float qk_scores_generic(const float *restrict q, const void *restrict k, int64_t tok_stride, int n,
+                                  int D, float *restrict scores, int half) {
     float m = -INFINITY;
     for (int j = 0; j < n; ++j) {
-        const float *restrict kj = k + (int64_t)j * tok_stride;
+        const int64_t kj = (int64_t)j * tok_stride;
         float s = 0.0f;
-        for (int d = 0; d < D; ++d) s += q[d] * kj[d];
+        for (int d = 0; d < D; ++d) s += q[d] * kv_load1(k, kj + d, half);
         scores[j] = s;
         m = s > m ? s : m;
     }
     return m;
 }
 
-static void pv_accum_generic(const float *restrict p, const float *restrict v, int64_t tok_stride, int n, int D,
-                             float *restrict acc) {
+PA_INLINE void pv_accum_generic(const float *restrict p, const void *restrict v, int64_t tok_stride, int n, int D,
+                                float *restrict acc, int half) {
     for (int j = 0; j < n; ++j) {
-        const float *restrict vj = v + (int64_t)j * tok_stride;
+        const int64_t vj = (int64_t)j * tok_stride;
         const float pj = p[j];
-        for (int d = 0; d < D; ++d) acc[d] += pj * vj[d];
+        for (int d = 0; d < D; ++d) acc[d] += pj * kv_load1(v, vj + d, half);
     }
 }
 
 /* ------------------------------------------------------------------------------------ */
 
 typedef struct {
-    const float *k;
-    const float *v;
+    const void *k; /* float or fp16, as the attend_range variant says */
+    const void *v;
     int64_t k_block_stride, k_tok_stride;
     int64_t v_block_stride, v_tok_stride;
     int block_size, G, D;
@@ -338,12 +411,14 @@ typedef struct {
  * [tok_begin, tok_end) of one sequence, for one kv head (k/v already offset to it).
  * tok_begin is a multiple of block_size. Output: m[G] (running max, log2 domain),
  * l[G] (sum), acc[G, D] (unnormalised). scores: scratch of G * block_size floats.
+ * half: 0 for float K/V, 1 for fp16; a constant at both call sites (attend_range_f32/_f16).
  */
-static void attend_range(const pa_geom *g, const float *restrict qs, const int32_t *restrict btab,
-                         int tok_begin, int tok_end, float *restrict m, float *restrict l,
-                         float *restrict acc, float *restrict scores) {
+PA_INLINE void attend_range(const pa_geom *g, const float *restrict qs, const int32_t *restrict btab,
+                            int tok_begin, int tok_end, float *restrict m, float *restrict l,
+                            float *restrict acc, float *restrict scores, int half) {
     const int G = g->G, D = g->D, bs = g->block_size;
-    const int vec = PA_AVX2 && (D % 8 == 0);
+    /* the AVX2 loops load fp16 rows with F16C; a build without it reads them with the generic loops */
+    const int vec = PA_AVX2 && (D % 8 == 0) && (!half || PA_F16C);
     (void)vec;
     for (int h = 0; h < G; ++h) {
         m[h] = -INFINITY;
@@ -354,32 +429,32 @@ static void attend_range(const pa_geom *g, const float *restrict qs, const int32
     for (int i = 0, t = tok_begin; i < g->pf_dist && t < tok_end; ++i, t += bs) {
         const int64_t nb = btab[t / bs];
         const int nn = (tok_end - t) < bs ? (tok_end - t) : bs;
-        prefetch_rows(g->k + nb * g->k_block_stride, g->k_tok_stride, nn, D);
-        prefetch_rows(g->v + nb * g->v_block_stride, g->v_tok_stride, nn, D);
+        prefetch_rows(kv_at(g->k, nb * g->k_block_stride, half), g->k_tok_stride, nn, D, half);
+        prefetch_rows(kv_at(g->v, nb * g->v_block_stride, half), g->v_tok_stride, nn, D, half);
     }
 
     for (int t0 = tok_begin; t0 < tok_end; t0 += bs) {
         const int bi = t0 / bs;
         const int n = (tok_end - t0) < bs ? (tok_end - t0) : bs;
         const int64_t blk = btab[bi];
-        const float *kb = g->k + blk * g->k_block_stride;
-        const float *vb = g->v + blk * g->v_block_stride;
+        const void *kb = kv_at(g->k, blk * g->k_block_stride, half);
+        const void *vb = kv_at(g->v, blk * g->v_block_stride, half);
 
         /* Software prefetch (into L2) of the block pf_dist blocks ahead: blocks are scattered,
          * so the hardware prefetchers cannot see them coming. The rows are shared out over the
          * G heads' passes (K rows spread over each QK pass, V rows at the start of each PV
          * pass) so requests stay in flight while computing instead of arriving in one burst. */
-        const float *pfk = NULL, *pfv = NULL;
+        const void *pfk = NULL, *pfv = NULL;
         int nn = 0;
         const int tp = t0 + g->pf_dist * bs;
         if (g->pf_dist > 0 && tp < tok_end) {
             const int64_t nb = btab[bi + g->pf_dist];
             nn = (tok_end - tp) < bs ? (tok_end - tp) : bs;
-            pfk = g->k + nb * g->k_block_stride;
-            pfv = g->v + nb * g->v_block_stride;
+            pfk = kv_at(g->k, nb * g->k_block_stride, half);
+            pfv = kv_at(g->v, nb * g->v_block_stride, half);
             if (!vec) { /* the generic path takes no prefetch pointers: fetch it all now */
-                prefetch_rows(pfk, g->k_tok_stride, nn, D);
-                prefetch_rows(pfv, g->v_tok_stride, nn, D);
+                prefetch_rows(pfk, g->k_tok_stride, nn, D, half);
+                prefetch_rows(pfv, g->v_tok_stride, nn, D, half);
             }
         }
 
@@ -393,10 +468,10 @@ static void attend_range(const pa_geom *g, const float *restrict qs, const int32
 #if PA_AVX2
             if (vec)
                 bm = qk_scores_avx2(qs + (size_t)h * D, kb, g->k_tok_stride, n, D, sc,
-                                    pfk ? pfk + r0 * g->k_tok_stride : NULL, r1 - r0);
+                                    pfk ? kv_at(pfk, r0 * g->k_tok_stride, half) : NULL, (int)(r1 - r0), half);
             else
 #endif
-                bm = qk_scores_generic(qs + (size_t)h * D, kb, g->k_tok_stride, n, D, sc);
+                bm = qk_scores_generic(qs + (size_t)h * D, kb, g->k_tok_stride, n, D, sc, half);
             float *ah = acc + (size_t)h * D;
             if (bm > m[h]) {
                 if (m[h] != -INFINITY) {
@@ -409,13 +484,26 @@ static void attend_range(const pa_geom *g, const float *restrict qs, const int32
             l[h] += exp2_sub_sum(sc, n, m[h]);
 #if PA_AVX2
             if (vec)
-                pv_accum_avx2(sc, vb, g->v_tok_stride, n, D, ah, pfv ? pfv + r0 * g->v_tok_stride : NULL,
-                              r1 - r0);
+                pv_accum_avx2(sc, vb, g->v_tok_stride, n, D, ah, pfv ? kv_at(pfv, r0 * g->v_tok_stride, half) : NULL,
+                              (int)(r1 - r0), half);
             else
 #endif
-                pv_accum_generic(sc, vb, g->v_tok_stride, n, D, ah);
+                pv_accum_generic(sc, vb, g->v_tok_stride, n, D, ah, half);
         }
     }
+}
+
+/* The two specialisations; everything K/V-typed below them is inlined with `half` constant. */
+static void attend_range_f32(const pa_geom *g, const float *restrict qs, const int32_t *restrict btab,
+                             int tok_begin, int tok_end, float *restrict m, float *restrict l,
+                             float *restrict acc, float *restrict scores) {
+    attend_range(g, qs, btab, tok_begin, tok_end, m, l, acc, scores, 0);
+}
+
+static void attend_range_f16(const pa_geom *g, const float *restrict qs, const int32_t *restrict btab,
+                             int tok_begin, int tok_end, float *restrict m, float *restrict l,
+                             float *restrict acc, float *restrict scores) {
+    attend_range(g, qs, btab, tok_begin, tok_end, m, l, acc, scores, 1);
 }
 
 /*
@@ -424,14 +512,15 @@ static void attend_range(const pa_geom *g, const float *restrict qs, const int32
  * k_block_stride, k_token_stride, v_block_stride, v_token_stride (strides in elements).
  * Packed in one array so the ctypes call stays cheap (the engine calls this once per layer).
  * Returns PA_OK or a negative error code (nothing is written to out on a validation error).
+ * half: K/V element type (0 float, 1 fp16); the strides count elements of it.
  */
 #define PA_NUM_PARAMS 16
 
 int pa_num_params(void) { return PA_NUM_PARAMS; }
 
-int pa_paged_decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
-                                  const int32_t *context_lens, float *out, const int64_t *params, float scale,
-                                  int num_threads) {
+static int decode_attention(const float *q, const void *k, const void *v, const int32_t *block_tables,
+                            const int32_t *context_lens, float *out, const int64_t *params, float scale,
+                            int num_threads, int half) {
     const int64_t B = params[0], num_heads = params[1], num_kv_heads = params[2], head_dim = params[3],
                   block_size = params[4], num_blocks = params[5], max_blocks = params[6],
                   q_stride_b = params[7], q_stride_h = params[8], out_stride_b = params[9],
@@ -548,15 +637,16 @@ int pa_paged_decode_attention_f32(const float *q, const float *k, const float *v
                 float *qsh = qs + (size_t)h * D;
                 for (int d = 0; d < D; ++d) qsh[d] = qh[d] * qmul;
             }
-            gl.k = k + kvh * D;
-            gl.v = v + kvh * D;
+            gl.k = kv_at(k, kvh * D, half);
+            gl.v = kv_at(v, kvh * D, half);
 
             float *orow = out + b * out_stride_b + kvh * G * out_stride_h;
             if (c == 0) {
                 for (int h = 0; h < G; ++h) memset(orow + h * out_stride_h, 0, sizeof(float) * (size_t)D);
                 continue;
             }
-            attend_range(&gl, qs, block_tables + b * bt_stride, (int)t_begin, (int)t_end, m, l, acc, sc);
+            (half ? attend_range_f16 : attend_range_f32)(&gl, qs, block_tables + b * bt_stride, (int)t_begin,
+                                                         (int)t_end, m, l, acc, sc);
 
             if (nparts == 1) {
                 for (int h = 0; h < G; ++h) {
@@ -608,4 +698,17 @@ int pa_paged_decode_attention_f32(const float *q, const float *k, const float *v
     free(partials);
     free(item_start);
     return err;
+}
+
+int pa_paged_decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
+                                  const int32_t *context_lens, float *out, const int64_t *params, float scale,
+                                  int num_threads) {
+    return decode_attention(q, k, v, block_tables, context_lens, out, params, scale, num_threads, 0);
+}
+
+/* k, v: IEEE binary16 bit patterns (torch.float16's storage). */
+int pa_paged_decode_attention_f16(const float *q, const uint16_t *k, const uint16_t *v,
+                                  const int32_t *block_tables, const int32_t *context_lens, float *out,
+                                  const int64_t *params, float scale, int num_threads) {
+    return decode_attention(q, k, v, block_tables, context_lens, out, params, scale, num_threads, 1);
 }

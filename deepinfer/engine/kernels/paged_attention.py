@@ -10,14 +10,19 @@ tests, and what `paged_decode_attention` falls back to when the kernel cannot be
 
 Shapes:
     q             [B, num_heads, head_dim] float32, head_dim contiguous
-    k, v          [num_blocks, block_size, num_kv_heads, head_dim] float32, the inner three dims
-                  contiguous; dim 0 may have any stride (layer views of the engine's KV tensor
+    k, v          [num_blocks, block_size, num_kv_heads, head_dim], both float32 or both float16 (the
+                  KV dtypes in `KV_COMPUTE_DTYPES`), the inner three dims contiguous; dim 0 may have any
+                  stride (layer views of the engine's KV tensor
                   [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim])
     block_tables  [B, max_blocks] int32, innermost dim contiguous; entries past a row's
                   ceil(context_len / block_size) blocks are ignored
     context_lens  [B] int32, tokens of context including the current one (0 gives a zero row)
     out           [B, num_heads, head_dim] float32, head_dim contiguous
 GQA: query head h reads kv head h // (num_heads // num_kv_heads).
+
+fp16 K/V are widened to fp32 as they are read (the kernel with F16C, the reference with `.float()`);
+every product, sum and the softmax are fp32, so both paths compute attention over exactly the
+fp16-rounded values, and the result is fp32.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from deepinfer.engine.kernels import build
 
 __all__ = [
+    "KV_COMPUTE_DTYPES",
     "native_available",
     "paged_decode_attention",
     "paged_decode_attention_reference",
@@ -44,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 _LIB_STEM = "paged_attention"
+# AVX2 + FMA for the loops, F16C for reading fp16 K/V (a CPU lacking any of them gets the plain C build).
+_SIMD = ("avx2", "fma", "f16c")
+# The K/V dtypes these entry points read (queries and outputs are always float32).
+KV_COMPUTE_DTYPES = (torch.float32, torch.float16)
 _ERR_CONTEXT_LEN = -1
 _ERR_BLOCK_ID = -2
 _ERR_NOMEM = -3
@@ -60,7 +70,7 @@ _find_compiler = build.find_compiler
 
 
 def _compile_flags(openmp: bool = True, simd: bool = True) -> list[str]:
-    return build.compile_flags(openmp, simd)
+    return build.compile_flags(openmp, simd, _SIMD)
 
 
 def _lib_name(compiler: str, flags: list[str]) -> str:
@@ -80,22 +90,27 @@ _pack_params = struct.Struct(f"<{_NUM_PARAMS}q").pack
 
 
 def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
-    """Load the checked library at `path`; returns (lib, {"f32": ctypes function}). Raises on a
+    """Load the checked library at `path`; returns (lib, {K/V dtype: ctypes function}). Raises on a
     refused path or a library built for another parameter block."""
     lib = build.dlopen_checked(path)
     if lib.pa_num_params() != _NUM_PARAMS:
         raise RuntimeError(f"{path} expects {lib.pa_num_params()} parameters, this wrapper passes {_NUM_PARAMS}")
-    fn = lib.pa_paged_decode_attention_f32
     vp = ctypes.c_void_p
-    # q, k, v, block_tables, context_lens, out, packed int64 params, scale, num_threads
-    fn.argtypes = [vp, vp, vp, vp, vp, vp, ctypes.c_char_p, ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib, {"f32": fn}
+    fns: dict[object, object] = {}
+    for dtype, name in ((torch.float32, "pa_paged_decode_attention_f32"),
+                        (torch.float16, "pa_paged_decode_attention_f16")):
+        fn = getattr(lib, name)
+        # q, k, v, block_tables, context_lens, out, packed int64 params, scale, num_threads
+        fn.argtypes = [vp, vp, vp, vp, vp, vp, ctypes.c_char_p, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        fns[dtype] = fn
+    return lib, fns
 
 
 def _new_loader() -> build.KernelLoader:
     """A loader that has not tried yet (the module holds one; tests swap in fresh ones)."""
-    return build.KernelLoader(_SOURCE, _LIB_STEM, "paged attention kernel", _load, probe_prefix="pa", log=logger)
+    return build.KernelLoader(_SOURCE, _LIB_STEM, "paged attention kernel", _load, probe_prefix="pa",
+                              log=logger, simd=_SIMD)
 
 
 _loader = _new_loader()
@@ -108,8 +123,12 @@ def native_available() -> bool:
 
 
 def native_info() -> dict[str, object] | None:
-    """Where the loaded kernel came from and how it was built (None when not loaded)."""
-    return _loader.info()
+    """Where the loaded kernel came from and how it was built (None when not loaded); `f16c` says
+    whether fp16 K/V are widened with F16C vector loads (else with the scalar conversion)."""
+    info = _loader.info()
+    if info is not None and _loader.lib is not None:
+        info["f16c"] = bool(_loader.lib.pa_has_f16c())
+    return info
 
 
 def native_unavailable_reason() -> str | None:
@@ -121,7 +140,7 @@ def native_unavailable_reason() -> str | None:
 # Argument checks
 
 
-_F32, _I32 = torch.float32, torch.int32
+_F32, _F16, _I32 = torch.float32, torch.float16, torch.int32
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
@@ -135,7 +154,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torc
         bs, kvh = ksh[1], ksh[2]
         ks, vs = k.stride(), v.stride()
         row = kvh * D
-        if (q.dtype is _F32 and k.dtype is _F32 and v.dtype is _F32 and block_tables.dtype is _I32
+        if (q.dtype is _F32 and (k.dtype is _F32 or k.dtype is _F16) and v.dtype is k.dtype
+                and block_tables.dtype is _I32
                 and context_lens.dtype is _I32 and ksh[3] == D and v.shape == ksh and kvh > 0 and H % kvh == 0
                 and q.stride(2) == 1 and ks[3] == 1 and ks[2] == D and ks[1] == row
                 and vs[3] == 1 and vs[2] == D and vs[1] == row and bsh[0] == B
@@ -153,8 +173,10 @@ def _diagnose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: t
               context_lens: torch.Tensor, out: torch.Tensor | None) -> None:
     """Raise a ValueError that says what is wrong with the arguments."""
     f32 = torch.float32
-    if q.dtype != f32 or k.dtype != f32 or v.dtype != f32:
-        raise ValueError(f"q, k, v must be float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype != f32:
+        raise ValueError(f"q must be float32, got {q.dtype}")
+    if k.dtype not in KV_COMPUTE_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"k and v must both be float32 or both float16, got {k.dtype}, {v.dtype}")
     if q.dim() != 3:
         raise ValueError(f"q must be [B, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k.dim() != 4 or v.dim() != 4:
@@ -221,14 +243,14 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (one query token per row) reading K/V through the block tables.
 
-    Uses the native kernel; falls back to `paged_decode_attention_reference` when it cannot be
-    built. Raises ValueError on bad arguments (including context lengths beyond the block table
-    and out-of-range block ids)."""
+    Uses the native kernel (fp32 or fp16 K/V, see the module docstring); falls back to
+    `paged_decode_attention_reference` when it cannot be built. Raises ValueError on bad arguments
+    (including context lengths beyond the block table and out-of-range block ids)."""
     fns = _loader.fns
     if not fns and not _loader.available():
         return paged_decode_attention_reference(q, k, v, block_tables, context_lens, scale, out)
-    fn = fns["f32"]
     B, H, D, kvh, bs, max_blocks = _check(q, k, v, block_tables, context_lens, out)
+    fn = fns[k.dtype]
     if out is None:
         out = torch.empty((B, H, D), dtype=torch.float32)
     if B == 0:
@@ -268,8 +290,9 @@ def paged_decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
     ids = block_tables[:, :nb].long()
     used = torch.arange(nb).unsqueeze(0) * bs < lens.unsqueeze(1)  # [B, nb]
     ids = torch.where(used, ids, torch.zeros_like(ids))  # ignored entries may hold anything
-    kk = k[ids].reshape(B, nb * bs, kvh, D)[:, :max_len]  # [B, T, kvh, D]
-    vv = v[ids].reshape(B, nb * bs, kvh, D)[:, :max_len]
+    # [B, T, kvh, D]; fp16 K/V are widened here and everything after is fp32 (like the kernel)
+    kk = k[ids].reshape(B, nb * bs, kvh, D)[:, :max_len].float()
+    vv = v[ids].reshape(B, nb * bs, kvh, D)[:, :max_len].float()
     g = H // kvh
     qg = q.reshape(B, kvh, g, D)
     scores = torch.einsum("bkgd,btkd->bkgt", qg, kk) * scale
