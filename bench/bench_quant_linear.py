@@ -5,8 +5,8 @@ matmul on the same weights dequantised, at SmolLM2-135M's projection shapes.
     python -m bench.bench_quant_linear --layers 1              # one layer again and again: hot in cache
     python -m bench.bench_quant_linear --threads 1 --rows 1 8 --json /tmp/ql.json
 
-Weights: q_proj (576→576), up_proj (576→1536) and down_proj (1536→576) of the first `--layers` layers, and
-the LM head (the tied token embedding, 576→49152, one of it), read from the real SmolLM2 Q4_1 GGUF in the cache
+Weights: q_proj (576→576), qkv (q, k, v stacked: 576→960), up_proj (576→1536), gate_up (gate, up stacked:
+576→3072) and down_proj (1536→576) of the first `--layers` layers, and the LM head (the tied token embedding, 576→49152, one of it), read from the real SmolLM2 Q4_1 GGUF in the cache
 when it is there (Q4_1, the head Q8_0), else random blocks of the same formats and shapes (printed as
 "random"). A timed call is one sweep over the layers (each its own weights, as in a forward pass, so the
 working set is the model's and not one layer's L2-resident copy), reported per layer. Both arms run with
@@ -14,8 +14,9 @@ working set is the model's and not one layer's L2-resident copy), reported per l
 
 Per shape and row count M: µs per call (best of `--samples` samples, each enough calls for ~`--sample-ms`), the
 baseline / native ratio (>1: the kernel is faster) and, at M=1 (decode, where a layer reads its weights once per
-token), the GB/s of weights read: packed bytes for the kernel, fp32 bytes for torch. A max relative
-difference check against torch runs first; the bench stops if it exceeds 1e-4.
+token), the GB/s of weights read: packed bytes for the kernel, fp32 bytes for torch. A streaming-read probe
+(torch summing an fp32 buffer: `--stream-mib` MiB, and one of the same size as a timed sweep's weights) gives
+the bandwidth those GB/s are a fraction of ("of stream"). A max relative difference check against torch runs first; the bench stops if it exceeds 1e-4.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from deepinfer.engine.fetch import SMOLLM2_FILE, default_cache_dir
 from deepinfer.engine.gguf import open_gguf
 from deepinfer.engine.kernels import quant_linear as ql
 
-SHAPES = [  # (label, GGUF tensor, default format, out_features, in_features)
-    ("q_proj 576->576", "blk.0.attn_q.weight", "Q4_1", 576, 576),
-    ("up_proj 576->1536", "blk.0.ffn_up.weight", "Q4_1", 1536, 576),
-    ("down_proj 1536->576", "blk.0.ffn_down.weight", "Q4_1", 576, 1536),
-    ("lm_head 576->49152", "token_embd.weight", "Q8_0", 49152, 576),
+SHAPES = [  # (label, GGUF tensors whose rows are stacked, default format, out_features, in_features)
+    ("q_proj 576->576", ("blk.0.attn_q.weight",), "Q4_1", 576, 576),
+    ("qkv 576->960", ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"), "Q4_1", 960, 576),
+    ("up_proj 576->1536", ("blk.0.ffn_up.weight",), "Q4_1", 1536, 576),
+    ("gate_up 576->3072", ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"), "Q4_1", 3072, 576),
+    ("down_proj 1536->576", ("blk.0.ffn_down.weight",), "Q4_1", 576, 1536),
+    ("lm_head 576->49152", ("token_embd.weight",), "Q8_0", 49152, 576),
 ]
 
 
@@ -46,15 +49,18 @@ def _weights(path: Path, layers: int) -> dict[str, tuple[list[ql.PackedWeight], 
     out: dict[str, tuple[list[ql.PackedWeight], str]] = {}
     tensors = {t.name: t for t in open_gguf(path).tensors} if path.exists() else {}
     rng = np.random.default_rng(0)
-    for label, name, fmt, n, k in SHAPES:
-        names = [name.replace("blk.0.", f"blk.{i}.") for i in range(layers)] if name.startswith("blk.") else [name]
-        found = [tensors[x] for x in names if x in tensors and tensors[x].tensor_type.name in ql.FORMATS]
-        if len(found) == len(names):
-            shape = tuple(reversed([int(d) for d in found[0].shape]))
-            out[label] = ([ql.PackedWeight.from_raw(t.data, t.tensor_type, shape) for t in found], "file")
+    for label, parts, fmt, n, k in SHAPES:
+        per_layer = [[name.replace("blk.0.", f"blk.{i}.") for name in parts] for i in range(layers)] \
+            if parts[0].startswith("blk.") else [list(parts)]
+        found = [[tensors[x] for x in names if x in tensors and tensors[x].tensor_type.name == fmt]
+                 for names in per_layer]
+        if all(len(f) == len(parts) for f in found):
+            # Stacking the row-major block arrays of q, k, v (gate, up) stacks their output features.
+            out[label] = ([ql.PackedWeight.from_raw(np.concatenate([np.asarray(t.data).reshape(-1) for t in f]),
+                                                    fmt, (n, k)) for f in found], "file")
             continue
         packed = []
-        for _ in names:
+        for _ in per_layer:
             bsz = ql.FORMATS[fmt][1]
             raw = rng.integers(0, 256, size=n * k // 32 * bsz, dtype=np.uint8)
             blocks = raw.reshape(-1, bsz)
@@ -82,6 +88,13 @@ def _time(fn, sample_s: float, samples: int) -> float:
     return best
 
 
+def _stream_gbs(nbytes: int, sample_s: float, samples: int) -> float:
+    """GB/s of torch summing an fp32 buffer of `nbytes` on torch's threads: a streaming-read probe, the
+    ceiling a kernel that reads each weight byte once can approach at that working-set size."""
+    buf = torch.ones(max(nbytes // 4, 1024), dtype=torch.float32)
+    return buf.numel() * 4 / _time(lambda: buf.sum(), sample_s, samples) / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -91,20 +104,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30, help="layers swept per timed call (1: hot in cache)")
     p.add_argument("--model", type=Path, default=default_cache_dir() / "smollm2" / SMOLLM2_FILE)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--stream-mib", type=int, default=256, help="size of the streaming-read probe's buffer")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not ql.native_available():
         print(f"native kernel unavailable: {ql.native_unavailable_reason()}")
         return 1
     info = ql.native_info() or {}
+    stream = _stream_gbs(args.stream_mib << 20, args.sample_ms / 1e3, args.samples)
     print(f"threads={args.threads} layers={args.layers} kernel avx2={info['avx2']} openmp={info['openmp']} "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}; streaming read of {args.stream_mib} MiB: {stream:.1f} GB/s")
+    print("native GB/s: packed bytes per call / time; 'of stream': that over a streaming read of the same bytes "
+          "as one timed sweep")
     print(f"{'shape':22} {'fmt':5} {'src':6} {'M':>4} {'native us':>10} {'torch us':>10} {'torch/native':>12} "
-          f"{'native GB/s':>11} {'torch GB/s':>10}")
+          f"{'native GB/s':>11} {'stream GB/s':>11} {'of stream':>9} {'torch GB/s':>10}")
     rows = []
     for label, (packs, src) in _weights(args.model, args.layers).items():
         ws = [p.dequantize() for p in packs]
         packed, nl = packs[0], len(packs)
+        sweep_stream = _stream_gbs(packed.nbytes * nl, args.sample_ms / 1e3, args.samples)
 
         def native(x: torch.Tensor, packs: list[ql.PackedWeight] = packs) -> None:
             for p in packs:
@@ -124,14 +142,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             t_native = _time(lambda x=x: native(x), args.sample_ms / 1e3, args.samples) / nl
             t_torch = _time(lambda x=x: fp32(x), args.sample_ms / 1e3, args.samples) / nl
-            gbs = ""
+            native_gbs = packed.nbytes / t_native / 1e9
             row = {"shape": label, "format": packed.format, "source": src, "layers": nl, "rows": m,
                    "native_us": t_native * 1e6, "torch_us": t_torch * 1e6, "ratio": t_torch / t_native,
-                   "max_rel_diff": rel}
+                   "max_rel_diff": rel, "native_gbs": native_gbs, "stream_gbs": sweep_stream,
+                   "of_stream": native_gbs / sweep_stream, "stream_probe_gbs": stream}
+            gbs = f"{native_gbs:11.1f} {sweep_stream:11.1f} {native_gbs / sweep_stream:9.2f}"
             if m == 1:
-                row["native_gbs"] = packed.nbytes / t_native / 1e9
                 row["torch_gbs"] = ws[0].numel() * 4 / t_torch / 1e9
-                gbs = f"{row['native_gbs']:11.1f} {row['torch_gbs']:10.1f}"
+                gbs += f" {row['torch_gbs']:10.1f}"
             rows.append(row)
             print(f"{label:22} {packed.format:5} {src:6} {m:4d} {t_native * 1e6:10.1f} {t_torch * 1e6:10.1f} "
                   f"{t_torch / t_native:12.2f} {gbs}", flush=True)

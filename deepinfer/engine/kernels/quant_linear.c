@@ -12,8 +12,10 @@
  * x rows are ldx floats apart (x[m][k] = x[m * ldx + k], k contiguous); y rows ldy floats apart.
  * ql_linear_f32 dequantises weights in registers (or into a small per-thread tile), never the whole
  * fp32 matrix:
- *   M <= QL_FEW_M: each weight row is read once; the block scale is applied to the block's sum.
- *   M <= QL_SMALL_M (decode): each weight row is read and dequantised once, and all M rows of x are
+ *   M <= QL_FEW_M (decode): each weight row is read once and its integer weights converted to fp32
+ *     and multiplied with x; the block scale is applied to the block's sum (and Q4_1's minimum to a
+ *     precomputed block sum of x). Several weight rows go together, so each x load serves them all.
+ *   M <= QL_SMALL_M: each weight row is read and dequantised once, and all M rows of x are
  *     multiplied against it in registers.
  *   larger M: a tile of QL_NR rows x QL_KC columns of W is dequantised into a per-thread fp32 buffer
  *     (L1-sized), then a 3x4 register-blocked dot-product kernel runs every row of x against it.
@@ -25,6 +27,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -118,17 +123,6 @@ static inline void dequant_block_scalar(int fmt, const uint8_t *b, float *out) {
     }
 }
 
-/* Which element of a block the SIMD path keeps at position p (0..31); see dequant_block. */
-static const int32_t Q4_SHIFT[4][8] = {
-    {0, 0, 0, 0, 8, 8, 8, 8}, {16, 16, 16, 16, 24, 24, 24, 24}, {4, 4, 4, 4, 12, 12, 12, 12},
-    {20, 20, 20, 20, 28, 28, 28, 28}};
-
-static inline int lane_element(int fmt, int p) {
-    if (!QL_AVX2 || fmt == QL_Q8_0) return p;
-    int j = p >> 3, l = p & 7; /* byte 4 * (l % 4) + shift / 8; high nibble (+16) when shift % 8 */
-    return 4 * (l & 3) + Q4_SHIFT[j][l] / 8 + (Q4_SHIFT[j][l] % 8 ? QK / 2 : 0);
-}
-
 /* Runs `stmt` with F a compile-time constant equal to fmt, so the always-inline helpers it calls are
  * specialised per format (their format branches fold away). */
 #define QL_BY_FORMAT(fmt, stmt)                                                                          \
@@ -156,37 +150,35 @@ static int work_threads(int num_threads, int64_t M, int64_t N, int64_t K, int64_
 
 #define QL_INLINE static inline __attribute__((always_inline))
 
-/* xp[m][32 b + p] = x[m][32 b + lane_element(fmt, p)]: x in the lane order of the weights. */
-static void permute_x(int fmt, const float *x, int64_t ldx, int64_t M, int64_t K, float *xp) {
-    int perm[QK];
-    for (int p = 0; p < QK; p++) perm[p] = lane_element(fmt, p);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k0 = 0; k0 < K; k0 += QK)
-            for (int p = 0; p < QK; p++) xp[m * K + k0 + p] = x[m * ldx + k0 + perm[p]];
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
-/* Block b's 32 weights in four vectors, in "lane order": vector j, lane l holds element
- * lane_element(fmt, 8 * j + l). Q8_0 is in element order (one sign-extending shuffle per vector);
- * Q4 nibbles are pulled out of a broadcast 16-byte load with per-lane variable shifts (no shuffle
- * port): lane l of vector j reads dword l % 4, shifted by Q4_SHIFT[j][l]. Callers permute x to
- * match (`permute_x`), since a dot product does not care in which order its terms come. `fmt` is a
- * constant at every call site, so the branches fold away. */
+/* Block b's 32 integer weights as fp32 in element order: q[j] lane l is element 8 j + l (Q4_0 already
+ * minus 8). Bytes are zero- or sign-extended to 32-bit lanes straight from memory (a shuffle-port
+ * op each); a Q4 byte j holds elements j (low nibble) and j + 16 (high nibble), so after widening a
+ * mask gives one and a shift by 4 the other, with no cross-lane work. `fmt` is a constant at every
+ * call site, so the branches fold away. */
 QL_INLINE void block_ints(const int fmt, const uint8_t *b, __m256 q[4]) {
     if (fmt == QL_Q8_0) {
         for (int j = 0; j < 4; j++)
             q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))));
         return;
     }
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (fmt == QL_Q4_0 ? 2 : 4))));
-    const __m256i mask = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
-    for (int j = 0; j < 4; j++) {
-        __m256i qi = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_loadu_si256((const __m256i *)Q4_SHIFT[j])), mask);
-        q[j] = _mm256_cvtepi32_ps(fmt == QL_Q4_0 ? _mm256_sub_epi32(qi, eight) : qi);
-    }
+    const uint8_t *nib = b + (fmt == QL_Q4_0 ? 2 : 4);
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)nib));       /* bytes 0-7 */
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nib + 8))); /* bytes 8-15 */
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    __m256i qi[4] = {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask), _mm256_srli_epi32(lo, 4),
+                     _mm256_srli_epi32(hi, 4)};
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm256_cvtepi32_ps(fmt == QL_Q4_0 ? _mm256_sub_epi32(qi[j], _mm256_set1_epi32(8)) : qi[j]);
 }
 
-/* The block's weights themselves: d * q (Q8_0, Q4_0 with q - 8), d * q + m (Q4_1; a product then a
- * sum, no FMA, so the values equal the loader's). */
+/* The block's weights themselves, in element order: d * q (Q8_0, Q4_0 with q - 8), d * q + m (Q4_1;
+ * a product then a sum, no FMA, so the values equal the loader's). */
 QL_INLINE void dequant_block(const int fmt, const uint8_t *b, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
     block_ints(fmt, b, w);
@@ -195,25 +187,6 @@ QL_INLINE void dequant_block(const int fmt, const uint8_t *b, __m256 w[4]) {
         for (int j = 0; j < 4; j++) w[j] = _mm256_add_ps(_mm256_mul_ps(d, w[j]), m);
     } else {
         for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(d, w[j]);
-    }
-}
-
-/* The block's weights in element order (for ql_dequantize_f32): Q4 nibbles widened with shuffles. */
-QL_INLINE void dequant_block_natural(const int fmt, const uint8_t *b, __m256 w[4]) {
-    if (fmt == QL_Q8_0) {
-        dequant_block(fmt, b, w); /* its lane order is element order */
-        return;
-    }
-    const __m128i v = _mm_loadu_si128((const __m128i *)(b + (fmt == QL_Q4_0 ? 2 : 4))), mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    const __m256i q[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                          _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
-    if (fmt == QL_Q4_0) {
-        for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8))));
-    } else {
-        const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2)));
-        for (int j = 0; j < 4; j++) w[j] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[j])), m);
     }
 }
 
@@ -229,10 +202,64 @@ static inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* Decode: one weight row (nb blocks) against 2 < mr <= 8 rows of x; y[i * ldy] = row i's dot product.
- * Up to 4 rows get two accumulators each, so the FMA latency chain does not limit them. */
-QL_INLINE void small_rows(const int fmt, const int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x,
-                          int64_t ldx, float *y, int64_t ldy) {
+/* Decode, few rows of x: R consecutive weight rows (row_bytes apart) against MR rows of x. The block
+ * scale comes out of each block's sum, sum_k x_k (d q_k + m) = d (x . q) + m sum_k x_k, which saves
+ * dequantising (a multiply, and an add for Q4_1, per weight), and each x load serves R weight rows.
+ * xs[i * ldxs + b] = sum of x row i over block b (Q4_1 only). y[i * ldy + r] = x row i . W row r.
+ * The R rows' f16 scale words are converted together: dm lane 2r = d of row r, lane 2r + 1 = m (Q4_1;
+ * for the other formats it is the first quant byte pair read as f16 and never used), so the m terms
+ * of all R rows take one FMA per block, summed in the odd lanes of macc[i]. */
+QL_INLINE void dot_rows(const int fmt, const int MR, const int R, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                        const float *x, int64_t ldx, const float *xs, int64_t ldxs, float *y, int64_t ldy) {
+    const int bsz = fmt == QL_Q8_0 ? 34 : fmt == QL_Q4_0 ? 18 : 20;
+    __m256 acc[2][4], macc[2]; /* [MR][R], MR <= 2, R <= 4 */
+    for (int i = 0; i < MR; i++) {
+        macc[i] = _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bsz;
+        __m128i words = _mm_cvtsi32_si128((int)load_u32(blk));
+        if (R > 1) words = _mm_insert_epi32(words, (int)load_u32(blk + row_bytes), 1);
+        if (R > 2) words = _mm_insert_epi32(words, (int)load_u32(blk + 2 * row_bytes), 2);
+        if (R > 3) words = _mm_insert_epi32(words, (int)load_u32(blk + 3 * row_bytes), 3);
+        const __m256 dm = _mm256_cvtph_ps(words);
+        for (int r = 0; r < R; r++) {
+            __m256 q[4];
+            block_ints(fmt, blk + r * row_bytes, q);
+            const __m256 d = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(2 * r));
+            for (int i = 0; i < MR; i++) {
+                const float *xb = x + i * ldx + b * QK;
+                __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q[2], t);
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], t);
+                acc[i][r] = _mm256_fmadd_ps(d, t, acc[i][r]);
+            }
+        }
+        if (fmt == QL_Q4_1)
+            for (int i = 0; i < MR; i++)
+                macc[i] = _mm256_fmadd_ps(dm, _mm256_broadcast_ss(xs + i * ldxs + b), macc[i]);
+    }
+    for (int i = 0; i < MR; i++) {
+        float m[8];
+        _mm256_storeu_ps(m, macc[i]);
+        if (R == 4) {
+            const __m128 mv = _mm_setr_ps(m[1], m[3], m[5], m[7]);
+            __m128 s = hsum8x4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+            _mm_storeu_ps(y + i * ldy, fmt == QL_Q4_1 ? _mm_add_ps(s, mv) : s);
+        } else {
+            for (int r = 0; r < R; r++) y[i * ldy + r] = hsum8(acc[i][r]) + (fmt == QL_Q4_1 ? m[2 * r + 1] : 0.0f);
+        }
+    }
+}
+
+/* Decode, more rows of x: one weight row (nb blocks) dequantised once and multiplied against
+ * QL_FEW_M < mr <= QL_SMALL_M rows of x in registers; y[i * ldy] = row i's dot product. Up to 4 rows
+ * get two accumulators each, so the FMA latency chain does not limit them. */
+QL_INLINE void small_rows(const int fmt, const int mr, const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx,
+                          float *y, int64_t ldy) {
+    const int bsz = fmt == QL_Q8_0 ? 34 : fmt == QL_Q4_0 ? 18 : 20;
     const int A = mr <= 4 ? 2 : 1;
     __m256 acc[QL_SMALL_M][2];
     for (int i = 0; i < mr; i++)
@@ -252,53 +279,42 @@ QL_INLINE void small_rows(const int fmt, const int mr, const uint8_t *wrow, int6
     }
 }
 
-/* One or two rows: the scale comes out of the block's sum, sum_k x_k (d q_k + m) = d (x . q) + m sum_k x_k,
- * which saves the per-weight multiply (and add) of dequantising. xs holds, per row and block, the
- * 8-lane partial sums of x over the block (Q4_1 only). */
-QL_INLINE void few_rows(const int fmt, const int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x,
-                        int64_t ldx, const float *xs, int64_t ldxs, float *y, int64_t ldy) {
-    __m256 acc[2][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wrow + b * bsz;
-        __m256 q[4];
-        block_ints(fmt, blk, q);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
-        for (int i = 0; i < mr; i++) {
-            const float *xb = x + i * ldx + b * QK;
-            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q[2], t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], t);
-            acc[i][0] = _mm256_fmadd_ps(d, t, acc[i][0]);
-            if (fmt == QL_Q4_1)
-                acc[i][1] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2))),
-                                            _mm256_loadu_ps(xs + i * ldxs + b * 8), acc[i][1]);
+/* Output features [n0, n1) of the decode paths (M <= QL_SMALL_M), on one thread. dot_rows takes
+ * QL_DOT_R(M) weight rows at a time (4 for one row of x, 2 for two: the accumulators fill the 16
+ * ymm registers), the last few one at a time. */
+#define QL_DOT_R(M) ((M) == 1 ? 4 : (M) == 2 ? 2 : 1)
+
+static void decode_range(int fmt, const float *x, int64_t ldx, const float *xs, const uint8_t *w, float *y,
+                         int64_t ldy, int64_t M, int64_t K, int64_t n0, int64_t n1) {
+    const int bsz = ql_block_bytes(fmt);
+    const int64_t nb = K / QK, row_bytes = nb * bsz, ldxs = nb;
+    if (M > QL_FEW_M) {
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *wr = w + n * row_bytes;
+            float *yn = y + n;
+            switch (M) {
+#define QL_SMALL_CASE(mr)                                                                                        \
+    case mr: QL_BY_FORMAT(fmt, small_rows(F, mr, wr, nb, x, ldx, yn, ldy)); break;
+                QL_SMALL_CASE(3) QL_SMALL_CASE(4) QL_SMALL_CASE(5) QL_SMALL_CASE(6) QL_SMALL_CASE(7)
+                default: QL_BY_FORMAT(fmt, small_rows(F, 8, wr, nb, x, ldx, yn, ldy)); break;
+#undef QL_SMALL_CASE
+            }
         }
+        return;
     }
-    for (int i = 0; i < mr; i++) y[i * ldy] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
-}
-
-/* One specialised copy per (format, row count). */
-static void few_dispatch(int fmt, int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x, int64_t ldx,
-                         const float *xs, int64_t ldxs, float *y, int64_t ldy) {
-    if (mr == 1) QL_BY_FORMAT(fmt, few_rows(F, 1, wrow, nb, bsz, x, ldx, xs, ldxs, y, ldy));
-    else QL_BY_FORMAT(fmt, few_rows(F, 2, wrow, nb, bsz, x, ldx, xs, ldxs, y, ldy));
-}
-
-_Static_assert(QL_FEW_M == 2 && QL_SMALL_M == 8, "small_dispatch covers 3..8 rows");
-
-static void small_dispatch(int fmt, int mr, const uint8_t *wrow, int64_t nb, int bsz, const float *x, int64_t ldx,
-                           float *y, int64_t ldy) {
-    switch (mr) {
-    case 3: QL_BY_FORMAT(fmt, small_rows(F, 3, wrow, nb, bsz, x, ldx, y, ldy)); break;
-    case 4: QL_BY_FORMAT(fmt, small_rows(F, 4, wrow, nb, bsz, x, ldx, y, ldy)); break;
-    case 5: QL_BY_FORMAT(fmt, small_rows(F, 5, wrow, nb, bsz, x, ldx, y, ldy)); break;
-    case 6: QL_BY_FORMAT(fmt, small_rows(F, 6, wrow, nb, bsz, x, ldx, y, ldy)); break;
-    case 7: QL_BY_FORMAT(fmt, small_rows(F, 7, wrow, nb, bsz, x, ldx, y, ldy)); break;
-    default: QL_BY_FORMAT(fmt, small_rows(F, 8, wrow, nb, bsz, x, ldx, y, ldy)); break;
+    const int R = QL_DOT_R(M);
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) {
+        if (M == 1) QL_BY_FORMAT(fmt, dot_rows(F, 1, 4, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        else QL_BY_FORMAT(fmt, dot_rows(F, 2, 2, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+    }
+    for (; n < n1; n++) {
+        if (M == 1) QL_BY_FORMAT(fmt, dot_rows(F, 1, 1, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        else QL_BY_FORMAT(fmt, dot_rows(F, 2, 1, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
     }
 }
+
+_Static_assert(QL_FEW_M <= 2 && QL_SMALL_M == 8, "decode_range covers 1..QL_FEW_M and 3..8 rows");
 
 /* Dequantise W rows [n0, n0 + nr) x inputs [k0, k0 + kc) into tile[QL_NR][kc]; rows past nr are zero. */
 static void fill_tile(int fmt, const uint8_t *w, int64_t row_bytes, int bsz, int64_t n0, int nr, int64_t k0,
@@ -350,27 +366,14 @@ static inline void micro_3x4(const float *const xr[QL_MR], const float *tile, in
     }
 }
 
-/* x must already be in the weights' lane order (permute_x). */
-static void linear_avx2_lanes(int fmt, const float *x, int64_t ldx, const float *xs, const uint8_t *w, float *y,
-                              int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
-    const int bsz = ql_block_bytes(fmt);
-    const int64_t nb = K / QK, row_bytes = nb * bsz;
-    if (M <= QL_FEW_M) {
-        int nt = work_threads(num_threads, M, N, K, N);
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-        for (int64_t n = 0; n < N; n++)
-            few_dispatch(fmt, (int)M, w + n * row_bytes, nb, bsz, x, ldx, xs, K / 4, y + n, ldy);
-        return;
-    }
-    if (M <= QL_SMALL_M) {
-        int nt = work_threads(num_threads, M, N, K, N);
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-        for (int64_t n = 0; n < N; n++) small_dispatch(fmt, (int)M, w + n * row_bytes, nb, bsz, x, ldx, y + n, ldy);
-        return;
-    }
+/* Many rows: tiles of QL_NR output features, each dequantised a QL_KC slice at a time. */
+static void tiles_avx2(int fmt, const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int64_t M,
+                       int64_t N, int64_t K, int num_threads) {
     static const float zeros[QL_KC] __attribute__((aligned(32)));
-    const int64_t tiles = (N + QL_NR - 1) / QL_NR;
+    const int bsz = ql_block_bytes(fmt);
+    const int64_t row_bytes = K / QK * bsz, tiles = (N + QL_NR - 1) / QL_NR;
     int nt = work_threads(num_threads, M, N, K, tiles);
+    (void)nt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float tile[QL_NR * QL_KC] __attribute__((aligned(32)));
@@ -395,27 +398,45 @@ static void linear_avx2_lanes(int fmt, const float *x, int64_t ldx, const float 
     }
 }
 
+/* Block sums of x for the Q4_1 decode path stay on the stack up to this many floats. */
+#define QL_XS_STACK 4096
+
 static int linear_avx2(int fmt, const float *x, int64_t ldx, const uint8_t *w, float *y, int64_t ldy, int64_t M,
                        int64_t N, int64_t K, int num_threads) {
-    if (fmt == QL_Q8_0) { /* element order: x as it is */
-        linear_avx2_lanes(fmt, x, ldx, NULL, w, y, ldy, M, N, K, num_threads);
+    if (M > QL_SMALL_M) {
+        tiles_avx2(fmt, x, ldx, w, y, ldy, M, N, K, num_threads);
         return QL_OK;
     }
-    /* One permuted copy of x per call (M x K floats; for Q4_1 on the few-rows path also its block
-     * partial sums, M x K/4), against M x N x K multiply-adds. */
+    /* xs[i * nb + b]: the sum of x row i over block b, for the Q4_1 m terms (O(M K) against M N K). */
+    const int64_t nb = K / QK;
     const int sums = fmt == QL_Q4_1 && M <= QL_FEW_M;
-    float *xp = aligned_alloc(32, (size_t)((M * (K + (sums ? K / 4 : 0)) * sizeof(float) + 31) / 32 * 32));
-    if (!xp) return QL_ERR_NOMEM;
-    permute_x(fmt, x, ldx, M, K, xp);
-    float *xs = sums ? xp + M * K : NULL;
-    for (int64_t i = 0; sums && i < M; i++)
-        for (int64_t b = 0; b < K / QK; b++)
-            for (int l = 0; l < 8; l++) {
-                const float *v = xp + i * K + b * QK + l;
-                xs[i * (K / 4) + b * 8 + l] = (v[0] + v[8]) + (v[16] + v[24]);
+    float xs_stack[QL_XS_STACK], *xs = NULL;
+    if (sums) {
+        xs = M * nb <= QL_XS_STACK ? xs_stack : malloc(sizeof(float) * M * nb);
+        if (!xs) return QL_ERR_NOMEM;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t b = 0; b < nb; b++) {
+                const float *v = x + i * ldx + b * QK;
+                __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8)),
+                                         _mm256_add_ps(_mm256_loadu_ps(v + 16), _mm256_loadu_ps(v + 24)));
+                xs[i * nb + b] = hsum8(s);
             }
-    linear_avx2_lanes(fmt, xp, K, xs, w, y, ldy, M, N, K, num_threads);
-    free(xp);
+    }
+    /* Threads split N into equal runs of whole R-row groups (one contiguous stretch of W each). */
+    const int64_t R = M <= QL_FEW_M ? QL_DOT_R(M) : 1, groups = (N + R - 1) / R;
+    int nt = work_threads(num_threads, M, N, K, groups);
+    (void)nt;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        const int64_t t = 0, T = 1;
+#endif
+        const int64_t n0 = groups * t / T * R, n1 = groups * (t + 1) / T * R;
+        decode_range(fmt, x, ldx, xs, w, y, ldy, M, K, n0, n1 < N ? n1 : N);
+    }
+    if (xs != xs_stack) free(xs);
     return QL_OK;
 }
 #endif /* QL_AVX2 */
@@ -484,7 +505,7 @@ int ql_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K, int fm
     for (int64_t b = 0; b < nb; b++) {
 #if QL_AVX2
         __m256 v[4];
-        QL_BY_FORMAT(fmt, dequant_block_natural(F, w + b * bsz, v));
+        QL_BY_FORMAT(fmt, dequant_block(F, w + b * bsz, v));
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + b * QK + 8 * j, v[j]);
 #else
         dequant_block_scalar(fmt, w + b * bsz, out + b * QK);
