@@ -227,6 +227,22 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
     RuntimeError if it cannot be built), "gemm" (dequantised chunks + GEMM), "torch"
     (`quant_linear_reference`). On other devices it is always the torch path. Raises ValueError on
     bad shapes, dtypes, devices or thread counts."""
+    # Fast path for decode (a few contiguous rows, the loaded kernel): the checks below in their
+    # cheapest form, since at batch 1 the wrapper's own cost is a sizeable part of a small layer's.
+    fn = _fns.get("native") if impl == "auto" else None
+    if fn is not None and x.dtype is torch.float32 and x.ndim == 2 and type(num_threads) is int and num_threads >= 1:
+        m, k = x.shape
+        ldx, unit = x.stride()
+        blocks = packed.blocks
+        if (0 < m < GEMM_MIN_ROWS and k == packed.in_features and unit == 1 and (ldx >= k or m == 1) and x.is_cpu
+                and blocks.is_cpu):
+            n = packed.out_features
+            y = torch.empty((m, n), dtype=torch.float32)
+            rc = fn(x.data_ptr(), ldx, blocks.data_ptr(), y.data_ptr(), n, m, n, k, FORMATS[packed.format][0],
+                    num_threads)
+            if rc:
+                _raise_on(rc)
+            return y
     k, n = packed.in_features, packed.out_features
     if not (x.dtype is torch.float32 and x.is_cpu and x.dim() >= 1 and x.shape[-1] == k and packed.blocks.is_cpu
             and type(num_threads) is int and num_threads >= 1 and impl in _IMPLS):
