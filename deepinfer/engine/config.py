@@ -41,11 +41,30 @@ DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_DEVICE = "cpu"
+# How projection weights are held (EngineConfig.weights): "native" keeps a GGUF file's Q8_0/Q4_0/Q4_1
+# blocks packed and multiplies from them (deepinfer.engine.kernels.quant_linear); "fp32" dequantises every
+# tensor at load; "q8_0" quantises a checkpoint's fp32/fp16/bf16 projections to Q8_0 blocks at load;
+# "auto" is "native" for a GGUF file on a CPU device and "fp32" otherwise.
+WEIGHTS_MODES = ("auto", "native", "fp32", "q8_0")
+DEFAULT_WEIGHTS = "auto"
+# The KV cache's element type (EngineConfig.kv_cache_dtype, KvSpec.dtype_name): fp32, or fp16 (half
+# the bytes in the pool, the cache tiers and on the wire; attention still computes in fp32).
+# The command line's short names map to these.
+KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16"}
+DEFAULT_KV_CACHE_DTYPE = "float32"
 MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS = 1, 32  # bounds of num_speculative_tokens
 
 
 class ConfigError(ValueError):
     """A model configuration we cannot serve; the message names what is wrong."""
+
+
+def kv_cache_dtype_name(value: str) -> str:
+    """The KvSpec dtype name of a KV cache dtype given as "fp32"/"fp16" or "float32"/"float16"."""
+    name = KV_CACHE_DTYPES.get(value, value)
+    if name not in KV_CACHE_DTYPES.values():
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+    return name
 
 
 # How a router chooses experts (`MoEConfig.topk_method`):
@@ -397,8 +416,15 @@ class EngineConfig:
     # experts). None: max(1, num_experts // 8), capped at num_experts · (ranks - 1); 0: one copy of each
     # expert. More than the group can hold (num_experts · (ranks - 1)) is refused when the engine starts.
     redundant_experts: int | None = None
+    # Weights: one of WEIGHTS_MODES (see there).
+    weights: str = DEFAULT_WEIGHTS
+    # KV element type: "float32" or "float16" ("fp32"/"fp16" are accepted and stored as those names).
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS_MODES:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {self.weights!r}")
+        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)
         if self.block_size <= 0:
             raise ConfigError("block_size must be positive")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:

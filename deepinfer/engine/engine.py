@@ -139,7 +139,7 @@ class LLMEngine:
         self.fingerprint = loaded.fingerprint
         self.tokenizer = tokenizer
         # The one description of this engine's KV: pool, transfers, cache tiers and namespace all follow it.
-        self.kv_spec = KvSpec.for_model(self.model_config, self.config.block_size)
+        self.kv_spec = KvSpec.for_model(self.model_config, self.config.block_size, self.config.kv_cache_dtype)
         num_blocks = num_blocks_for_budget(self.kv_spec, self.config)
         capacity = num_blocks * self.config.block_size
         # One sequence must always fit in the whole pool, or preemption could not make room for it.
@@ -188,7 +188,8 @@ class LLMEngine:
     def load(cls, model: str | Path, config: EngineConfig | None = None) -> LLMEngine:
         """`model` is "smollm2" (fetched on first use), a Hugging Face directory or a .gguf file."""
         path = resolve_model(str(model))
-        return cls(load_model_weights(path), Tokenizer.load(path), config)
+        config = config or EngineConfig()
+        return cls(load_model_weights(path, config.weights, config.device), Tokenizer.load(path), config)
 
     # -- requests ---------------------------------------------------------------------------
 

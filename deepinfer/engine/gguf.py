@@ -18,7 +18,7 @@ has `ffn_gate` instead of a router is dense.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 
 from deepinfer.engine.config import ConfigError, ModelConfig, MoEConfig
+from deepinfer.engine.kernels.quant_linear import FORMATS, PackedWeight
 
 QK = 32  # elements per block of every supported quantized type
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -291,14 +292,26 @@ def gguf_to_our_name(gguf_name: str) -> str:
     raise UnsupportedWeightError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
 
 
-def load_gguf(source: GGUFReader | str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and fp32 state dict (our names, Hugging Face rotary layout) of a GGUF file."""
+def load_gguf(source: GGUFReader | str | os.PathLike[str],
+              keep_packed: Callable[[str, ModelConfig], bool] | None = None) -> tuple[ModelConfig, dict[str, Any]]:
+    """Config and state dict (our names, Hugging Face rotary layout) of a GGUF file: fp32 tensors, except
+    that a 2-D tensor stored as Q8_0/Q4_0/Q4_1 whose name `keep_packed(name, config)` accepts stays in its
+    blocks, as a `PackedWeight` (its rows reordered like the fp32 ones: a row is whole blocks)."""
     reader = source if isinstance(source, GGUFReader) else open_gguf(source)
     config = config_from_gguf(reader)
     permuted = metadata(reader, "general.architecture") == "llama"  # Mixtral files too
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     for tensor in reader.tensors:
         name = gguf_to_our_name(tensor.name)
+        kind = GGMLQuantizationType(int(tensor.tensor_type))
+        if keep_packed is not None and kind.name in FORMATS and len(tensor.shape) == 2 and keep_packed(name, config):
+            rows, cols = (int(d) for d in reversed([int(d) for d in tensor.shape]))
+            blocks = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+            if permuted and name.endswith((".q_proj", ".k_proj")):
+                heads = config.num_heads if name.endswith(".q_proj") else config.num_kv_heads
+                blocks = unpermute_rotary(blocks, heads)
+            state[name] = PackedWeight.from_raw(blocks, kind.name, (rows, cols))
+            continue
         array = tensor_to_numpy(tensor)
         if permuted:
             if name.endswith((".q_proj", ".q_bias")):

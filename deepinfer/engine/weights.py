@@ -1,7 +1,9 @@
-"""Model weights from a Hugging Face directory or a GGUF file, as one fp32 state dict in our names.
+"""Model weights from a Hugging Face directory or a GGUF file, as one state dict in our names.
 
 Naming contract (every loader produces it, every model consumes it; fp32 tensors, projections
-shaped [out, in] like `nn.Linear.weight`, Q/K in Hugging Face's rotary layout):
+shaped [out, in] like `nn.Linear.weight`, Q/K in Hugging Face's rotary layout). With packed weights
+(`load_model_weights(weights="native" | "q8_0")`) the projections and embedding that
+`packed_weights.packable` names may instead be `PackedWeight`s of the same [out, in]:
 
     embed_tokens             [vocab, hidden]
     norm                     [hidden]                  final RMSNorm weight
@@ -75,8 +77,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.config import WEIGHTS_MODES, ConfigError, ModelConfig
 from deepinfer.engine.gguf import UnsupportedWeightError, load_gguf
+from deepinfer.engine.identity import model_config_at
+from deepinfer.engine.packed_weights import (
+    PackedWeight,
+    Weight,
+    packable,
+    quantize_state_q8_0,
+    resolve_weights_mode,
+    weight_shape,
+)
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_LAYER_NAMES = {
@@ -134,25 +145,36 @@ _HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    # fp32 tensors; `PackedWeight` projections when `weights` is "native" or "q8_0" (see packed_weights.py).
+    state_dict: dict[str, Weight]
     fingerprint: str
     source: Path
+    weights: str = "fp32"  # the resolved weights mode: "native", "q8_0" or "fp32"
 
 
-def load_model_weights(path: str | os.PathLike[str]) -> LoadedModel:
-    """Load a Hugging Face model directory (config.json + *.safetensors) or a `.gguf` file."""
+def load_model_weights(path: str | os.PathLike[str], weights: str = "fp32", device: str = "cpu") -> LoadedModel:
+    """Load a Hugging Face model directory (config.json + *.safetensors) or a `.gguf` file, its projections
+    held as `weights` says (config.WEIGHTS_MODES; "auto" resolved for `device`, see packed_weights.py)."""
     source = Path(path)
-    if source.is_file() and source.suffix == ".gguf":
-        config, state = load_gguf(source)
-    elif source.is_dir() and (source / "config.json").is_file() and any(source.glob("*.safetensors")):
-        config, state = load_hf_dir(source)
-    else:
+    gguf = source.is_file() and source.suffix == ".gguf"
+    if not gguf and not (source.is_dir() and (source / "config.json").is_file() and any(source.glob("*.safetensors"))):
         raise FileNotFoundError(
             f"no model at {str(source)!r}: expected a .gguf file or a directory holding config.json "
             "and *.safetensors"
         )
+    if weights not in WEIGHTS_MODES:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
+    config = model_config_at(source)
+    mode = resolve_weights_mode(weights, source, config, device)
+    state: dict[str, Weight]
+    if gguf:
+        config, state = load_gguf(source, packable if mode == "native" else None)
+    else:
+        config, state = load_hf_dir(source)
+    if mode == "q8_0":
+        state = quantize_state_q8_0(state, config)
     check_state_dict(config, state)
-    return LoadedModel(config, state, model_fingerprint(config, state), source)
+    return LoadedModel(config, state, model_fingerprint(config, state), source, mode)
 
 
 def load_hf_dir(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -297,28 +319,32 @@ def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[
             f"{prefix}down_proj": (hidden, intermediate)}
 
 
-def check_state_dict(config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+def check_state_dict(config: ModelConfig, state: dict[str, Weight]) -> None:
     """Raise ValueError naming every missing, unexpected or misshapen tensor."""
     expected = expected_shapes(config)
     problems = [f"missing {n}" for n in expected if n not in state]
     problems += [f"unexpected {n}" for n in state if n not in expected]
     problems += [
-        f"{n} has shape {tuple(state[n].shape)}, expected {shape}"
+        f"{n} has shape {weight_shape(state[n])}, expected {shape}"
         for n, shape in expected.items()
-        if n in state and tuple(state[n].shape) != shape
+        if n in state and weight_shape(state[n]) != shape
     ]
     if problems:
         shown = "; ".join(problems[:10]) + (f"; … {len(problems) - 10} more" if len(problems) > 10 else "")
         raise ValueError(f"weights do not match the model config: {shown}")
 
 
-def model_fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> str:
-    """sha256 hex over the config and every tensor's name, dtype, shape and bytes, in name order."""
+def model_fingerprint(config: ModelConfig, state_dict: dict[str, Weight]) -> str:
+    """sha256 hex over the config and every tensor's name, dtype, shape and bytes, in name order (a
+    packed weight: its format, shape and blocks — so a mesh refuses to mix packed and fp32 workers,
+    whose products differ in rounding)."""
     h = hashlib.sha256()
     h.update(json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":")).encode())
     for name in sorted(state_dict):
-        t = state_dict[name].detach().cpu().contiguous()
-        header = {"name": name, "dtype": str(t.dtype), "shape": list(t.shape)}
+        w = state_dict[name]
+        t = (w.blocks if isinstance(w, PackedWeight) else w).detach().cpu().contiguous()
+        dtype = w.format if isinstance(w, PackedWeight) else str(t.dtype)
+        header = {"name": name, "dtype": dtype, "shape": list(weight_shape(w))}
         h.update(b"\0" + json.dumps(header, sort_keys=True, separators=(",", ":")).encode() + b"\0")
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()

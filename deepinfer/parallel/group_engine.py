@@ -98,7 +98,7 @@ AFFINITY_SLACK = 2  # a cached prefix may draw a request to a rank this many req
 def build_engine(model: str, config: EngineConfig, ep_group: Any) -> LLMEngine:
     """One rank's engine, built the same way on every rank of a group."""
     path = resolve_model(model)
-    return rank_engine(load_model_weights(path), Tokenizer.load(path), config, ep_group)
+    return rank_engine(load_model_weights(path, config.weights, config.device), Tokenizer.load(path), config, ep_group)
 
 
 def rank_engine(loaded: LoadedModel, tokenizer: Tokenizer | None, config: EngineConfig, ep_group: Any) -> LLMEngine:

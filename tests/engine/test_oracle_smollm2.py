@@ -72,3 +72,27 @@ def test_chat_answer_is_sensible(smollm2):
     out = engine.generate([tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])],
                           SamplingParams(max_tokens=24))[0]
     assert "Paris" in out.text
+
+
+def test_native_weights_match_transformers(smollm2, smollm2_path):
+    """The GGUF's Q4_1/Q8_0 blocks kept packed (`weights="native"`, what a CPU engine uses by default):
+    they dequantise bit for bit to the fp32 load's weights, and the engine computing from the blocks
+    gives transformers' greedy tokens on those weights and logits within the same tolerance."""
+    from deepinfer.engine.packed_weights import PackedWeight, dequantized
+    from deepinfer.engine.weights import load_model_weights
+
+    loaded, tok, hf, prompts, refs = smollm2
+    native = load_model_weights(smollm2_path, "native")
+    assert isinstance(native.state_dict["layers.0.q_proj"], PackedWeight)
+    assert {n: w.format for n, w in native.state_dict.items() if n in ("embed_tokens", "layers.0.up_proj")} == \
+        {"embed_tokens": "Q8_0", "layers.0.up_proj": "Q4_1"}
+    for name, w in dequantized(native.state_dict).items():
+        assert torch.equal(w, loaded.state_dict[name]), name
+    engine = LLMEngine(native, tok, EngineConfig(**MODES["chunked"]))
+    ours = run_staggered(engine, prompts)
+    for i, p in enumerate(prompts):
+        assert_same_greedy(hf, p, ours[i], refs[i])
+    tokens = prompts[-2] + refs[-2]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(engine.prompt_logits(tokens), ref, atol=1e-3, rtol=0)

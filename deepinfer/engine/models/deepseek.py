@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from deepinfer.engine.attention import AttentionMetadata
 from deepinfer.engine.config import ConfigError, ModelConfig, MoEConfig
-from deepinfer.engine.models.llama import DenseMLP, FeedForward, LlamaModel, linear, rms_norm
+from deepinfer.engine.models.linear import linear
+from deepinfer.engine.models.llama import DenseMLP, FeedForward, LlamaModel, rms_norm
 from deepinfer.engine.models.mla import MLAttention
 from deepinfer.engine.models.moe import ExpertBank, LocalExperts, Routing, SparseMoE
 from deepinfer.engine.models.rope import RotaryTable

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from deepinfer.engine.attention import AttentionMetadata, paged_attention, write_kv
 from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.models.linear import Weight, embed_rows, fuse_rows, linear, to_device
 from deepinfer.engine.models.rope import RotaryTable, apply_rotary
 
 # A layer's MLP block: normed hidden states [T, hidden] -> output [T, hidden], each row from its own row.
@@ -31,29 +32,11 @@ FeedForward = Callable[[torch.Tensor], torch.Tensor]
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Weight
     post_attn_norm: torch.Tensor
     mlp: FeedForward
-
-
-# Up to this many rows, `linear` computes (W @ x.T).T instead of x @ W.T. Same product, but with the
-# CPU BLAS here (MKL in the torch wheel) it takes a multi-threaded GEMM that streams W at close to memory
-# bandwidth, where F.linear on a few rows takes a single-threaded GEMV: measured on SmolLM2's layers at
-# 1/2/32/128 rows, 2.3x/4x/1.07x/1.15x faster. Above it (prefill chunks) F.linear is faster.
-SMALL_BATCH_ROWS = 256
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for x [rows, in], w [out, in]."""
-    rows = x.shape[0]
-    if rows > SMALL_BATCH_ROWS:
-        return F.linear(x, w, bias)
-    # One row would still take the GEMV path: pad it to two.
-    xt = (x.repeat(2, 1) if rows == 1 else x).t()
-    y = torch.mm(w, xt).t()[:rows]
-    return (y + bias) if bias is not None else y.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,13 +47,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DenseMLP:
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
 
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight  # [hidden, intermediate]
 
     @classmethod
-    def from_state(cls, sd: dict[str, torch.Tensor], prefix: str) -> DenseMLP:
+    def from_state(cls, sd: dict[str, Weight], prefix: str) -> DenseMLP:
         """From `{prefix}gate_proj`, `{prefix}up_proj`, `{prefix}down_proj`."""
-        return cls(torch.cat([sd[prefix + "gate_proj"], sd[prefix + "up_proj"]]), sd[prefix + "down_proj"])
+        return cls(fuse_rows([sd[prefix + "gate_proj"], sd[prefix + "up_proj"]]), sd[prefix + "down_proj"])
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
@@ -80,12 +63,13 @@ class DenseMLP:
 class LlamaModel:
     """Dense Llama-family decoder; a `CausalLM` (see base.py). Subclasses change the MLP blocks only."""
 
-    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], max_positions: int,
+    def __init__(self, config: ModelConfig, state_dict: dict[str, Weight], max_positions: int,
                  device: str = "cpu") -> None:
+        """`state_dict`: our names (weights.py); projections may be PackedWeight (packed_weights.py)."""
         self.config = config
         self.max_positions = max_positions
         c = config
-        sd = {k: v.to(device=device, dtype=torch.float32) for k, v in state_dict.items()}
+        sd = {k: to_device(v, device) for k, v in state_dict.items()}
         self.embed = sd["embed_tokens"]
         self.norm = sd["norm"]
         self.lm_head = self.embed if c.tie_word_embeddings else sd["lm_head"]
@@ -98,7 +82,7 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     input_norm=sd[p + "input_norm"],
-                    qkv=torch.cat([sd[p + "q_proj"], sd[p + "k_proj"], sd[p + "v_proj"]]),
+                    qkv=fuse_rows([sd[p + "q_proj"], sd[p + "k_proj"], sd[p + "v_proj"]]),
                     qkv_bias=bias,
                     o_proj=sd[p + "o_proj"],
                     post_attn_norm=sd[p + "post_attn_norm"],
@@ -110,7 +94,7 @@ class LlamaModel:
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
 
-    def build_mlp(self, layer: int, sd: dict[str, torch.Tensor]) -> FeedForward:
+    def build_mlp(self, layer: int, sd: dict[str, Weight]) -> FeedForward:
         """Layer `layer`'s MLP block from the state dict (our names, already on the device)."""
         return DenseMLP.from_state(sd, f"layers.{layer}.")
 
@@ -134,7 +118,7 @@ class LlamaModel:
         T = input_ids.shape[0]
         eps = c.rms_norm_eps
         cos, sin = self.rotary.lookup(positions)
-        x = F.embedding(input_ids, self.embed)
+        x = embed_rows(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias)

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from deepinfer.engine import kernels
 from deepinfer.engine.attention import AttentionMetadata, PrefillChunk
 from deepinfer.engine.config import ModelConfig
-from deepinfer.engine.models.llama import linear, rms_norm
+from deepinfer.engine.models.linear import linear
+from deepinfer.engine.models.llama import rms_norm
 from deepinfer.engine.models.rope import apply_rotary
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not config.rms_norm_eps.
@@ -136,8 +137,9 @@ class MLAttention:
         latent = torch.cat([rms_norm(kv_a[:, : self.kv_lora], self.kv_a_norm, LATENT_NORM_EPS),
                             apply_rotary(kv_a[:, None, self.kv_lora :], cos, sin)[:, 0]], dim=-1)
         # Every row's latent is in the cache before any row attends: a decode row sees the rows of its
-        # sequence before it in this step (speculative verification) through the cache.
-        cache.index_put_((meta.slot_blocks, meta.slot_offsets), latent)
+        # sequence before it in this step (speculative verification) through the cache. An fp16 cache
+        # stores it rounded; every read widens it again (see attention.py on narrower caches).
+        cache.index_put_((meta.slot_blocks, meta.slot_offsets), latent.to(cache.dtype))
         out = torch.empty(T, H, self.v_dim, dtype=h.dtype, device=h.device)
         nd = meta.num_decode
         if nd:
@@ -161,12 +163,13 @@ class MLAttention:
     def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, fresh: torch.Tensor, cache: torch.Tensor,
                  chunk: PrefillChunk) -> torch.Tensor:
         """Expanded causal attention of one chunk's queries over its context: [q_len, H, V]. `fresh` is
-        the chunk's own latents; a chunk with earlier context reads all of it from the cache."""
+        the chunk's own latents, used as the cache holds them (rounded through its dtype); a chunk with
+        earlier context reads all of it from the cache, widened to the queries' dtype."""
         H, N, C = self.num_heads, self.nope, self.kv_lora
         if chunk.context_len == chunk.q_len:
-            lat, mask = fresh, None
+            lat, mask = fresh.to(cache.dtype).to(fresh.dtype), None
         else:
-            lat = cache.index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len]
+            lat = cache.index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len].to(fresh.dtype)
             # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
             mask = torch.ones(chunk.q_len, chunk.context_len, dtype=torch.bool, device=lat.device).tril(
                 chunk.context_len - chunk.q_len)

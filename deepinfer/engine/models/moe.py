@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine.config import MoEConfig
-from deepinfer.engine.models.llama import DenseMLP, FeedForward, LlamaModel, linear
+from deepinfer.engine.models.linear import linear
+from deepinfer.engine.models.llama import DenseMLP, FeedForward, LlamaModel
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ class DraftProposer(Proposer):
 
         if not isinstance(target, CausalLM) or kv is None:
             raise ConfigError("a draft model needs the engine's model and KV tensor")
-        loaded = load_model_weights(resolve_model(path))
+        loaded = load_model_weights(resolve_model(path), config.weights, config.device)
         c = loaded.config
         if c.vocab_size != target.config.vocab_size:
             raise ConfigError(f"draft model {path!r} has a vocabulary of {c.vocab_size}; the target's is "

@@ -1,0 +1,127 @@
+"""Packed weights in the model (`EngineConfig.weights`): a GGUF file's Q8_0/Q4_0/Q4_1 projections kept in
+their blocks ("native"), and a Hugging Face checkpoint quantised to Q8_0 on load ("q8_0").
+
+The contract: a packed model computes exactly the dequantised weights' products (only the summation order
+differs), so its oracle is transformers holding those dequantised weights — greedy equal token for token
+(near-ties excepted, tests/engine/oracle.py) and logits within a tight tolerance — and the fp32 load of the
+same file holds bit for bit the weights the packed load dequantises to.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from deepinfer.engine.config import ConfigError, EngineConfig
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.packed_weights import PackedWeight, dequantized, quantize_q8_0, resolve_weights_mode
+from deepinfer.engine.request import SamplingParams
+from deepinfer.engine.weights import load_model_weights
+from tests.engine.oracle import (
+    assert_same_greedy,
+    assert_whole,
+    hf_greedy,
+    hf_model_from_loaded,
+    random_tokens,
+    run_staggered,
+)
+from tests.unit.test_gguf import _write_tiny_gguf
+
+QTYPES = [T.Q8_0, T.Q4_0, T.Q4_1]
+NEW_TOKENS = 8
+# Lengths around block (16) and kernel-path edges (2, 8, 32 rows); with a 24-token step budget the long
+# prompts are prefilled in chunks, so the model sees 1..24-row products as well as single decode rows.
+PROMPT_LENS = (1, 2, 3, 9, 16, 17, 31, 33, 70)
+
+
+def _tiny_gguf(tiny_hf_model, tmp_path: Path, qtype: T, **overrides) -> Path:  # type: ignore[no-untyped-def]
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    _write_tiny_gguf(path, tiny_hf_model("llama", **overrides), qtype)
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_native_load_keeps_blocks_that_dequantise_to_the_fp32_load(tiny_hf_model, tmp_path, qtype, tied):
+    path = _tiny_gguf(tiny_hf_model, tmp_path, qtype, tie_word_embeddings=tied)
+    native, fp32 = load_model_weights(path, "native"), load_model_weights(path, "fp32")
+    assert (native.weights, fp32.weights) == ("native", "fp32")
+    packed = {n for n, w in native.state_dict.items() if isinstance(w, PackedWeight)}
+    two_d = {n for n, w in fp32.state_dict.items() if w.dim() == 2}
+    assert packed == two_d and "embed_tokens" in packed and ("lm_head" in packed) != tied
+    assert {native.state_dict[n].format for n in packed} == {qtype.name}
+    # Bit for bit, Q/K rows included (their rotary order is undone on the packed rows).
+    for name, w in dequantized(native.state_dict).items():
+        assert torch.equal(w, fp32.state_dict[name]), name
+    # Packed blocks take (bytes per block) / (32 * 4) of fp32's room.
+    assert sum(native.state_dict[n].nbytes for n in packed) < sum(fp32.state_dict[n].numel() * 4 for n in packed) / 3
+    # A mesh must not mix the two (their KV differs in rounding): the fingerprints tell them apart.
+    assert native.fingerprint != fp32.fingerprint
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_native_engine_matches_transformers_on_the_dequantised_weights(tiny_hf_model, tmp_path, qtype):
+    path = _tiny_gguf(tiny_hf_model, tmp_path, qtype)
+    loaded = load_model_weights(path, "native")
+    hf = hf_model_from_loaded(loaded.config, dequantized(loaded.state_dict))
+    prompts = [random_tokens(n, n, loaded.config.vocab_size) for n in PROMPT_LENS]
+    engine = LLMEngine(loaded, None, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=24))
+    outs = run_staggered(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert_same_greedy(hf, prompt, out.token_ids, hf_greedy(hf, prompt, NEW_TOKENS))
+    assert_whole(engine)
+    # Logits at every prompt position (one 70-row prefill: the dequantise-then-GEMM path).
+    tokens = prompts[-1]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(engine.prompt_logits(tokens), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_q8_0_on_load_serves_a_hugging_face_checkpoint(tiny_hf_model):
+    tiny = tiny_hf_model("llama")
+    loaded = load_model_weights(tiny.path, "q8_0")
+    assert loaded.weights == "q8_0"
+    assert all(isinstance(loaded.state_dict[n], PackedWeight) for n in ("layers.0.q_proj", "lm_head"))
+    assert not isinstance(loaded.state_dict["layers.0.input_norm"], PackedWeight)
+    hf = hf_model_from_loaded(loaded.config, dequantized(loaded.state_dict))
+    prompts = [random_tokens(n, n, loaded.config.vocab_size) for n in PROMPT_LENS[:5]]
+    engine = LLMEngine(loaded, None, EngineConfig(num_kv_blocks=64))
+    outs = run_staggered(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert_same_greedy(hf, prompt, out.token_ids, hf_greedy(hf, prompt, NEW_TOKENS))
+    assert_whole(engine)
+
+
+def test_quantize_q8_0_is_ggufs_q8_0():
+    """Same blocks as the gguf package's reference quantiser (up to the scale's reciprocal rounding,
+    which may move a value by one step), and dequantisation within half a step of the input."""
+    from gguf import quants
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 96) * torch.rand(8, 1) * 3
+    w[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    ours = quantize_q8_0(w)
+    ref = torch.from_numpy(quants.quantize(w.numpy(), T.Q8_0)).reshape(8, -1)
+    assert ours.blocks.shape == ref.shape and ours.format == "Q8_0"
+    diff = (ours.blocks.view(-1, 34)[:, 2:].view(torch.int8).int() - ref.view(-1, 34)[:, 2:].view(torch.int8).int())
+    assert diff.abs().max() <= 1
+    step = w.reshape(8, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((ours.dequantize().reshape(8, 3, 32) - w.reshape(8, 3, 32)).abs() <= step * 0.5 + 1e-3 * step).all()
+    assert torch.equal(ours.dequantize()[0, :32], torch.zeros(32))
+
+
+def test_weights_modes_resolve_and_refuse(tiny_hf_model, tmp_path):
+    gguf = _tiny_gguf(tiny_hf_model, tmp_path, T.Q8_0)
+    tiny = tiny_hf_model("llama")
+    config = load_model_weights(gguf).config
+    assert resolve_weights_mode("auto", gguf, config, "cpu") == "native"
+    assert resolve_weights_mode("auto", gguf, config, "cuda:0") == "fp32"
+    assert resolve_weights_mode("auto", tiny.path, config, "cpu") == "fp32"
+    with pytest.raises(ConfigError, match="q8_0"):
+        load_model_weights(tiny.path, "native")
+    with pytest.raises(ConfigError, match="weights must be one of"):
+        EngineConfig(weights="int4")
+    assert load_model_weights(gguf, "auto").weights == "native"
