@@ -9,6 +9,13 @@ block table straight from the KV tensor; nothing is concatenated per step.
 * Each multi-token chunk gathers its own context blocks once and runs one causal SDPA; a chunk with
   no earlier context attends to its fresh K/V directly.
 
+The cache may hold K/V in a narrower dtype than the step computes in (an fp16 KV cache, fp32
+activations): `write_kv` rounds on the way in, every reader widens what it reads, and all
+arithmetic is in the query's dtype. A chunk attending to its fresh K/V uses them rounded through the
+cache dtype, so a token's attention sees the same values whether its context was just computed,
+read back from the pool, or imported from a cache tier (outputs do not depend on chunking or on
+prefix-cache hits).
+
 The contract between a step's callers and this module is `layout(segments)`: each `Segment` is a run
 of consecutive tokens of one sequence with its block table. A one-token segment, or one marked
 `rows` (speculative verification, a draft's catch-up that must stay on the kernel), becomes decode
@@ -112,10 +119,17 @@ def layout(segments: Sequence[Segment], block_size: int, use_native: bool = True
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """Store the step's new K/V ([T, kv_heads, head_dim]) into the layer's cache views
-    ([num_blocks, block_size, kv_heads, head_dim], strided in dim 0)."""
+    ([num_blocks, block_size, kv_heads, head_dim], strided in dim 0), converted to the cache's dtype
+    (round to nearest for an fp16 cache)."""
     index = (meta.slot_blocks, meta.slot_offsets)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
+    k_cache.index_put_(index, k.to(k_cache.dtype))
+    v_cache.index_put_(index, v.to(v_cache.dtype))
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as attention reads it back from a cache of `cache_dtype`: rounded to that dtype and widened
+    to x's again (x itself when the dtypes agree)."""
+    return x if x.dtype == cache_dtype else x.to(cache_dtype).to(x.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -134,11 +148,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # path, which materialises every score and ran ~7x slower on a 1k-token prefill.
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if chunk.context_len == chunk.q_len:
-            kh, vh = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+            kh = as_cached(k[rows], k_cache.dtype).transpose(0, 1).unsqueeze(0)
+            vh = as_cached(v[rows], v_cache.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            kh = _gather(k_cache, chunk, block_size).unsqueeze(0)
-            vh = _gather(v_cache, chunk, block_size).unsqueeze(0)
+            kh = _gather(k_cache, chunk, block_size, q.dtype).unsqueeze(0)
+            vh = _gather(v_cache, chunk, block_size, q.dtype).unsqueeze(0)
             # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
             mask = torch.ones(chunk.q_len, chunk.context_len, dtype=torch.bool).tril(
                 chunk.context_len - chunk.q_len
@@ -148,7 +163,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _gather(cache: torch.Tensor, chunk: PrefillChunk, block_size: int) -> torch.Tensor:
-    """[kv_heads, context_len, D] copy of one sequence's context."""
+def _gather(cache: torch.Tensor, chunk: PrefillChunk, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[kv_heads, context_len, D] copy of one sequence's context, widened to `dtype`."""
     blocks = cache.index_select(0, chunk.block_ids)  # [nb, bs, kvh, D]
-    return blocks.flatten(0, 1)[: chunk.context_len].transpose(0, 1)
+    return blocks.flatten(0, 1)[: chunk.context_len].transpose(0, 1).to(dtype)

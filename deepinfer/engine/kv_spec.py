@@ -19,8 +19,11 @@ if TYPE_CHECKING:
 
 # Wire name → torch dtype. The name is what the hash namespace and error messages carry.
 KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The engine's KV dtype: the paged-attention kernels and the torch fallback compute in fp32 only.
+# The engine's default KV dtype, and the ones its attention reads (kernels.paged_attention and the
+# torch paths): K/V are stored in the spec's dtype and widened to fp32 as they are read; all attention
+# arithmetic is fp32. bfloat16 is a wire name only: a spec may describe it, the engine refuses it.
 ENGINE_KV_DTYPE = "float32"
+ENGINE_KV_DTYPES = ("float32", "float16")
 _SEPARATORS = ",="  # the layout string's separators: no dimension or axis name may contain them
 
 
@@ -40,6 +43,8 @@ class KvSpec:
     * Per layer and token the cache holds `len(components)` vectors ("components": K and V for
       Llama-family attention; MLA holds one, the compressed latent concatenated with the rope key),
       each shaped `token_shape` (the sizes of `token_dims`, named for the layout string).
+    * `dtype_name` is one of `KV_DTYPES`; the engine serves `ENGINE_KV_DTYPES` (fp16 halves every
+      size below against fp32) and widens K/V to fp32 to attend.
     * A block is one contiguous tensor `block_shape` = [layers, components, block_size, *token_shape]
       of `dtype`: every layer's KV for `block_size` consecutive tokens. It is the unit the device pool
       indexes (dim 0 of the pool [num_blocks, *block_shape]), the cache daemon stores (`block_nbytes`

@@ -4,7 +4,8 @@ KV layout: one tensor [num_blocks, *spec.block_shape] as the engine's `KvSpec` d
 Llama-family model [num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]; for MLA one
 latent component per token). A block is therefore one contiguous slab holding every layer's KV for
 `block_size` tokens, which is the unit the cache tiers store and the P/D transfer moves; a layer's
-component c is the strided view `kv[:, layer, c]`.
+component c is the strided view `kv[:, layer, c]`. Its dtype is the spec's, one of
+`ENGINE_KV_DTYPES` (fp32, or fp16: the attention paths convert on write and widen on read).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from deepinfer.engine import kernels
 from deepinfer.engine.attention import Segment, StepLayout, layout
-from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.kv_spec import KvSpec
+from deepinfer.engine.config import ConfigError, EngineConfig
+from deepinfer.engine.kv_spec import ENGINE_KV_DTYPES, KvSpec
 from deepinfer.engine.models.base import CausalLM
 from deepinfer.engine.models.moe import Routing, moe_blocks
 from deepinfer.engine.request import Request
@@ -51,6 +52,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, spec: KvSpec, num_blocks: int) -> None:
+        if spec.dtype_name not in ENGINE_KV_DTYPES:
+            raise ConfigError(f"KV cache dtype {spec.dtype_name!r} is not supported by the engine's attention "
+                              f"(supported: {', '.join(ENGINE_KV_DTYPES)})")
         self.model = model
         self.spec = spec
         self.block_size = spec.block_size
