@@ -28,8 +28,11 @@ from deepinfer.engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_WEIGHTS,
+    KV_CACHE_DTYPES,
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
+    WEIGHTS_MODES,
 )
 
 # Every option default below is a named constant defined once (engine.config, launch.specs), the one the
@@ -134,9 +137,33 @@ def speculation(speculative: str | None, num_speculative_tokens: int, no_adaptiv
                 adaptive_speculation=not no_adaptive_speculation)
 
 
+def numerics_options(f):  # type: ignore[no-untyped-def]
+    """How the workers hold weights and KV (`up` takes them too; a topology file sets them per worker and at
+    its top level). None: the default (`up` tells a given option from a default by it)."""
+    opts = [
+        click.option("--weights", type=click.Choice(WEIGHTS_MODES), default=None,
+                     help="native: compute from a GGUF file's Q8_0/Q4_0/Q4_1 blocks (a quarter to an eighth of "
+                          "fp32's bytes per step); fp32: dequantise at load; q8_0: quantise a Hugging Face "
+                          f"checkpoint on load. Default: {DEFAULT_WEIGHTS} (native for a GGUF file on CPU)."),
+        click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
+                     help="KV cache element type: fp16 halves the KV bytes in the pool, the cache tiers and on the "
+                          "wire (attention still computes in fp32). Default: fp32."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def numerics(weights: str | None, kv_cache_dtype: str | None) -> dict[str, str]:
+    """The given `numerics_options` as Topology.local / EmbeddedMesh keyword arguments."""
+    given = dict(weights=weights, kv_cache_dtype=kv_cache_dtype)
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def engine_options(f):  # type: ignore[no-untyped-def]
     """Options shared by every command that builds an engine."""
     f = speculation_options(f)
+    f = numerics_options(f)
     opts = [
         click.option("--model", default=DEFAULT_MODEL, show_default=True,
                      help="'smollm2' (fetched on first use), a Hugging Face directory or a .gguf file."),
@@ -214,11 +241,13 @@ def _params(max_tokens: int, temperature: float, top_p: float, top_k: int, min_p
 
 def mesh_options(threads: int | None, kv_cache_mb: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, speculative: str | None, num_speculative_tokens: int,
-                 no_adaptive_speculation: bool) -> dict[str, Any]:
+                 no_adaptive_speculation: bool, weights: str | None = None,
+                 kv_cache_dtype: str | None = None) -> dict[str, Any]:
     """`engine_options` as Topology.local / EmbeddedMesh keyword arguments (the embedded mesh's workers)."""
     return dict(threads=threads, kv_cache_mb=kv_cache_mb, block_size=block_size, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
-                **speculation(speculative, num_speculative_tokens, no_adaptive_speculation))
+                **speculation(speculative, num_speculative_tokens, no_adaptive_speculation),
+                **numerics(weights, kv_cache_dtype))
 
 
 def _check_keys(endpoint: str | None, keys_dir: Path | None) -> None:
@@ -269,8 +298,9 @@ def _mesh_endpoint(endpoint: str | None, model: str, options: dict[str, Any]) ->
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line, in input order.")
 def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-             threads: int | None, ep: int, speculative: str | None, num_speculative_tokens: int,
-             no_adaptive_speculation: bool, prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
+             threads: int | None, ep: int, weights: str | None, kv_cache_dtype: str | None,
+             speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool,
+             prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              stop: tuple[str, ...], endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
              as_json: bool) -> None:
@@ -286,7 +316,7 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
     params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
     specs = [dict(messages=[{"role": "user", "content": t}]) if chat else dict(prompt=t) for t in texts]
     options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
-                           num_speculative_tokens, no_adaptive_speculation)
+                           num_speculative_tokens, no_adaptive_speculation, weights, kv_cache_dtype)
     with _mesh_endpoint(endpoint, model, options) as ep, _client(ep, api_key, keys_dir, client_key) as client:
         results = client.generate_many([{**spec, **params} for spec in specs])
     failed = False
@@ -317,10 +347,11 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
 @sampling_options
 @click.option("--system", default=None, help="A system message.")
 def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-         threads: int | None, ep: int, speculative: str | None, num_speculative_tokens: int,
-         no_adaptive_speculation: bool, chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int,
-         min_p: float, seed: int | None, stop: tuple[str, ...], endpoint: str | None, api_key: str | None,
-         keys_dir: Path | None, client_key: str, system: str | None) -> None:
+         threads: int | None, ep: int, weights: str | None, kv_cache_dtype: str | None, speculative: str | None,
+         num_speculative_tokens: int, no_adaptive_speculation: bool, chat: bool, max_tokens: int,
+         temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None, stop: tuple[str, ...],
+         endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
+         system: str | None) -> None:
     """Chat interactively (answers stream as they are generated; an empty line or Ctrl-D quits)."""
     from deepinfer.protocol import messages as m
     from deepinfer.protocol.client import MeshError
@@ -329,7 +360,7 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
     params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
-                           num_speculative_tokens, no_adaptive_speculation)
+                           num_speculative_tokens, no_adaptive_speculation, weights, kv_cache_dtype)
     with _mesh_endpoint(endpoint, model, options) as ep, _client(ep, api_key, keys_dir, client_key) as client:
         while True:
             try:
@@ -396,12 +427,13 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
                    "/v1/chat/completions, ...); its URL is printed when the mesh is ready. With --topology, "
                    "add a [[gateway]] table instead.")
 @speculation_options
+@numerics_options
 def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
        num_tokenizers: int, threads: int | None, ep: int | None, kv_cache_mb: int, run_dir: Path | None,
        log_dir: Path | None, cache_dir: Path | None, host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool,
        no_prefix_caching: bool, redundant_experts: int | None, no_balancer: bool, balancer_interval: float | None,
        balancer_window: float | None, http: str | None, speculative: str | None, num_speculative_tokens: int,
-       no_adaptive_speculation: bool) -> None:
+       no_adaptive_speculation: bool, weights: str | None, kv_cache_dtype: str | None) -> None:
     """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM.
     With --topology, every worker option (speculation, --ep and the expert balancer's too) comes from the
     file, per worker (and its [balancer] table)."""
@@ -412,6 +444,8 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
         (balancer_window, "--balancer-window", "[balancer] window_s"), \
         (no_balancer or None, "--no-balancer", "a [balancer] table, or none")
     for given, option, key in ((speculative, "--speculative", "`speculative`"), (ep, "--ep", "`ep` and `ep_master`"),
+                               (weights, "--weights", "`weights`"), (kv_cache_dtype, "--kv-cache-dtype",
+                                                                     "`kv_cache_dtype` at the top level"),
                                *balancing):
         if topology is not None and given is not None:  # it would be silently ignored
             raise click.UsageError(f"{option} configures the workers `up` builds; with --topology, set {key} "
@@ -431,7 +465,8 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
                  disk_cache_mb=disk_cache_mb, prefix_caching=not no_prefix_caching)
     spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)
     local = dict(disaggregated=not colocated, num_prefill=num_prefill, num_decode=num_decode,
-                 num_tokenizers=num_tokenizers, threads=threads, kv_cache_mb=kv_cache_mb, **cache, **spec_kw)
+                 num_tokenizers=num_tokenizers, threads=threads, kv_cache_mb=kv_cache_mb, **cache, **spec_kw,
+                 **numerics(weights, kv_cache_dtype))
     made: list[Path] = []  # what this run put in a run directory the user gave (removed at exit; logs stay)
     try:
         if inproc:

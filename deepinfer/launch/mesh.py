@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
+from deepinfer.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, EngineConfig
 from deepinfer.launch.keys import service_auth
 from deepinfer.launch.supervisor import watch_lifeline
 from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir
@@ -30,9 +30,10 @@ from deepinfer.services.tokenizer import TokenizerService
 from deepinfer.services.worker import WorkerService
 
 
-def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int = 0) -> EngineConfig:
-    """A worker's engine settings: its sub-tree of the topology, and the topology's block size (what
-    `build_service` passes; the default is the topology's own default, so they cannot differ).
+def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int = 0,
+                  kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> EngineConfig:
+    """A worker's engine settings: its sub-tree of the topology, and the topology's block size and KV
+    dtype (what `build_service` passes; the defaults are the topology's own, so they cannot differ).
 
     A worker group (`ep` > 1) runs this engine on each of its ranks, one process each on the host: the
     worker's threads (all cores when unset) are shared out, each rank getting an equal share, at least one,
@@ -44,7 +45,8 @@ def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int
                         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
                         device=w.rank_device(rank), num_threads=threads, enable_prefix_caching=w.prefix_caching,
                         speculative=w.speculative, num_speculative_tokens=w.num_speculative_tokens,
-                        adaptive_speculation=w.adaptive_speculation, redundant_experts=w.redundant_experts)
+                        adaptive_speculation=w.adaptive_speculation, redundant_experts=w.redundant_experts,
+                        weights=w.weights, kv_cache_dtype=kv_cache_dtype)
 
 
 def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Context) -> Service:
@@ -56,14 +58,15 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
     if role == "tokenizer":
         spec = topology.tokenizer(name)
         return TokenizerService(spec.name, topology.backend, spec.detok, ctx, topology.model,
-                                block_size=topology.block_size, auth=auth)
+                                block_size=topology.block_size, kv_cache_dtype=topology.kv_cache_dtype, auth=auth)
     if role == "worker":
         spec = topology.worker(name)
         daemon = topology.kvcache(spec.kvcache) if spec.kvcache is not None else None
         if spec.ep > 1 and daemon is not None:
             raise ValueError(f"worker {spec.name}: a worker group (ep = {spec.ep}) cannot use a cache daemon yet")
         return WorkerService(
-            spec.name, spec.role, topology.backend, ctx, topology.model, engine_config(spec, topology.block_size),
+            spec.name, spec.role, topology.backend, ctx, topology.model,
+            engine_config(spec, topology.block_size, kv_cache_dtype=topology.kv_cache_dtype),
             kv_bind=spec.kv if spec.role in ("decode", "worker") else None,
             decode_peers={w.name: w.kv for w in topology.workers if w.role in ("decode", "worker")},
             tokenizers={t.name: t.detok for t in topology.tokenizers},
@@ -74,7 +77,7 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
         k = topology.kvcache(name)
         return KvCacheService(k.name, topology.backend, ctx, topology.model, k.endpoint,
                               k.dir if k.dir is not None else default_kvcache_dir(), k.host_mb, k.disk_mb,
-                              block_size=topology.block_size, auth=auth)
+                              block_size=topology.block_size, kv_cache_dtype=topology.kv_cache_dtype, auth=auth)
     if role == "balancer":
         if topology.balancer is None or name != BALANCER_NAME:
             raise ValueError(f"the topology has no balancer named {name!r} (a [balancer] table runs {BALANCER_NAME!r})")

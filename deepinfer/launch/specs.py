@@ -15,8 +15,10 @@ from deepinfer.engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_WEIGHTS,
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
+    WEIGHTS_MODES,
 )
 
 ROLES = ("prefill", "decode", "worker")
@@ -83,6 +85,8 @@ class WorkerSpec:
     # An MoE group's redundant expert replicas per layer in its starting (static) placement, the slots the
     # expert balancer moves hot experts into: None = automatic (EngineConfig: max(1, E // 8)), 0 = none.
     redundant_experts: int | None = None
+    # How the engine holds projection weights (EngineConfig.weights): "auto", "native", "fp32" or "q8_0".
+    weights: str = DEFAULT_WEIGHTS
 
     def rank_device(self, rank: int) -> str:
         """The device rank `rank` runs on: "cuda" gives rank R cuda:R (a group takes devices 0..ep-1 of its
@@ -111,6 +115,12 @@ class WorkerSpec:
             split_host_port(self.ep_master)
         except ValueError as exc:
             return f"ep_master = {self.ep_master!r}: {exc}"
+        return None
+
+    def weights_problem(self) -> str | None:
+        """What is wrong with this worker's `weights` key, or None."""
+        if self.weights not in WEIGHTS_MODES:
+            return f"weights = {self.weights!r}: must be one of {', '.join(map(repr, WEIGHTS_MODES))}"
         return None
 
     def speculation_problem(self) -> str | None:

@@ -4,6 +4,7 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
 
     model = "smollm2"
     block_size = 16                       # tokens per KV block, for every service (default 16)
+    kv_cache_dtype = "float16"            # KV element type, every service's: "float32" (default) or "float16"
     [router]
     frontend = "tcp://10.0.0.1:5550"      # clients connect here
     backend = "tcp://10.0.0.1:5551"       # every service connects here
@@ -27,6 +28,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     speculative = "ngram"                 # speculative decoding: "ngram", "suffix", "self:L", "draft:PATH"
     num_speculative_tokens = 4            # the most draft tokens per request per step (1..32)
     adaptive_speculation = true           # let the controller choose each step's k (false: always the cap)
+    weights = "auto"                      # "native" (GGUF blocks kept packed), "fp32", "q8_0" (quantise on load);
+                                          #   "auto": native for a GGUF file on a CPU device
     ep = 1                                # expert parallelism: a group of N ranks, a process each (default 1;
     ep_master = "10.0.0.2:29500"          #   N > 1 needs this rendezvous, host:port, and no kvcache yet)
     redundant_experts = 2                 # MoE: extra expert replicas per layer (default: max(1, E // 8); 0: none)
@@ -60,7 +63,8 @@ command line and the services cannot disagree.
 
 The long-lived side binds (router frontend/backend, tokenizer detok, decode kv, kvcache endpoint);
 everyone else connects. `block_size` must be the same for every service: it is part of the KV-cache
-namespace, and the handshake refuses a service that hashes blocks differently. So it is set once, at the
+namespace, and the handshake refuses a service that hashes blocks differently (so is `kv_cache_dtype`, set
+at the top level the same way). So it is set once, at the
 top level; the router's copy is derived from it (`[router] block_size` is refused). Speculation runs where
 decoding does: on decode and co-located workers. A prefill worker stops after the first token and has
 nothing to speculate on; `Topology.local` sets the speculation keys on decoding workers only.
@@ -94,10 +98,14 @@ from typing import Any, TypeVar
 
 from deepinfer.engine.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_KV_CACHE_MB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_WEIGHTS,
+    ConfigError,
+    kv_cache_dtype_name,
 )
 from deepinfer.launch.specs import (
     DEFAULT_DISK_CACHE_MB,
@@ -125,8 +133,8 @@ __all__ = ["DEFAULT_DISK_CACHE_MB", "DEFAULT_HOST_CACHE_MB", "DEFAULT_MODEL", "B
            "speculative_problem"]
 
 T = TypeVar("T")
-TOP_LEVEL_KEYS = ("model", "block_size", "router", "tokenizer", "worker", "kvcache", "gateway", "balancer",
-                  "security")
+TOP_LEVEL_KEYS = ("model", "block_size", "kv_cache_dtype", "router", "tokenizer", "worker", "kvcache", "gateway",
+                  "balancer", "security")
 # RouterConfig fields a [router] table may not set: they are derived, so they cannot disagree with their source.
 ROUTER_DERIVED = {"block_size": "set block_size at the top level: it is every service's, the router's included",
                   "id_prefix": "the router chooses it, anew at every start"}
@@ -146,6 +154,7 @@ class Topology:
     router: RouterConfig = field(default_factory=RouterConfig)
     kvcaches: tuple[KvCacheSpec, ...] = ()
     block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # every service's KV element type ("float32" or "float16")
     security: SecuritySpec | None = None  # None: no CURVE (loopback or ipc:// only, as DESIGN §3 advises)
     balancer: BalancerConfig | None = None  # None: no expert balancer (groups keep their static placement)
     gateways: tuple[GatewaySpec, ...] = ()  # OpenAI-compatible HTTP gateways (none: ZeroMQ clients only)
@@ -156,6 +165,10 @@ class Topology:
             _within(where, lambda spec=spec: check_fields(spec))
         if self.block_size <= 0:
             raise TopologyError(f"block_size must be positive, got {self.block_size}")
+        try:
+            object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))
+        except ConfigError as exc:
+            raise TopologyError(str(exc)) from None
         if self.router.id_prefix:
             raise TopologyError(f"router: id_prefix: {ROUTER_DERIVED['id_prefix']}")
         if self.router.block_size != self.block_size:
@@ -177,7 +190,7 @@ class Topology:
         for w in self.workers:
             if w.kvcache is not None and w.kvcache not in daemons:
                 raise TopologyError(f"worker {w.name}: no kvcache named {w.kvcache!r}")
-            problem = w.speculation_problem() or w.parallel_problem()
+            problem = w.speculation_problem() or w.parallel_problem() or w.weights_problem()
             if problem is not None:
                 raise TopologyError(f"worker {w.name}: {problem}")
         self._check_ep_masters()
@@ -255,7 +268,8 @@ class Topology:
               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, ep: int = 1,
               redundant_experts: int | None = None, balancer: BalancerConfig | None = None,
-              http: str | None = None) -> Topology:
+              http: str | None = None, weights: str = DEFAULT_WEIGHTS,
+              kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> Topology:
         """One host: `inproc` (one process) or `ipc` (a process per service, sockets in `run_dir`).
         With `kvcache`, one cache daemon (disk tier in `cache_dir`, default `default_kvcache_dir()`)
         serves every worker; `prefix_caching=False` also turns off reuse inside each worker. The
@@ -281,7 +295,8 @@ class Topology:
                                host_cache_mb, disk_cache_mb),) if kvcache else ()
         common: dict[str, Any] = dict(threads=threads, kv_cache_mb=kv_cache_mb, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
-                                      kvcache="kvcache-0" if kvcache else None, redundant_experts=redundant_experts)
+                                      kvcache="kvcache-0" if kvcache else None, redundant_experts=redundant_experts,
+                                      weights=weights)
         decoding: dict[str, Any] = dict(common, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                                         adaptive_speculation=adaptive_speculation)
         workers: list[WorkerSpec] = []
@@ -299,7 +314,8 @@ class Topology:
                            for i in range(num_tokenizers))
         gateways = (GatewaySpec("gateway-0", http),) if http is not None else ()
         return cls(model, endpoint("router-frontend"), endpoint("router-backend"), tokenizers, tuple(workers),
-                   kvcaches=daemons, block_size=block_size, balancer=balancer, gateways=gateways)
+                   kvcaches=daemons, block_size=block_size, kv_cache_dtype=kv_cache_dtype, balancer=balancer,
+                   gateways=gateways)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Topology:
@@ -314,7 +330,8 @@ class Topology:
     def to_toml(self) -> str:
         """The topology as a file `load` reads back to an equal Topology (security paths as given: `load`
         makes relative ones absolute against the file's directory)."""
-        lines = [f"model = {toml_string(self.model)}", f"block_size = {self.block_size}"]
+        lines = [f"model = {toml_string(self.model)}", f"block_size = {self.block_size}",
+                 f"kv_cache_dtype = {toml_string(self.kv_cache_dtype)}"]
         lines += toml_table("router", self.router, skip=tuple(ROUTER_DERIVED),
                             first={"frontend": self.frontend, "backend": self.backend})
         for t in self.tokenizers:
@@ -381,6 +398,7 @@ def _from_document(data: dict[str, Any], base: Path) -> Topology:
         kvcaches=_entries(KvCacheSpec, data, "kvcache"),
         gateways=_entries(GatewaySpec, data, "gateway"),
         block_size=data.get("block_size", DEFAULT_BLOCK_SIZE),
+        kv_cache_dtype=data.get("kv_cache_dtype", DEFAULT_KV_CACHE_DTYPE),
         security=None if "security" not in data else _within("security", lambda: _security(data["security"], base)),
         balancer=None if "balancer" not in data else _within("balancer", lambda: from_table(BalancerConfig,
                                                                                             data["balancer"])),

@@ -174,7 +174,7 @@ def run_follower(topology: Any, name: str, rank: int) -> int:
         spec = topology.worker(name)
         if not 1 <= rank < spec.ep:
             raise ValueError(f"rank {rank} is not a follower rank of worker {name!r} (ep = {spec.ep})")
-        config = engine_config(spec, topology.block_size, rank)
+        config = engine_config(spec, topology.block_size, rank, topology.kv_cache_dtype)
         channel, ep_group = join_group(spec.ep, rank, spec.ep_master, config.device)
     except Exception:
         log.error("follower could not join its group", worker=name, rank=rank, error=traceback.format_exc())

@@ -42,7 +42,7 @@ import zmq.asyncio
 
 from deepinfer.cache.hashing import HASH_BYTES
 from deepinfer.cache.store import TieredStore
-from deepinfer.engine.config import DEFAULT_BLOCK_SIZE
+from deepinfer.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, kv_cache_dtype_name
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import cache_namespace, model_config_at
 from deepinfer.engine.kv_spec import KvSpec
@@ -113,13 +113,13 @@ class KvCacheService(Service):
 
     def __init__(self, instance: str, backend: str, ctx: zmq.asyncio.Context, model: str, endpoint: str,
                  directory: str | Path, host_mb: int, disk_mb: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 io_threads: int = 4,
+                 kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE, io_threads: int = 4,
                  max_fetches_in_flight: int = MAX_FETCHES_IN_FLIGHT,
                  max_stores_in_flight: int = MAX_STORES_IN_FLIGHT, **kw: Any) -> None:
         path = resolve_model(model)
         config = model_config_at(path)
         # The engine's KV as the workers hold it: the daemon stores and serves blocks of exactly this spec.
-        self.kv = KvSpec.for_model(config, block_size)
+        self.kv = KvSpec.for_model(config, block_size, kv_cache_dtype_name(kv_cache_dtype))
         self.namespace = cache_namespace(path, self.kv, Tokenizer.load(path).fingerprint)
         super().__init__(instance, backend, ctx, block_hash_scheme=self.namespace.handshake_scheme, **kw)
         self.endpoint = endpoint

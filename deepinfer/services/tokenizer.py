@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.engine.config import DEFAULT_BLOCK_SIZE
+from deepinfer.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, kv_cache_dtype_name
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.identity import cache_namespace, model_config_at
 from deepinfer.engine.kv_spec import KvSpec
@@ -26,11 +26,13 @@ class TokenizerService(Service):
     role = "tokenizer"
 
     def __init__(self, instance: str, backend: str, detok_bind: str, ctx: zmq.asyncio.Context, model: str,
-                 max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, **kw: Any) -> None:
+                 max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE, **kw: Any) -> None:
         path = resolve_model(model)
         self.tokenizer = Tokenizer.load(path)
         config = model_config_at(path)
-        namespace = cache_namespace(path, KvSpec.for_model(config, block_size), self.tokenizer.fingerprint)
+        kv = KvSpec.for_model(config, block_size, kv_cache_dtype_name(kv_cache_dtype))
+        namespace = cache_namespace(path, kv, self.tokenizer.fingerprint)
         super().__init__(instance, backend, ctx, block_hash_scheme=namespace.handshake_scheme, **kw)
         self.core = TokenizerCore(self.tokenizer, instance, max_model_len or config.max_position_embeddings,
                                   namespace=namespace)

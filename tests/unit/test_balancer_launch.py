@@ -173,3 +173,16 @@ def test_up_refuses_bad_balancer_values(tmp_path):
     for option in (["--balancer-interval", "0"], ["--balancer-window", "-1"], ["--redundant-experts", "-1"]):
         result = CliRunner().invoke(cli.main, ["up", *option])
         assert result.exit_code == 2, option
+
+
+def test_up_passes_weights_and_kv_dtype_to_its_topology_and_refuses_them_with_a_file(tmp_path, monkeypatch):
+    dense = str(model_dir(tmp_path, False))
+    topo = up_topology(tmp_path, monkeypatch, "--model", dense, "--weights", "q8_0", "--kv-cache-dtype", "fp16")
+    assert {w.weights for w in topo.workers} == {"q8_0"} and topo.kv_cache_dtype == "float16"
+    plain = up_topology(tmp_path, monkeypatch, "--model", dense)
+    assert {w.weights for w in plain.workers} == {"auto"} and plain.kv_cache_dtype == "float32"
+    path = tmp_path / "t.toml"
+    path.write_text(MINIMAL)
+    for option in (["--weights", "fp32"], ["--kv-cache-dtype", "fp16"]):
+        result = CliRunner().invoke(cli.main, ["up", "--topology", str(path), *option])
+        assert result.exit_code == 2 and "with --topology" in result.output, option

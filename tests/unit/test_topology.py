@@ -123,6 +123,28 @@ def test_cli_engine_options_reach_the_embedded_mesh_topology():
     assert topo.block_size == topo.router.block_size == 32
     assert (w.threads, w.kv_cache_mb, w.max_num_seqs, w.max_num_batched_tokens) == (2, 64, 4, 512)
     assert (w.num_speculative_tokens, w.adaptive_speculation) == (3, False)
+    assert (w.weights, topo.kv_cache_dtype) == ("auto", "float32")  # the defaults when not given
+    options = mesh_options(threads=2, kv_cache_mb=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=512,
+                           speculative=None, num_speculative_tokens=3, no_adaptive_speculation=True,
+                           weights="fp32", kv_cache_dtype="fp16")
+    topo = Topology.local("m", "inproc", disaggregated=False, **options)
+    assert (topo.workers[0].weights, topo.kv_cache_dtype) == ("fp32", "float16")
+
+
+def test_weights_and_kv_dtype_reach_every_service_and_read_back(tmp_path):
+    """`kv_cache_dtype` is set once, at the top level (it is part of the KV namespace, like block_size);
+    `weights` per worker. Both read back from the file and reach the engine's config."""
+    from deepinfer.launch.mesh import engine_config
+
+    topo = load(tmp_path, 'kv_cache_dtype = "fp16"\n' + MINIMAL + 'weights = "native"\n')
+    assert topo.kv_cache_dtype == "float16" and topo.workers[0].weights == "native"
+    assert load(tmp_path, topo.to_toml()) == topo
+    config = engine_config(topo.workers[0], topo.block_size, kv_cache_dtype=topo.kv_cache_dtype)
+    assert (config.weights, config.kv_cache_dtype) == ("native", "float16")
+    with pytest.raises(TopologyError, match="kv_cache_dtype must be one of fp32, fp16, got 'int8'"):
+        load(tmp_path, 'kv_cache_dtype = "int8"\n' + MINIMAL)
+    with pytest.raises(TopologyError, match="weights = 'int4': must be one of"):
+        load(tmp_path, MINIMAL + 'weights = "int4"\n')
 
 
 # -- every table checked when read ---------------------------------------------------------------------------
@@ -215,7 +237,7 @@ def every_field(tmp_path: Path) -> Topology:
     worker: dict[str, Any] = dict(device="cuda", threads=3, kv_cache_mb=64, max_num_seqs=8,
                                   max_num_batched_tokens=256, prefix_caching=False,
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
-                                  ep=2, ep_master="10.0.0.3:29500", redundant_experts=3)
+                                  ep=2, ep_master="10.0.0.3:29500", redundant_experts=3, weights="q8_0")
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, move_timeout_s=9.0)
@@ -235,7 +257,7 @@ def every_field(tmp_path: Path) -> Topology:
                  WorkerSpec("decode-0", "decode", "tcp://10.0.0.3:5570", **worker)),
         router=RouterConfig(**router),
         kvcaches=(KvCacheSpec("kv-0", "tcp://10.0.0.2:5580", **kvcache),),
-        block_size=32,
+        block_size=32, kv_cache_dtype="float16",
         security=SecuritySpec(str(tmp_path / "keys"), **security),
         balancer=BalancerConfig(**balancer),
         gateways=(GatewaySpec("gw-0", "10.0.0.8:8000", **gateway), GatewaySpec("gw-1", "10.0.0.9:8000")),
