@@ -274,12 +274,17 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python's low-level C API: one model, contexts of n_seq_max sequences,
     greedy decoding (argmax of `llama_get_logits_ith`), no Python sampler in the loop."""
 
-    def __init__(self, lc: Any, path: Path, threads: int) -> None:
+    def __init__(self, lc: Any, path: Path, threads: int, extra_bufts: bool = False) -> None:
+        """`extra_bufts`: llama.cpp's extra weight buffer types. On x86 that is AMX for Q4_1/Q8_0 (CPU_REPACK
+        has no layout for them), whose mul_mat crashed (SIGSEGV in ggml_backend_amx_mul_mat) on SmolLM2 on
+        this Sapphire Rapids VM; off by default, so llama.cpp runs its AVX2/AVX-512 kernels."""
         self.lc, self.threads = lc, threads
         lc.llama_backend_init()
         self._quiet = lc.llama_log_callback(lambda level, text, user_data: None)  # keep a reference
         lc.llama_log_set(self._quiet, ctypes.c_void_p())
-        self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        mp = lc.llama_model_default_params()
+        mp.use_extra_bufts = extra_bufts
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
@@ -382,14 +387,15 @@ class LlamaCpp:
 
 
 def run_llama_cpp(path: Path, workloads: dict[int, list[list[int]]], prefill_prompts: list[list[int]],
-                  n_new: int, threads: int, max_concurrency: int) -> dict[str, Any] | str:
+                  n_new: int, threads: int, max_concurrency: int, extra_bufts: bool = False) -> dict[str, Any] | str:
     """llama.cpp on the same GGUF, prompts and thread count: every concurrency up to `max_concurrency`
     (c=1 is batch-1 decode), then the prefill test (a warm-up at the same length first, as the engine's)."""
     lc, why = import_llama_cpp()
     if lc is None:
         return why  # type: ignore[return-value]
-    peer = LlamaCpp(lc, path, threads)
-    r: dict[str, Any] = {"llama_cpp_python": getattr(lc, "__version__", "?"), "concurrency": {}, "contexts": {}}
+    peer = LlamaCpp(lc, path, threads, extra_bufts)
+    r: dict[str, Any] = {"llama_cpp_python": getattr(lc, "__version__", "?"), "use_extra_bufts": extra_bufts,
+                         "concurrency": {}, "contexts": {}}
     warm = make_prompts(2, 16, 32, peer.n_vocab, 12345)
     try:
         for c, prompts in workloads.items():
@@ -577,6 +583,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="run transformers only up to this concurrency (its c=128 run takes tens of minutes)")
     ap.add_argument("--llama-cpp-max-concurrency", type=int, default=32,
                     help="run llama.cpp only up to this concurrency (default 32)")
+    ap.add_argument("--llama-cpp-extra-bufts", action="store_true",
+                    help="let llama.cpp use its extra weight buffer types (AMX on x86; it crashed here)")
     ap.add_argument("--no-plots", action="store_true", help="no PNG figures beside the JSON (bench/plots.py)")
     args = ap.parse_args(argv)
     modes = [m for m in args.weights.split(",") if m]
@@ -594,6 +602,7 @@ def main(argv: list[str] | None = None) -> None:
                + (f" --hf-max-concurrency {args.hf_max_concurrency}" if args.hf_max_concurrency < 1 << 30 else "")
                + (f" --llama-cpp-max-concurrency {args.llama_cpp_max_concurrency}"
                   if args.llama_cpp_max_concurrency != 32 else "")
+               + (" --llama-cpp-extra-bufts" if args.llama_cpp_extra_bufts else "")
                + (f" --out {args.out}" if args.out else ""))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -626,7 +635,8 @@ def main(argv: list[str] | None = None) -> None:
     print("transformers ...", file=sys.stderr)
     hf_phase(r, loaded, workloads, prefill_prompts[1], n_new, args.hf_max_concurrency)
     print("llama.cpp ...", file=sys.stderr)
-    lc = run_llama_cpp(path, workloads, prefill_prompts, n_new, args.threads, args.llama_cpp_max_concurrency)
+    lc = run_llama_cpp(path, workloads, prefill_prompts, n_new, args.threads, args.llama_cpp_max_concurrency,
+                       args.llama_cpp_extra_bufts)
     if isinstance(lc, dict):
         lc["weight_bytes_per_token"] = gguf_weight_bytes(path)
         for c, res in lc["concurrency"].items():
