@@ -44,11 +44,12 @@ def reference(engine: LLMEngine, messages: list[dict[str, str]]) -> tuple[list[i
     return ids, engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids
 
 
-def topology(path, cache_dir, disaggregated: bool = False, host_mb: int = 64, **router) -> Topology:
+def topology(path, cache_dir, disaggregated: bool = False, host_mb: int = 64, kv_cache_dtype: str = "float32",
+             **router) -> Topology:
     topo = Topology.local(str(path), "inproc", disaggregated=disaggregated, threads=1, kv_cache_mb=64,
-                          cache_dir=cache_dir, host_cache_mb=host_mb, disk_cache_mb=256)
+                          cache_dir=cache_dir, host_cache_mb=host_mb, disk_cache_mb=256, kv_cache_dtype=kv_cache_dtype)
     return Topology(topo.model, topo.frontend, topo.backend, topo.tokenizers, topo.workers, RouterConfig(**router),
-                    topo.kvcaches)
+                    topo.kvcaches, kv_cache_dtype=kv_cache_dtype)
 
 
 def workers(mesh: InprocMesh) -> list:
@@ -135,6 +136,41 @@ def test_disk_hit_after_eviction_from_dram_through_a_pd_transfer(smollm2_path, e
     assert disk.usage.cached_tokens == n
     assert disk.usage.cached_by_tier.get("disk", 0) >= n - 2 * engine.config.block_size
     assert sum(disk.usage.cached_by_tier.values()) == n
+
+
+def test_an_fp16_kv_cache_moves_half_the_bytes_through_every_tier_and_the_pd_transfer(smollm2_path, tmp_path):
+    """`kv_cache_dtype = "float16"` for the whole mesh: the workers' pools, the P/D transfer and the daemon's
+    DRAM and disk tiers all hold fp16 blocks (half the bytes of fp32's), in a namespace of their own, and
+    cold, DRAM and disk hits give the tokens of an engine with an fp16 cache computing everything."""
+    engine16 = LLMEngine.load(smollm2_path, EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False,
+                                                         kv_cache_dtype="float16"))
+    ids, want = reference(engine16, chat("How long do refunds take?"))
+    hashes = cacheable(engine16, ids)
+    n = len(hashes) * engine16.config.block_size
+
+    async def run():
+        # 1 MB of DRAM holds two 369 KB fp16 blocks: the rest of the prefix is on the disk tier only.
+        mesh = InprocMesh(topology(smollm2_path, tmp_path / "kv", disaggregated=True, host_mb=1,
+                                   kv_cache_dtype="float16"))
+        await mesh.start()
+        try:
+            async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                cold = await c.generate(messages=chat("How long do refunds take?"), max_tokens=MAX_TOKENS)
+                await stored(mesh, hashes, {"host", "disk"})
+                await reset_devices(mesh)
+                hit = await c.generate(messages=chat("How long do refunds take?"), max_tokens=MAX_TOKENS)
+            daemon = mesh.service("kvcache-0")
+            return cold, hit, daemon.kv, [w.engine.kv_spec for w in workers(mesh)]
+        finally:
+            await mesh.stop()
+
+    cold, hit, daemon_kv, worker_kvs = asyncio.run(run())
+    assert cold.token_ids == hit.token_ids == want
+    assert hit.usage.cached_tokens == n and hit.usage.cached_by_tier.get("disk", 0) > 0
+    fp32 = engine16.kv_spec.__class__.for_model(engine16.model_config, engine16.config.block_size)
+    assert all(kv == daemon_kv == engine16.kv_spec for kv in worker_kvs)
+    assert daemon_kv.dtype_name == "float16" and daemon_kv.block_nbytes * 2 == fp32.block_nbytes
+    assert engine16.cache_namespace != LLMEngine.load(smollm2_path, EngineConfig(num_kv_blocks=8)).cache_namespace
 
 
 def test_tenants_share_blocks_within_a_tenant_and_never_across(smollm2_path, engine, tmp_path):
