@@ -1,8 +1,9 @@
-"""Mesh benchmark on SmolLM2-135M (fp32): what the ZeroMQ service mesh costs over the bare engine, what the
-prefill/decode split costs on the same cores, how a KV move compares with recomputing, and TTFT under load.
+"""Mesh benchmark on SmolLM2-135M (held as --weights says; by default the GGUF's blocks): what the ZeroMQ
+service mesh costs over the bare engine, what the prefill/decode split costs on the same cores, how a KV
+move compares with recomputing, and TTFT under load.
 
     python -m bench.bench_mesh [--quick] [--threads N] [--seed S] [--out report.json]
-    python -m bench.bench_mesh --batch1 200 [--threads N]
+    python -m bench.bench_mesh --batch1 200 [--threads N] [--weights native|fp32]
 
 1. messaging overhead: one workload through the in-process engine (step loop), the in-process mesh (every
    service a task, inproc://) and the co-located mesh as processes (Supervisor, ipc://), same worker threads;
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import zmq
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.config import DEFAULT_WEIGHTS, WEIGHTS_MODES, EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.fetch import fetch_smollm2
 from deepinfer.engine.kv_spec import KvSpec
@@ -127,10 +128,10 @@ def run_client(endpoint: str, prompts: list[list[int]], warm: list[list[int]], n
 
 
 def run_inproc_mesh(model: str, threads: int, kv_cache_mb: int, prompts: list[list[int]],
-                    warm: list[list[int]], new_tokens: int) -> dict[str, float]:
+                    warm: list[list[int]], new_tokens: int, weights: str) -> dict[str, float]:
     async def main() -> dict[str, float]:
         topo = Topology.local(model, "inproc", disaggregated=False, threads=threads, kv_cache_mb=kv_cache_mb,
-                              kvcache=False)
+                              kvcache=False, weights=weights)
         mesh = InprocMesh(topo)
         await mesh.start()
         try:
@@ -169,12 +170,13 @@ def supervised(topo: Topology, run_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def process_mesh(model: str, disaggregated: bool, threads: int, kv_cache_mb: int) -> Iterator[Topology]:
+def process_mesh(model: str, disaggregated: bool, threads: int, kv_cache_mb: int,
+                 weights: str) -> Iterator[Topology]:
     """The mesh as one process per service, without a cache daemon: this benchmark measures what the mesh
     costs against the engine, which has no daemon to write behind to."""
     run_dir = Path(tempfile.mkdtemp(prefix="dimesh-"))
     topo = Topology.local(model, "ipc", run_dir, disaggregated=disaggregated, threads=threads,
-                          kv_cache_mb=kv_cache_mb, kvcache=False)
+                          kv_cache_mb=kv_cache_mb, kvcache=False, weights=weights)
     with supervised(topo, run_dir):
         yield topo
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -292,7 +294,8 @@ def table(head: list[str], rows: list[list[str]]) -> None:
 def print_report(r: dict[str, Any], command: str) -> None:
     f = lambda v, spec=".2f": "-" if v is None or v != v else format(v, spec)
     w, k = r["workload"], r["kv_transfer"]
-    print(f"\nSmolLM2-135M fp32, {r['env']['threads']} worker threads ({r['env']['cpus']} CPUs); workload: "
+    print(f"\nSmolLM2-135M ({r['weights']} weights), {r['env']['threads']} worker threads ({r['env']['cpus']} CPUs); "
+          f"workload: "
           f"{w['requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens, "
           f"{w['new_tokens']} new tokens, all at once")
     table(["arrangement", "threads", "agg tok/s", "wall s", "p50 TTFT s", "p99 TTFT s"],
@@ -315,27 +318,28 @@ def print_report(r: dict[str, Any], command: str) -> None:
     print(f"\nreproduce: {command}")
 
 
-def batch1(model: str, loaded: LoadedModel, tok: Tokenizer, threads: int, new_tokens: int, seed: int) -> None:
+def batch1(model: str, loaded: LoadedModel, tok: Tokenizer, threads: int, new_tokens: int, seed: int,
+           weights: str) -> None:
     """Batch-1 decode through the engine and the meshes: one 128-token prompt, `new_tokens` greedy tokens,
     the better of two runs after a warm-up (the engine before and after the meshes)."""
     prompt = make_prompts(1, 128, 128, loaded.config.vocab_size, seed)
     warm = make_prompts(1, 16, 16, loaded.config.vocab_size, seed + 1)
     mb = kv_mb(prompt, new_tokens, KvSpec.for_model(loaded.config, BLOCK).bytes_per_token)
     cfg = engine_config(Topology.local(model, "inproc", disaggregated=False, threads=threads,
-                                       kv_cache_mb=mb).worker("worker-0"))
+                                       kv_cache_mb=mb, weights=weights).worker("worker-0"))
     best = lambda runs: max(x["aggregate_tok_s"] for x in runs)
     rates: dict[str, float] = {}
     rates[ENGINE] = best([engine_phase(loaded, tok, cfg, prompt, warm, new_tokens) for _ in range(2)])
     for name, disaggregated in ((PROCS, False), (DISAGG, True)):
         gc.collect()
-        with process_mesh(model, disaggregated, threads, mb) as topo:  # every worker all threads, as `up` gives
+        with process_mesh(model, disaggregated, threads, mb, weights) as topo:  # every worker all threads, as `up`
             rates[name] = best([run_client(topo.frontend, prompt, warm, new_tokens) for _ in range(2)])
     rates[ENGINE_AGAIN] = best([engine_phase(loaded, tok, cfg, prompt, warm, new_tokens) for _ in range(2)])
     engine = max(rates[ENGINE], rates[ENGINE_AGAIN])
-    print(f"\nbatch-1 decode, SmolLM2-135M fp32, {threads} threads, {new_tokens} greedy tokens:")
+    print(f"\nbatch-1 decode, SmolLM2-135M ({loaded.weights} weights), {threads} threads, {new_tokens} greedy tokens:")
     for name, rate in rates.items():
         print(f"  {name:>32}: {rate:6.1f} tok/s  ({rate / engine:.2f} of the engine's better run)")
-    print(f"reproduce: python -m bench.bench_mesh --batch1 {new_tokens} --threads {threads} --seed {seed}")
+    print(f"reproduce: python -m bench.bench_mesh --batch1 {new_tokens} --threads {threads} --weights {weights}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -348,19 +352,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="write the JSON report here")
     ap.add_argument("--no-plots", action="store_true", help="no PNG figures beside the JSON (bench/plots.py)")
     ap.add_argument("--batch1", type=int, metavar="N", help="only batch-1 decode of N tokens: engine vs meshes")
+    ap.add_argument("--weights", choices=WEIGHTS_MODES, default=DEFAULT_WEIGHTS,
+                    help="how the engine and every worker hold the weights (EngineConfig.weights)")
     args = ap.parse_args(argv)
     w = dict(QUICK if args.quick else FULL)
     command = (f"python -m bench.bench_mesh{' --quick' if args.quick else ''} --threads {args.threads} "
-               f"--seed {args.seed}" + (" --no-inproc" if args.no_inproc else "")
+               f"--seed {args.seed} --weights {args.weights}" + (" --no-inproc" if args.no_inproc else "")
                + (f" --out {args.out}" if args.out else ""))
     torch.set_num_threads(args.threads)
     split = max(1, args.threads // 2)
 
     path = fetch_smollm2()
     model = str(path)
-    loaded, tok = load_model_weights(path), Tokenizer.load(path)
+    loaded, tok = load_model_weights(path, args.weights), Tokenizer.load(path)
     if args.batch1:
-        batch1(model, loaded, tok, args.threads, args.batch1, args.seed * 1000 + 6)
+        batch1(model, loaded, tok, args.threads, args.batch1, args.seed * 1000 + 6, args.weights)
         return
     vocab = loaded.config.vocab_size
     prompts = make_prompts(w["requests"], *w["prompt_len"], vocab, args.seed * 1000 + 1)
@@ -369,9 +375,10 @@ def main(argv: list[str] | None = None) -> None:
     per_token = KvSpec.for_model(loaded.config, BLOCK).bytes_per_token
     mb = kv_mb(prompts + rate_prompts, max(w["new_tokens"], w["rate_new_tokens"]), per_token)
     cfg = engine_config(Topology.local(model, "inproc", disaggregated=False, threads=args.threads,
-                                       kv_cache_mb=mb).worker("worker-0"))
+                                       kv_cache_mb=mb, weights=args.weights).worker("worker-0"))
     r: dict[str, Any] = {
-        "model": model, "fingerprint": loaded.fingerprint, "command": command, "throughput": {},
+        "model": model, "fingerprint": loaded.fingerprint, "weights": loaded.weights, "command": command,
+        "throughput": {},
         "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in w.items()} | {"kv_cache_mb": mb},
         "env": {"threads": args.threads, "torch": torch.__version__, "python": platform.python_version(),
                 "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
@@ -387,12 +394,13 @@ def main(argv: list[str] | None = None) -> None:
     r["kv_transfer"] = kv_transfer(loaded, args.threads, w["kv_prompt"], w["kv_repeats"], args.seed * 1000 + 4)
     if not args.no_inproc:
         step(INPROC)
-        tp[INPROC] = run_inproc_mesh(model, args.threads, mb, prompts, warm, n_new) | {"threads": str(args.threads)}
+        tp[INPROC] = run_inproc_mesh(model, args.threads, mb, prompts, warm, n_new, args.weights) | {
+            "threads": str(args.threads)}
     step(PROCS)
-    with process_mesh(model, False, args.threads, mb) as topo:
+    with process_mesh(model, False, args.threads, mb, args.weights) as topo:
         tp[PROCS] = run_client(topo.frontend, prompts, warm, n_new) | {"threads": str(args.threads)}
     step(DISAGG)
-    with process_mesh(model, True, split, mb) as topo:
+    with process_mesh(model, True, split, mb, args.weights) as topo:
         tp[DISAGG] = run_client(topo.frontend, prompts, warm, n_new) | {"threads": f"{split}+{split}"}
         r["ttft"] = []
         for i, rate in enumerate(w["rates"]):
