@@ -25,6 +25,7 @@ from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams
 from tests.engine import test_oracle_tiny
+from tests.engine import test_speculative as spec
 from tests.engine.oracle import assert_same_greedy, hf_greedy
 from tests.engine.test_oracle_tiny import MODES, NEW_TOKENS, prompts, run_staggered
 
@@ -34,6 +35,7 @@ LOGITS_TOL = dict(atol=1e-3, rtol=1e-3)
 PATHS_TOL = dict(atol=2e-4, rtol=2e-4)
 
 tiny_model = test_oracle_tiny.tiny_model  # the same fixture: every variant, module-scoped
+tiny_draft_dir = spec.tiny_draft_dir  # a one-layer draft model with the tiny Llama's vocabulary
 
 
 def fp16_engine(loaded, **kw) -> LLMEngine:  # type: ignore[no-untyped-def]
@@ -119,3 +121,23 @@ def test_native_and_torch_decode_paths_agree(tiny_model):  # type: ignore[no-unt
     for a, b, p in zip(native.generate(batch, params), torch_path.generate(batch, params), batch):
         assert a.token_ids == b.token_ids
         assert_same_greedy(hf, p, a.token_ids, hf_greedy(hf, p, 12))
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "self:1", "draft"])
+def test_speculation_changes_nothing(tiny_llama, request, speculative):  # type: ignore[no-untyped-def]
+    """Verification rows read the fp16 cache like ordinary decode rows: scripted drafts (every acceptance
+    length), a self-draft sharing the target's fp16 pool and a draft model with its own pool (in the
+    target's dtype) leave the greedy tokens as they were."""
+    if speculative == "draft":
+        speculative = f"draft:{request.getfixturevalue('tiny_draft_dir')}"
+    batch = spec.prompts()
+    ref = spec.run(spec.engine(tiny_llama, **FP16), batch, spec.GREEDY)
+    e = spec.engine(tiny_llama, speculative, **FP16)
+    if speculative == "ngram":
+        spec.scripted(e, batch, ref)
+    assert e.speculator is not None and e.runner.kv.dtype == torch.float16
+    draft_kv = getattr(e.speculator.proposer, "kv", None)
+    assert draft_kv is None or draft_kv.dtype == torch.float16
+    spec.same(spec.run(e, batch, spec.GREEDY), ref)
+    assert e.stats.spec_proposed_tokens > 0
+    spec.assert_whole(e)
