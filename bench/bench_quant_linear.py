@@ -5,18 +5,25 @@ matmul on the same weights dequantised, at SmolLM2-135M's projection shapes.
     python -m bench.bench_quant_linear --layers 1              # one layer again and again: hot in cache
     python -m bench.bench_quant_linear --threads 1 --rows 1 8 --json /tmp/ql.json
 
-Weights: q_proj (576→576), qkv (q, k, v stacked: 576→960), up_proj (576→1536), gate_up (gate, up stacked:
-576→3072) and down_proj (1536→576) of the first `--layers` layers, and the LM head (the tied token embedding, 576→49152, one of it), read from the real SmolLM2 Q4_1 GGUF in the cache
-when it is there (Q4_1, the head Q8_0), else random blocks of the same formats and shapes (printed as
-"random"). A timed call is one sweep over the layers (each its own weights, as in a forward pass, so the
-working set is the model's and not one layer's L2-resident copy), reported per layer. Both arms run with
-`--threads` threads (the kernel's `num_threads`, `torch.set_num_threads` for torch), on the same x.
+Weights: q_proj (576→576), qkv (q, k, v stacked: 576→960), up_proj (576→1536), gate_up (gate, up
+stacked: 576→3072) and down_proj (1536→576) of the first `--layers` layers, and the LM head (the tied
+token embedding, 576→49152, one of it), read from the real SmolLM2 Q4_1 GGUF in the cache when it is
+there (Q4_1, the head Q8_0), else random blocks of the same formats and shapes (printed as "random"). A
+timed call is one sweep over the layers (each its own weights, as in a forward pass, so the working set
+is the model's and not one layer's L2-resident copy), reported per layer. Both arms run with `--threads`
+threads (the kernel's `num_threads`, `torch.set_num_threads` for torch), on the same x.
 
-Per shape and row count M: µs per call (best of `--samples` samples, each enough calls for ~`--sample-ms`), the
-baseline / native ratio (>1: the kernel is faster) and, at M=1 (decode, where a layer reads its weights once per
-token), the GB/s of weights read: packed bytes for the kernel, fp32 bytes for torch. A streaming-read probe
-(torch summing an fp32 buffer: `--stream-mib` MiB, and one of the same size as a timed sweep's weights) gives
-the bandwidth those GB/s are a fraction of ("of stream"). A max relative difference check against torch runs first; the bench stops if it exceeds 1e-4.
+Per shape and row count M: µs per call (best of `--samples` samples, each enough calls for ~`--sample-ms`),
+the baseline / native ratio (>1: the kernel is faster), the GB/s of packed weights read (for torch at M=1,
+of its fp32 weights), and that as a fraction ("of stream") of a streaming read of as many bytes as one
+timed sweep reads (torch summing an fp32 buffer; one of `--stream-mib` MiB is printed first, for the
+bandwidth from memory). A max relative difference check against torch runs first; the bench stops if it
+exceeds 1e-4.
+
+`--interleave`: instead, time steps that alternate a parallel torch op (an add over 2^17 floats, which
+torch splits across its OpenMP threads) with one q_proj kernel call, against either alone: whether
+switching between torch's parallel regions and the kernel's costs anything beyond the two (both use one
+OpenMP runtime in one process: torch's libgomp, which the kernel binds to since torch loads first).
 """
 
 from __future__ import annotations
@@ -95,6 +102,33 @@ def _stream_gbs(nbytes: int, sample_s: float, samples: int) -> float:
     return buf.numel() * 4 / _time(lambda: buf.sum(), sample_s, samples) / 1e9
 
 
+def _interleave(args: argparse.Namespace) -> int:
+    """Per step: a parallel torch add, a q_proj kernel call (one row), or the two in turn."""
+    packs, src = _weights(args.model, args.layers)["q_proj 576->576"]
+    x = torch.randn(1, packs[0].in_features)
+    a, b, out = torch.randn(1 << 17), torch.randn(1 << 17), torch.empty(1 << 17)
+
+    def torch_op() -> None:
+        torch.add(a, b, out=out)
+
+    def kernel(i: int) -> None:
+        ql.quant_linear(x, packs[i % len(packs)], args.threads)
+
+    def steps(body) -> float:  # µs per step, over one sweep of the layers
+        def sweep() -> None:
+            for i in range(len(packs)):
+                body(i)
+        return _time(sweep, args.sample_ms / 1e3, args.samples) / len(packs) * 1e6
+
+    t_torch = steps(lambda i: torch_op())
+    t_kernel = steps(kernel)
+    t_both = steps(lambda i: (torch_op(), kernel(i)))
+    print(f"q_proj weights ({src}), {args.threads} threads, µs per step: torch add {t_torch:.2f}, kernel "
+          f"{t_kernel:.2f}, alternating {t_both:.2f} (the sum of the two alone: {t_torch + t_kernel:.2f}; "
+          f"excess {t_both - t_torch - t_kernel:+.2f})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -104,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30, help="layers swept per timed call (1: hot in cache)")
     p.add_argument("--model", type=Path, default=default_cache_dir() / "smollm2" / SMOLLM2_FILE)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--interleave", action="store_true", help="time torch ops alternating with kernel calls")
     p.add_argument("--stream-mib", type=int, default=256, help="size of the streaming-read probe's buffer")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -118,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
           "as one timed sweep")
     print(f"{'shape':22} {'fmt':5} {'src':6} {'M':>4} {'native us':>10} {'torch us':>10} {'torch/native':>12} "
           f"{'native GB/s':>11} {'stream GB/s':>11} {'of stream':>9} {'torch GB/s':>10}")
+    if args.interleave:
+        return _interleave(args)
     rows = []
     for label, (packs, src) in _weights(args.model, args.layers).items():
         ws = [p.dequantize() for p in packs]
