@@ -249,8 +249,10 @@ class KernelLoader:
     exports `<probe_prefix>_has_avx2()` and `<probe_prefix>_has_openmp()`, which `info()` reports.
 
     Invariants: `fns` is one dict for the loader's life, empty until a load succeeds and then filled in
-    place (wrappers may alias it and test it on the hot path without the lock); the build is tried at
-    most once, and a failure is logged once on `log` and kept as `unavailable_reason()`."""
+    place by one `dict.update` (a C-level merge of str / torch.dtype keys, which holds the GIL
+    throughout), so a reader without the lock sees it empty or complete; wrappers may alias it and test
+    it on the hot path. The build is tried at most once; a failure is logged once on `log` and kept
+    as `unavailable_reason()`."""
 
     def __init__(self, source: Path, stem: str, what: str,
                  load: Callable[[Path], tuple[ctypes.CDLL, dict[str, Any]]], *, probe_prefix: str,
