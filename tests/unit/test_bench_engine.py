@@ -85,7 +85,7 @@ def test_llama_cpp_batched_greedy_equals_one_sequence_at_a_time(smollm2_path: Pa
     peer = LlamaCpp(lc, smollm2_path, threads=1)  # no thread pool to wait on a busy machine
     try:
         prompts = make_prompts(2, 10, 20, peer.n_vocab, seed=3)
-        peer.open(2, 40, n_batch=16)  # prompts straddle prefill batches
+        peer.open(2, 40, n_batch=16)  # a prompt longer than n_batch is prefilled in two llama_decode calls
         together = peer.generate(prompts, 4)
         assert all(len(t) == 4 for t in together["tokens"])
         peer.open(1, 40)
