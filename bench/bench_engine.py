@@ -276,8 +276,8 @@ class LlamaCpp:
 
     def __init__(self, lc: Any, path: Path, threads: int, extra_bufts: bool = False) -> None:
         """`extra_bufts`: llama.cpp's extra weight buffer types. On x86 that is AMX for Q4_1/Q8_0 (CPU_REPACK
-        has no layout for them), whose mul_mat crashed (SIGSEGV in ggml_backend_amx_mul_mat) on SmolLM2 on
-        this Sapphire Rapids VM; off by default, so llama.cpp runs its AVX2/AVX-512 kernels."""
+        has no layout for them), whose mul_mat crashed (SIGSEGV in ggml_backend_amx_mul_mat, ggml-org/llama.cpp
+        #20824) on SmolLM2 on this Sapphire Rapids VM; off by default, so llama.cpp runs its AVX2/AVX-512 kernels."""
         self.lc, self.threads = lc, threads
         lc.llama_backend_init()
         self._quiet = lc.llama_log_callback(lambda level, text, user_data: None)  # keep a reference
