@@ -21,8 +21,11 @@ from deepinfer.engine.kernels.quant_linear import PackedWeight, quant_linear, qu
 RTOL = 1e-5
 QTYPES = {"Q8_0": T.Q8_0, "Q4_0": T.Q4_0, "Q4_1": T.Q4_1}
 ROWS = (1, 2, 3, 7, 8, 9, 31, 64, 127, 300)
-# Every N in {1, 3, 17, 576, 1536} and every K in {32, 64, 576, 1536}, without every product of them.
-SHAPES = [(1, 32), (1, 1536), (3, 64), (17, 576), (17, 1536), (576, 64), (576, 1536), (1536, 32), (1536, 576)]
+# Every N in {1, 3, 17, 576, 1536} and every K in {32, 64, 576, 1536}, without every product of them;
+# (67, 1536) and (1023, 64) are split across threads (over QL_MIN_PARALLEL_WORK = 64K multiply-adds at
+# one row) and end in a part group of the 2 or 4 weight rows the decode path takes together.
+SHAPES = [(1, 32), (1, 1536), (3, 64), (17, 576), (17, 1536), (576, 64), (576, 1536), (1536, 32), (1536, 576),
+          (67, 1536), (1023, 64)]
 
 needs_native = pytest.mark.skipif(not ql.native_available(),
                                   reason=f"kernel could not be built: {ql.native_unavailable_reason()}")
@@ -98,6 +101,29 @@ def test_kernel_matches_float64_reference(fmt, n, k):
     for m in ROWS:
         for impl, threads in (("auto", 2), ("native", 1), ("native", 2), ("portable", 2), ("gemm", 2)):
             _assert_product(quant_linear(x[:m], packed, threads, impl=impl), x[:m], w)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QTYPES))
+def test_decode_result_does_not_depend_on_thread_count(fmt):
+    """Each output is summed in the same order whatever the thread count (threads split N at whole
+    groups of weight rows), so decode results are bit for bit reproducible across num_threads."""
+    packed, _ = _packed(fmt, 1023, 576, seed=11)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(12))
+    for m in range(1, 9):
+        y1 = quant_linear(x[:m], packed, 1, impl="native")
+        for threads in (2, 3):
+            assert torch.equal(quant_linear(x[:m], packed, threads, impl="native"), y1), (m, threads)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", list(QTYPES))
+def test_decode_with_long_rows(fmt):
+    """K = 32 * 4097: Q4_1's per-block sums of x no longer fit the kernel's stack buffer (4096 floats)."""
+    packed, w = _packed(fmt, 5, 32 * 4097, seed=13)
+    x = torch.randn(3, 32 * 4097, generator=torch.Generator().manual_seed(14))
+    for m in (1, 2, 3):
+        _assert_product(quant_linear(x[:m], packed, 2, impl="native"), x[:m], w)
 
 
 @needs_native

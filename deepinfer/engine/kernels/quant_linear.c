@@ -50,9 +50,12 @@
 #define QL_ERR_SHAPE -3  /* M or N negative, ldx < K or ldy < N */
 #define QL_ERR_NOMEM -4
 
-/* Below this many multiply-adds per call stay on one thread. */
+/* Below this many multiply-adds per call stay on one thread: waking the team and joining it costs
+ * ~1 us (libgomp, threads still spinning from the previous parallel region), which one-row decode
+ * work recovers from ~32K multiply-adds on (measured: Q4_1 K=576, N=32 1.1 -> 1.25 us on 2 threads,
+ * N=64 2.0 -> 1.7 us, N=128 3.7 -> 2.6 us). */
 #ifndef QL_MIN_PARALLEL_WORK
-#define QL_MIN_PARALLEL_WORK (256 * 1024)
+#define QL_MIN_PARALLEL_WORK (64 * 1024)
 #endif
 /* Up to this many rows take the decode path (8 accumulators + 4 weight vectors fit in 16 ymm). */
 #define QL_SMALL_M 8
@@ -280,9 +283,11 @@ QL_INLINE void small_rows(const int fmt, const int mr, const uint8_t *wrow, int6
 }
 
 /* Output features [n0, n1) of the decode paths (M <= QL_SMALL_M), on one thread. dot_rows takes
- * QL_DOT_R(M) weight rows at a time (4 for one row of x, 2 for two: the accumulators fill the 16
- * ymm registers), the last few one at a time. */
-#define QL_DOT_R(M) ((M) == 1 ? 4 : (M) == 2 ? 2 : 1)
+ * QL_DOT_R(fmt, M) weight rows at a time, the last few one at a time: for two rows of x 2 (the
+ * accumulators fill the 16 ymm registers); for one, 4 for Q4 and 2 for Q8_0, whose sign-extending
+ * loads already keep the shuffle port busy (measured on the 49152 x 576 LM head, one thread: 4 rows
+ * 1.78 ms, 2 rows 1.65 ms, 1 row 1.64 ms; Q4_1 576 x 576 is ~5% faster with 4 than with 2). */
+#define QL_DOT_R(fmt, M) ((M) == 1 ? ((fmt) == QL_Q8_0 ? 2 : 4) : (M) == 2 ? 2 : 1)
 
 static void decode_range(int fmt, const float *x, int64_t ldx, const float *xs, const uint8_t *w, float *y,
                          int64_t ldy, int64_t M, int64_t K, int64_t n0, int64_t n1) {
@@ -302,11 +307,13 @@ static void decode_range(int fmt, const float *x, int64_t ldx, const float *xs, 
         }
         return;
     }
-    const int R = QL_DOT_R(M);
+    const int R = QL_DOT_R(fmt, M);
     int64_t n = n0;
     for (; n + R <= n1; n += R) {
-        if (M == 1) QL_BY_FORMAT(fmt, dot_rows(F, 1, 4, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
-        else QL_BY_FORMAT(fmt, dot_rows(F, 2, 2, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        const uint8_t *wn = w + n * row_bytes;
+        if (R == 4) QL_BY_FORMAT(fmt, dot_rows(F, 1, 4, wn, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        else if (M == 1) QL_BY_FORMAT(fmt, dot_rows(F, 1, 2, wn, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        else QL_BY_FORMAT(fmt, dot_rows(F, 2, 2, wn, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
     }
     for (; n < n1; n++) {
         if (M == 1) QL_BY_FORMAT(fmt, dot_rows(F, 1, 1, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
@@ -423,7 +430,7 @@ static int linear_avx2(int fmt, const float *x, int64_t ldx, const uint8_t *w, f
             }
     }
     /* Threads split N into equal runs of whole R-row groups (one contiguous stretch of W each). */
-    const int64_t R = M <= QL_FEW_M ? QL_DOT_R(M) : 1, groups = (N + R - 1) / R;
+    const int64_t R = M <= QL_FEW_M ? QL_DOT_R(fmt, M) : 1, groups = (N + R - 1) / R;
     int nt = work_threads(num_threads, M, N, K, groups);
     (void)nt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -499,7 +506,7 @@ int ql_dequantize_f32(const uint8_t *w, float *out, int64_t N, int64_t K, int fm
     if (rc != QL_OK) return rc;
     const int bsz = ql_block_bytes(fmt);
     const int64_t nb = N * (K / QK);
-    int nt = work_threads(num_threads, 1, nb, 64 * QK, nb); /* ~64 multiply-adds' worth per weight */
+    int nt = work_threads(num_threads, 1, nb, 16 * QK, nb); /* parallel from 128 blocks */
     (void)nt;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t b = 0; b < nb; b++) {
