@@ -107,10 +107,10 @@ def test_kernel_matches_float64_reference(fmt, n, k):
 @pytest.mark.parametrize("fmt", list(QTYPES))
 def test_decode_result_does_not_depend_on_thread_count(fmt):
     """Each output is summed in the same order whatever the thread count (threads split N at whole
-    groups of weight rows), so decode results are bit for bit reproducible across num_threads."""
+    groups of weight rows, or tiles), so kernel results are bit for bit reproducible across num_threads."""
     packed, _ = _packed(fmt, 1023, 576, seed=11)
-    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(12))
-    for m in range(1, 9):
+    x = torch.randn(20, 576, generator=torch.Generator().manual_seed(12))
+    for m in (*range(1, 9), 20):  # the decode paths, and the tile path below GEMM_MIN_ROWS
         y1 = quant_linear(x[:m], packed, 1, impl="native")
         for threads in (2, 3):
             assert torch.equal(quant_linear(x[:m], packed, threads, impl="native"), y1), (m, threads)

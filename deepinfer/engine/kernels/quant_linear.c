@@ -21,8 +21,12 @@
  *     (L1-sized), then a 3x4 register-blocked dot-product kernel runs every row of x against it.
  * ql_dequantize_f32 writes fp32 rows for a caller that multiplies them with its own GEMM (the Python
  * wrapper does so for many rows, where torch's AVX-512 GEMM outruns the AVX2 tile kernel).
- * OpenMP over N with an explicit thread count; small problems run on one thread, because forking
- * the team costs microseconds.
+ * OpenMP over N with an explicit thread count; problems under QL_MIN_PARALLEL_WORK multiply-adds run
+ * on one thread, because waking and joining the team costs ~1 us. The decode paths (M <= QL_SMALL_M)
+ * give each thread one contiguous run of whole weight-row groups, so every output is summed in the
+ * same order, to the same bits, whatever the thread count. In a process that has loaded torch first,
+ * the library's libgomp.so.1 resolves to torch's copy (same soname): one OpenMP runtime, and calls
+ * from the thread that runs torch's ops reuse torch's team.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -220,8 +220,11 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
     """x [..., in_features] @ W^T → [..., out_features] (fp32 activations, fp32 sums).
 
     On CPU, x must be float32; it is read in place when its rows are contiguous, else copied. The
-    kernel uses at most `num_threads` threads (one for small problems); the GEMM path's matmul runs
-    on torch's intra-op pool (torch.get_num_threads()), as the fp32 layer it replaces would. `impl`:
+    kernel uses at most `num_threads` threads (one for small problems; below GEMM_MIN_ROWS rows the
+    result is the same to the bit for any `num_threads`); the GEMM path's matmul runs on torch's
+    intra-op pool (torch.get_num_threads()), as the fp32 layer it replaces would. The kernel shares
+    torch's OpenMP runtime, so calling it from the thread that runs torch's ops reuses one team of
+    threads (from another thread, libgomp starts a second team for it). `impl`:
     "auto" (kernel below GEMM_MIN_ROWS rows, else dequantised chunks + GEMM; torch when the kernel
     is unavailable), "native" / "portable" (the kernel's SIMD / plain-C path for every row count;
     RuntimeError if it cannot be built), "gemm" (dequantised chunks + GEMM), "torch"
