@@ -169,6 +169,22 @@ def test_plain_c_build_matches(monkeypatch, tmp_path, openmp):
         _assert_product(quant_linear(x, packed, 2), x, w)
 
 
+@needs_native
+@pytest.mark.skipif(not set(ql._SIMD) <= ql.build.cpu_flags(), reason="the CPU lacks AVX2/FMA/F16C")
+def test_simd_build_without_openmp_matches(monkeypatch, tmp_path):
+    """The SIMD paths built without OpenMP (the second flag set tried) run on one thread, same products."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    flags = ql.build.compile_flags(openmp=False, simd=True, features=ql._SIMD)
+    lib, fns = ql._load(ql._build(ql.build.find_compiler(), flags))
+    assert lib.ql_has_avx2() and not lib.ql_has_openmp()
+    monkeypatch.setattr(ql, "_fns", fns)
+    for fmt in QTYPES:
+        packed, w = _packed(fmt, 67, 576, seed=15)
+        x = torch.randn(20, 576)
+        for m in (1, 2, 3, 8, 20):
+            _assert_product(quant_linear(x[:m], packed, 2), x[:m], w)
+
+
 def test_bad_arguments_are_refused():
     packed, _ = _packed("Q8_0", 4, 64)
     with pytest.raises(ValueError, match="float32"):
