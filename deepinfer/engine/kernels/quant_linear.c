@@ -63,9 +63,10 @@
 #endif
 /* Up to this many rows take small_rows (8 accumulators + 4 weight vectors fit in 16 ymm), and up to
  * QL_FEW_M of them dot_rows instead. Measured (Q4_1 576 x 576, one thread, 30 layers' weights): 2 rows
- * dot_rows 26.0 us, small_rows 29.3; 3 rows small_rows 36.6, tiles 42.0; 8 rows 71.7 vs 79.9. */
+ * dot_rows 26.0 us, small_rows 29.3; 3 rows dot_rows 34.2, small_rows 36.6, tiles 42.0; 4 rows dot_rows
+ * and small_rows 44 (tiles 61); 8 rows small_rows 71.7, tiles 79.9. */
 #define QL_SMALL_M 8
-#define QL_FEW_M 2
+#define QL_FEW_M 3
 #define QL_NR 16  /* output features per tile of the prefill path */
 #define QL_KC 512 /* inputs per tile: 16 x 512 fp32 = 32 KiB */
 #define QL_MR 3   /* rows of x per micro-kernel call */
@@ -220,7 +221,7 @@ static inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
 QL_INLINE void dot_rows(const int fmt, const int MR, const int R, const uint8_t *w, int64_t row_bytes, int64_t nb,
                         const float *x, int64_t ldx, const float *xs, int64_t ldxs, float *y, int64_t ldy) {
     const int bsz = fmt == QL_Q8_0 ? 34 : fmt == QL_Q4_0 ? 18 : 20;
-    __m256 acc[2][4], macc[2]; /* [MR][R], MR <= 2, R <= 4 */
+    __m256 acc[3][4], macc[3]; /* [MR][R], MR <= 3, R <= 4 */
     for (int i = 0; i < MR; i++) {
         macc[i] = _mm256_setzero_ps();
         for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
@@ -288,11 +289,11 @@ QL_INLINE void small_rows(const int fmt, const int mr, const uint8_t *wrow, int6
 }
 
 /* Output features [n0, n1) of the decode paths (M <= QL_SMALL_M), on one thread. dot_rows takes
- * QL_DOT_R(fmt, M) weight rows at a time, the last few one at a time: for two rows of x 2 (the
- * accumulators fill the 16 ymm registers); for one, 4 for Q4 and 2 for Q8_0, whose sign-extending
+ * QL_DOT_R(fmt, M) weight rows at a time, the last few one at a time: for two or three rows of x 2
+ * (the accumulators fill the 16 ymm registers); for one, 4 for Q4 and 2 for Q8_0, whose sign-extending
  * loads already keep the shuffle port busy (measured on the 49152 x 576 LM head, one thread: 4 rows
  * 1.78 ms, 2 rows 1.65 ms, 1 row 1.64 ms; Q4_1 576 x 576 is ~5% faster with 4 than with 2). */
-#define QL_DOT_R(fmt, M) ((M) == 1 ? ((fmt) == QL_Q8_0 ? 2 : 4) : (M) == 2 ? 2 : 1)
+#define QL_DOT_R(fmt, M) ((M) == 1 ? ((fmt) == QL_Q8_0 ? 2 : 4) : 2)
 
 static void decode_range(int fmt, const float *x, int64_t ldx, const float *xs, const uint8_t *w, float *y,
                          int64_t ldy, int64_t M, int64_t K, int64_t n0, int64_t n1) {
@@ -305,7 +306,7 @@ static void decode_range(int fmt, const float *x, int64_t ldx, const float *xs, 
             switch (M) {
 #define QL_SMALL_CASE(mr)                                                                                        \
     case mr: QL_BY_FORMAT(fmt, small_rows(F, mr, wr, nb, x, ldx, yn, ldy)); break;
-                QL_SMALL_CASE(3) QL_SMALL_CASE(4) QL_SMALL_CASE(5) QL_SMALL_CASE(6) QL_SMALL_CASE(7)
+                QL_SMALL_CASE(4) QL_SMALL_CASE(5) QL_SMALL_CASE(6) QL_SMALL_CASE(7)
                 default: QL_BY_FORMAT(fmt, small_rows(F, 8, wr, nb, x, ldx, yn, ldy)); break;
 #undef QL_SMALL_CASE
             }
@@ -318,15 +319,17 @@ static void decode_range(int fmt, const float *x, int64_t ldx, const float *xs, 
         const uint8_t *wn = w + n * row_bytes;
         if (R == 4) QL_BY_FORMAT(fmt, dot_rows(F, 1, 4, wn, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
         else if (M == 1) QL_BY_FORMAT(fmt, dot_rows(F, 1, 2, wn, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
-        else QL_BY_FORMAT(fmt, dot_rows(F, 2, 2, wn, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        else if (M == 2) QL_BY_FORMAT(fmt, dot_rows(F, 2, 2, wn, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        else QL_BY_FORMAT(fmt, dot_rows(F, 3, 2, wn, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
     }
     for (; n < n1; n++) {
         if (M == 1) QL_BY_FORMAT(fmt, dot_rows(F, 1, 1, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
-        else QL_BY_FORMAT(fmt, dot_rows(F, 2, 1, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        else if (M == 2) QL_BY_FORMAT(fmt, dot_rows(F, 2, 1, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
+        else QL_BY_FORMAT(fmt, dot_rows(F, 3, 1, w + n * row_bytes, row_bytes, nb, x, ldx, xs, ldxs, y + n, ldy));
     }
 }
 
-_Static_assert(QL_FEW_M <= 2 && QL_SMALL_M == 8, "decode_range covers 1..QL_FEW_M and 3..8 rows");
+_Static_assert(QL_FEW_M == 3 && QL_SMALL_M == 8, "decode_range covers 1..3 (dot_rows) and 4..8 rows");
 
 /* Dequantise W rows [n0, n0 + nr) x inputs [k0, k0 + kc) into tile[QL_NR][kc]; rows past nr are zero. */
 static void fill_tile(int fmt, const uint8_t *w, int64_t row_bytes, int bsz, int64_t n0, int nr, int64_t k0,
