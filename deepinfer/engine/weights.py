@@ -78,7 +78,7 @@ import torch
 from safetensors import safe_open
 
 from deepinfer.engine.config import WEIGHTS_MODES, ConfigError, ModelConfig
-from deepinfer.engine.gguf import UnsupportedWeightError, load_gguf
+from deepinfer.engine.gguf import UnsupportedWeightError, config_from_gguf, load_gguf, open_gguf
 from deepinfer.engine.identity import model_config_at
 from deepinfer.engine.packed_weights import (
     PackedWeight,
@@ -164,12 +164,13 @@ def load_model_weights(path: str | os.PathLike[str], weights: str = "fp32", devi
         )
     if weights not in WEIGHTS_MODES:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
-    config = model_config_at(source)
-    mode = resolve_weights_mode(weights, source, config, device)
     state: dict[str, Weight]
     if gguf:
-        config, state = load_gguf(source, packable if mode == "native" else None)
+        reader = open_gguf(source)  # parsed once: its metadata (the vocabulary above all) takes a while
+        mode = resolve_weights_mode(weights, source, config_from_gguf(reader), device)
+        config, state = load_gguf(reader, packable if mode == "native" else None)
     else:
+        mode = resolve_weights_mode(weights, source, model_config_at(source), device)  # before any weights
         config, state = load_hf_dir(source)
     if mode == "q8_0":
         state = quantize_state_q8_0(state, config)
