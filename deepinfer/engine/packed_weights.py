@@ -43,10 +43,14 @@ def packable(name: str, config: ModelConfig) -> bool:
 
 def resolve_weights_mode(mode: str, source: Path, config: ModelConfig, device: str) -> str:
     """The mode actually used ("native", "q8_0" or "fp32") for weights `mode` of `source` on `device`.
-    ConfigError when "native" is asked of a checkpoint that has no packed blocks."""
+    ConfigError when "native" is asked of a checkpoint that has no packed blocks, or a packed mode of a
+    latent-attention model (none of its tensors would pack)."""
     gguf = source.suffix == ".gguf"
     if mode == "auto":
         return "native" if gguf and device == "cpu" and config.mla is None else "fp32"
+    if mode in ("native", "q8_0") and config.mla is not None:
+        raise ConfigError(f"weights={mode!r}: packed weights serve Llama-family attention and MLPs, and "
+                          f"{config.architecture} (latent attention) would keep every tensor in fp32: use 'fp32'")
     if mode == "native" and not gguf:
         raise ConfigError(f"weights='native' serves a GGUF file's packed blocks, and {source} is a Hugging Face "
                           "checkpoint: use weights='q8_0' to quantise it on load, or 'fp32'")

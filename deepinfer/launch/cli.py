@@ -154,6 +154,23 @@ def numerics_options(f):  # type: ignore[no-untyped-def]
     return f
 
 
+def check_weights_for_model(model: str, weights: str | None) -> None:
+    """Refuse `--weights native` for a model that is not a GGUF file before any service starts (a worker
+    would refuse it at load, and under `up` the supervisor would restart it in vain)."""
+    if weights != "native":
+        return
+    from deepinfer.engine.fetch import resolve_model
+
+    try:
+        path = resolve_model(model)
+    except FileNotFoundError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+    if path.suffix != ".gguf":
+        raise click.BadParameter(f"native weights are a GGUF file's packed blocks, and {model!r} is a Hugging Face "
+                                 "checkpoint: use --weights q8_0 (quantise on load) or fp32",
+                                 param_hint="--weights")
+
+
 def numerics(weights: str | None, kv_cache_dtype: str | None) -> dict[str, str]:
     """The given `numerics_options` as Topology.local / EmbeddedMesh keyword arguments."""
     given = dict(weights=weights, kv_cache_dtype=kv_cache_dtype)
@@ -308,6 +325,8 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
     from deepinfer.protocol.client import MeshError
 
     _check_keys(endpoint, keys_dir)
+    if endpoint is None:
+        check_weights_for_model(model, weights)
     texts = list(prompts)
     if prompts_file is not None:
         texts += [line.rstrip("\n") for line in prompts_file if line.strip()]
@@ -357,6 +376,8 @@ def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_n
     from deepinfer.protocol.client import MeshError
 
     _check_keys(endpoint, keys_dir)
+    if endpoint is None:
+        check_weights_for_model(model, weights)
     params = _params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
@@ -458,6 +479,8 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
     if inproc and (ep or 1) > 1:
         raise click.UsageError("--inproc runs every service in this process, and an --ep group needs a process "
                                "per rank: drop --inproc")
+    if topology is None:
+        check_weights_for_model(model, weights)
     temporary = run_dir is None  # made here: removed whole at exit
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))  # (mode 0700)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -125,3 +125,13 @@ def test_weights_modes_resolve_and_refuse(tiny_hf_model, tmp_path):
     with pytest.raises(ConfigError, match="weights must be one of"):
         EngineConfig(weights="int4")
     assert load_model_weights(gguf, "auto").weights == "native"
+
+
+def test_packed_modes_are_refused_for_latent_attention():
+    from types import SimpleNamespace
+
+    mla = SimpleNamespace(architecture="deepseek_v3", mla=object())  # all resolve_weights_mode reads
+    for mode in ("native", "q8_0"):
+        with pytest.raises(ConfigError, match="latent attention"):
+            resolve_weights_mode(mode, Path("m.gguf"), mla, "cpu")  # type: ignore[arg-type]
+    assert resolve_weights_mode("auto", Path("m.gguf"), mla, "cpu") == "fp32"  # type: ignore[arg-type]

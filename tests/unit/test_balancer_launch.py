@@ -186,3 +186,10 @@ def test_up_passes_weights_and_kv_dtype_to_its_topology_and_refuses_them_with_a_
     for option in (["--weights", "fp32"], ["--kv-cache-dtype", "fp16"]):
         result = CliRunner().invoke(cli.main, ["up", "--topology", str(path), *option])
         assert result.exit_code == 2 and "with --topology" in result.output, option
+
+
+def test_native_weights_for_a_hugging_face_model_are_refused_before_anything_starts(tmp_path):
+    dense = str(model_dir(tmp_path, False))
+    for command in (["up", "--run-dir", str(tmp_path / "run")], ["generate", "--prompt", "Hi"]):
+        result = CliRunner().invoke(cli.main, [*command, "--model", dense, "--weights", "native"])
+        assert result.exit_code == 2 and "use --weights q8_0" in result.output, (command, result.output)
