@@ -26,6 +26,18 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:  # type: ignore
     return out[0, len(prompt):].tolist()
 
 
+def memoised_greedy(hf_model, n: int):  # type: ignore[no-untyped-def]
+    """`hf_greedy(hf_model, prompt, n)` as a function of the prompt, each prompt computed once."""
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in memo:
+            memo[tuple(prompt)] = hf_greedy(hf_model, prompt, n)
+        return memo[tuple(prompt)]
+
+    return greedy
+
+
 def hf_top2_gap(hf_model, tokens: list[int]) -> float:  # type: ignore[no-untyped-def]
     """Gap between the oracle's two best logits for the token after `tokens`."""
     with torch.inference_mode():

@@ -26,7 +26,7 @@ from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.weights import load_model_weights
 from tests.engine import deepseek_models, test_oracle_deepseek
-from tests.engine.oracle import assert_whole, hf_greedy, hf_top2_gap
+from tests.engine.oracle import assert_whole, hf_top2_gap, memoised_greedy
 from tests.engine.test_fp16_kv_cache import PATHS_TOL, decode_row_logits
 from tests.engine.test_oracle_deepseek import BLOCK, MODES, NEW_TOKENS, prompts, run
 
@@ -46,14 +46,7 @@ def dense_case(request, tmp_path_factory):  # type: ignore[no-untyped-def]
         hf = deepseek_models.build_hf_deepseek(variant, seed=sum(map(ord, variant)))
     assert all(not hasattr(layer.mlp, "experts") for layer in hf.model.layers)
     loaded = load_model_weights(deepseek_models.save(hf, tmp_path_factory.mktemp(variant)))
-    memo: dict[tuple[int, ...], list[int]] = {}
-
-    def oracle(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in memo:
-            memo[tuple(prompt)] = hf_greedy(hf, prompt, NEW_TOKENS)
-        return memo[tuple(prompt)]
-
-    return hf, loaded, oracle
+    return hf, loaded, memoised_greedy(hf, NEW_TOKENS)
 
 
 def fp16_engine(loaded, **kw) -> LLMEngine:  # type: ignore[no-untyped-def]

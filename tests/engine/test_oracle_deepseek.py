@@ -28,7 +28,7 @@ from tests.engine.deepseek_models import FUSED, TIED_LAYER, VARIANTS, VOCAB, bui
 from tests.engine.oracle import (
     assert_same_greedy,
     assert_whole,
-    hf_greedy,
+    memoised_greedy,
     oracle_prompts,
     random_tokens,
     run_staggered,
@@ -61,14 +61,7 @@ def ds_case(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     variant = request.param
     hf = build_hf_deepseek(variant, seed=sum(map(ord, variant)))
     loaded = load_model_weights(save(hf, tmp_path_factory.mktemp(variant), fused=variant in FUSED))
-    memo: dict[tuple[int, ...], list[int]] = {}
-
-    def oracle(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in memo:
-            memo[tuple(prompt)] = hf_greedy(hf, prompt, NEW_TOKENS)
-        return memo[tuple(prompt)]
-
-    return variant, hf, loaded, oracle
+    return variant, hf, loaded, memoised_greedy(hf, NEW_TOKENS)
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -21,7 +21,7 @@ from tests.engine.moe_models import VARIANTS, VOCAB, build_hf_moe, save
 from tests.engine.oracle import (
     assert_same_greedy,
     assert_whole,
-    hf_greedy,
+    memoised_greedy,
     oracle_prompts,
     random_tokens,
     run_staggered,
@@ -46,14 +46,7 @@ def moe_case(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     variant = request.param
     hf = build_hf_moe(variant, seed=sum(map(ord, variant)))
     loaded = load_model_weights(save(hf, tmp_path_factory.mktemp(variant), fused=variant in FUSED))
-    memo: dict[tuple[int, ...], list[int]] = {}
-
-    def oracle(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in memo:
-            memo[tuple(prompt)] = hf_greedy(hf, prompt, NEW_TOKENS)
-        return memo[tuple(prompt)]
-
-    return hf, loaded, oracle
+    return hf, loaded, memoised_greedy(hf, NEW_TOKENS)
 
 
 def tokens(n: int, seed: int) -> list[int]:
