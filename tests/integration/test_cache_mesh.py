@@ -111,6 +111,16 @@ def test_cold_device_dram_and_next_turn_hits_give_the_same_tokens(smollm2_path, 
     assert second.usage.cached_tokens > len(ids)
 
 
+async def cold_then_cached(mesh: InprocMesh, messages: list[dict[str, str]], hashes: list[bytes]) -> tuple:
+    """The request computed once, then again after write-behind stored its blocks and the workers' device
+    caches were emptied: the second is served from the daemon's tiers."""
+    async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+        cold = await c.generate(messages=messages, max_tokens=MAX_TOKENS)
+        await stored(mesh, hashes, {"host", "disk"})
+        await reset_devices(mesh)
+        return cold, await c.generate(messages=messages, max_tokens=MAX_TOKENS)
+
+
 def test_disk_hit_after_eviction_from_dram_through_a_pd_transfer(smollm2_path, engine, tmp_path):
     ids, want = reference(engine, chat("How long do refunds take?"))
     hashes = cacheable(engine, ids)
@@ -121,11 +131,7 @@ def test_disk_hit_after_eviction_from_dram_through_a_pd_transfer(smollm2_path, e
         mesh = InprocMesh(topology(smollm2_path, tmp_path / "kv", disaggregated=True, host_mb=1))
         await mesh.start()
         try:
-            async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
-                cold = await c.generate(messages=chat("How long do refunds take?"), max_tokens=MAX_TOKENS)
-                await stored(mesh, hashes, {"host", "disk"})
-                await reset_devices(mesh)
-                disk = await c.generate(messages=chat("How long do refunds take?"), max_tokens=MAX_TOKENS)
+            cold, disk = await cold_then_cached(mesh, chat("How long do refunds take?"), hashes)
             stats = mesh.service("kvcache-0").store.stats()
             return cold, disk, stats
         finally:
@@ -138,7 +144,8 @@ def test_disk_hit_after_eviction_from_dram_through_a_pd_transfer(smollm2_path, e
     assert sum(disk.usage.cached_by_tier.values()) == n
 
 
-def test_an_fp16_kv_cache_moves_half_the_bytes_through_every_tier_and_the_pd_transfer(smollm2_path, tmp_path):
+def test_an_fp16_kv_cache_moves_half_the_bytes_through_every_tier_and_the_pd_transfer(smollm2_path, engine,
+                                                                                       tmp_path):
     """`kv_cache_dtype = "float16"` for the whole mesh: the workers' pools, the P/D transfer and the daemon's
     DRAM and disk tiers all hold fp16 blocks (half the bytes of fp32's), in a namespace of their own, and
     cold, DRAM and disk hits give the tokens of an engine with an fp16 cache computing everything."""
@@ -154,11 +161,7 @@ def test_an_fp16_kv_cache_moves_half_the_bytes_through_every_tier_and_the_pd_tra
                                    kv_cache_dtype="float16"))
         await mesh.start()
         try:
-            async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
-                cold = await c.generate(messages=chat("How long do refunds take?"), max_tokens=MAX_TOKENS)
-                await stored(mesh, hashes, {"host", "disk"})
-                await reset_devices(mesh)
-                hit = await c.generate(messages=chat("How long do refunds take?"), max_tokens=MAX_TOKENS)
+            cold, hit = await cold_then_cached(mesh, chat("How long do refunds take?"), hashes)
             daemon = mesh.service("kvcache-0")
             return cold, hit, daemon.kv, [w.engine.kv_spec for w in workers(mesh)]
         finally:
@@ -167,10 +170,9 @@ def test_an_fp16_kv_cache_moves_half_the_bytes_through_every_tier_and_the_pd_tra
     cold, hit, daemon_kv, worker_kvs = asyncio.run(run())
     assert cold.token_ids == hit.token_ids == want
     assert hit.usage.cached_tokens == n and hit.usage.cached_by_tier.get("disk", 0) > 0
-    fp32 = engine16.kv_spec.__class__.for_model(engine16.model_config, engine16.config.block_size)
     assert all(kv == daemon_kv == engine16.kv_spec for kv in worker_kvs)
-    assert daemon_kv.dtype_name == "float16" and daemon_kv.block_nbytes * 2 == fp32.block_nbytes
-    assert engine16.cache_namespace != LLMEngine.load(smollm2_path, EngineConfig(num_kv_blocks=8)).cache_namespace
+    assert daemon_kv.dtype_name == "float16" and daemon_kv.block_nbytes * 2 == engine.kv_spec.block_nbytes
+    assert engine16.cache_namespace != engine.cache_namespace  # the fp32 reference's
 
 
 def test_tenants_share_blocks_within_a_tenant_and_never_across(smollm2_path, engine, tmp_path):
