@@ -94,6 +94,27 @@ def test_pd_handoff_of_latents_matches_one_engine_and_transformers(ds, prefill_m
     assert_whole(prefill, decode)
 
 
+async def daemon_round_trip(path, kv_dir, a, names: list[bytes], kv: torch.Tensor, prefixes: list[list[bytes]],
+                            **mesh_kw) -> dict[str, list[m.CacheBlocks]]:  # type: ignore[no-untyped-def]
+    """Store engine `a`'s exported blocks in a cache daemon of the same KV spec and namespace, fetch every
+    prefix from its DRAM tier, then again from disk after a warm restart: {"host": replies, "disk": replies}."""
+    mesh = Mesh(path, kv_dir, block_size=BLOCK, **mesh_kw)
+    try:
+        d = await mesh.start_daemon()
+        assert d.kv == a.kv_spec and d.namespace.id == a.cache_namespace.id
+        assert d.store.block_nbytes == a.kv_spec.block_nbytes
+        ack = await mesh.ask(m.CacheStore("store", d.namespace.id, names, kv.contiguous()))
+        assert (ack.stored, ack.skipped, ack.reason) == (len(names), 0, "")
+        host = [await mesh.ask(m.CacheFetch(f"host-{i}", h)) for i, h in enumerate(prefixes)]
+        await mesh.flushed()
+        await mesh.stop_daemon()
+        await mesh.start_daemon()  # a warm restart: DRAM is empty, the disk index rebuilt from the files
+        disk = [await mesh.ask(m.CacheFetch(f"disk-{i}", h)) for i, h in enumerate(prefixes)]
+        return {"host": host, "disk": disk}
+    finally:
+        await mesh.close()
+
+
 def test_latents_through_the_cache_daemon_host_and_disk_tiers(ds, tmp_path):  # type: ignore[no-untyped-def]
     """Engine A computes the prompts and its blocks are stored into the daemon (as a worker's write-behind
     does); fresh engines B fetch them back from DRAM, then, after a warm restart of the daemon, from disk
@@ -109,23 +130,7 @@ def test_latents_through_the_cache_daemon_host_and_disk_tiers(ds, tmp_path):  # 
     names, kv = a.export_cached_blocks(wanted)
     assert names == wanted and kv is not None and kv.shape == (len(wanted), *a.kv_spec.block_shape)
 
-    async def scenario() -> dict[str, list[m.CacheBlocks]]:
-        mesh = Mesh(path, tmp_path / "kv", block_size=BLOCK)
-        try:
-            d = await mesh.start_daemon()
-            assert d.kv == a.kv_spec and d.namespace.id == a.cache_namespace.id
-            ack = await mesh.ask(m.CacheStore("store", d.namespace.id, names, kv.contiguous()))
-            assert (ack.stored, ack.skipped, ack.reason) == (len(names), 0, "")
-            host = [await mesh.ask(m.CacheFetch(f"host-{i}", h)) for i, h in enumerate(prefixes)]
-            await mesh.flushed()
-            await mesh.stop_daemon()
-            await mesh.start_daemon()  # a warm restart: DRAM is empty, the disk index rebuilt from the files
-            disk = [await mesh.ask(m.CacheFetch(f"disk-{i}", h)) for i, h in enumerate(prefixes)]
-            return {"host": host, "disk": disk}
-        finally:
-            await mesh.close()
-
-    for tier, replies in asyncio.run(scenario()).items():
+    for tier, replies in asyncio.run(daemon_round_trip(path, tmp_path / "kv", a, names, kv, prefixes)).items():
         b = engine(loaded, tok, num_kv_blocks=128, max_num_batched_tokens=512)
         for hashes, reply in zip(prefixes, replies):
             assert reply.block_hashes == hashes, tier

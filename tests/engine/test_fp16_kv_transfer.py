@@ -21,8 +21,8 @@ from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import load_model_weights
-from deepinfer.protocol import messages as m
 from tests.engine.oracle import random_tokens
+from tests.engine.test_deepseek_kv_tiers import daemon_round_trip
 from tests.engine.test_pd_handoff import (
     BLOCK,
     DECODE_MODES,
@@ -33,7 +33,6 @@ from tests.engine.test_pd_handoff import (
     prefill_first,
     run_disaggregated,
 )
-from tests.service.test_kvcache_service import Mesh
 
 VOCAB = 320
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -116,24 +115,7 @@ def test_fp16_blocks_through_the_cache_daemon_host_and_disk_tiers(llama, tmp_pat
     names, kv = a.export_cached_blocks(wanted)
     assert names == wanted and kv is not None and kv.dtype == torch.float16
 
-    async def scenario() -> dict[str, list[m.CacheBlocks]]:
-        mesh = Mesh(path, tmp_path / "kv", block_size=BLOCK, **FP16)
-        try:
-            d = await mesh.start_daemon()
-            assert d.kv == a.kv_spec and d.namespace.id == a.cache_namespace.id
-            assert d.store.block_nbytes == a.kv_spec.block_nbytes
-            ack = await mesh.ask(m.CacheStore("store", d.namespace.id, names, kv.contiguous()))
-            assert (ack.stored, ack.skipped, ack.reason) == (len(names), 0, "")
-            host = [await mesh.ask(m.CacheFetch(f"host-{i}", h)) for i, h in enumerate(prefixes)]
-            await mesh.flushed()
-            await mesh.stop_daemon()
-            await mesh.start_daemon()  # a warm restart: DRAM is empty, the disk index rebuilt from the files
-            disk = [await mesh.ask(m.CacheFetch(f"disk-{i}", h)) for i, h in enumerate(prefixes)]
-            return {"host": host, "disk": disk}
-        finally:
-            await mesh.close()
-
-    for tier, replies in asyncio.run(scenario()).items():
+    for tier, replies in asyncio.run(daemon_round_trip(path, tmp_path / "kv", a, names, kv, prefixes, **FP16)).items():
         b = engine(loaded, tok, num_kv_blocks=128, max_num_batched_tokens=512, **FP16)
         for hashes, reply in zip(prefixes, replies):
             assert reply.block_hashes == hashes, tier
