@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 
 from deepinfer.engine.config import ConfigError, EngineConfig
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.models.linear import linear
 from deepinfer.engine.packed_weights import PackedWeight, dequantized, quantize_q8_0, resolve_weights_mode
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.weights import load_model_weights
@@ -135,3 +136,36 @@ def test_packed_modes_are_refused_for_latent_attention():
         with pytest.raises(ConfigError, match="latent attention"):
             resolve_weights_mode(mode, Path("m.gguf"), mla, "cpu")  # type: ignore[arg-type]
     assert resolve_weights_mode("auto", Path("m.gguf"), mla, "cpu") == "fp32"  # type: ignore[arg-type]
+
+
+def test_in_one_arena_keeps_values_order_and_aliases() -> None:
+    from deepinfer.engine.models.linear import in_one_arena
+
+    g = torch.Generator().manual_seed(11)
+    a = quantize_q8_0(torch.randn(64, 96, generator=g))
+    b = quantize_q8_0(torch.randn(5, 32, generator=g))
+    dense = torch.randn(3, 4, generator=g)
+    moved = in_one_arena([a, dense, b, a])
+    assert moved[1] is dense  # fp32 tensors are left where they are
+    assert moved[0] is moved[3]  # one weight listed twice (a tied embedding) is copied once
+    for old, new in ((a, moved[0]), (b, moved[2])):
+        assert isinstance(new, PackedWeight) and new is not old
+        assert (new.format, new.out_features, new.in_features) == (old.format, old.out_features, old.in_features)
+        assert torch.equal(new.blocks, old.blocks) and new.blocks.is_contiguous()
+    # in the order given, each starting on a page
+    assert moved[2].blocks.data_ptr() > moved[0].blocks.data_ptr()
+    assert moved[0].blocks.data_ptr() % 4096 == 0 and moved[2].blocks.data_ptr() % 4096 == 0
+    x = torch.randn(3, 96, generator=g)
+    assert torch.equal(linear(x, moved[0]), linear(x, a))
+
+
+def test_model_weights_share_one_arena_in_step_order(tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+    loaded = load_model_weights(tiny_hf_model("llama").path, "q8_0")
+    model = LLMEngine(loaded, None, EngineConfig(num_kv_blocks=8)).runner.model
+    ptrs = []
+    for layer in model.layers:
+        ptrs += [layer.qkv.blocks.data_ptr(), layer.o_proj.blocks.data_ptr(), layer.mlp.gate_up.blocks.data_ptr(),
+                 layer.mlp.down.blocks.data_ptr()]
+    ptrs.append(model.lm_head.blocks.data_ptr())
+    assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] < 2 * sum(
+        w.nbytes for w in loaded.state_dict.values() if isinstance(w, PackedWeight))

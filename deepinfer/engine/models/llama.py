@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from deepinfer.engine.attention import AttentionMetadata, paged_attention, write_kv
 from deepinfer.engine.config import ModelConfig
-from deepinfer.engine.models.linear import Weight, embed_rows, fuse_rows, linear, to_device
+from deepinfer.engine.models.linear import Weight, embed_rows, fuse_rows, in_one_arena, linear, to_device
 from deepinfer.engine.models.rope import RotaryTable, apply_rotary
 
 # A layer's MLP block: normed hidden states [T, hidden] -> output [T, hidden], each row from its own row.
@@ -91,10 +91,30 @@ class LlamaModel:
                     mlp=self.build_mlp(i, sd),
                 )
             )
+        self._pack_weights_in_step_order()
         self.rotary = RotaryTable(c, max_positions)
         self.scale = c.head_dim**-0.5
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
+
+    def _pack_weights_in_step_order(self) -> None:
+        """Packed weights (dense layers and the LM head) into one huge-page arena in the order a step
+        reads them (see linear.in_one_arena). A tied embedding is the LM head's arena copy."""
+        order: list[Weight] = []
+        for layer in self.layers:
+            order += [layer.qkv, layer.o_proj]
+            if isinstance(layer.mlp, DenseMLP):
+                order += [layer.mlp.gate_up, layer.mlp.down]
+        order.append(self.lm_head)
+        moved = iter(in_one_arena(order))
+        for layer in self.layers:
+            layer.qkv, layer.o_proj = next(moved), next(moved)
+            if isinstance(layer.mlp, DenseMLP):
+                layer.mlp.gate_up, layer.mlp.down = next(moved), next(moved)
+        tied = self.embed is self.lm_head
+        self.lm_head = next(moved)
+        if tied:
+            self.embed = self.lm_head
 
     def build_mlp(self, layer: int, sd: dict[str, Weight]) -> FeedForward:
         """Layer `layer`'s MLP block from the state dict (our names, already on the device)."""
