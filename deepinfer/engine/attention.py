@@ -4,8 +4,10 @@ A step's tokens are laid out row after row: first the single-token rows (decodes
 chunks of one token), then the multi-token prefill chunks. Every row reads its context through its
 block table straight from the KV tensor; nothing is concatenated per step.
 
-* Single-token rows go through `paged_decode_attention`: the native kernel reads K/V in place
-  (a pure-torch gather is the fallback when the kernel cannot be built).
+* Single-token rows go through one native call per layer, `rope_write_decode_attention`: it
+  rotates their q and k, stores their K/V and runs the decode attention kernel, which reads K/V in
+  place (bit-identical to `apply_rotary`, `write_kv` and `paged_decode_attention` in turn; a
+  pure-torch gather is the fallback when the kernel cannot be built).
 * Each multi-token chunk gathers its own context blocks once and runs one causal SDPA; a chunk with
   no earlier context attends to its fresh K/V directly.
 
@@ -29,11 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer.engine import kernels
+
+if TYPE_CHECKING:
+    from deepinfer.engine.models.rope import RotaryTable
 
 
 @dataclass
@@ -116,12 +122,42 @@ def layout(segments: Sequence[Segment], block_size: int, use_native: bool = True
     return StepLayout(torch.tensor(ids, dtype=torch.int64), pos, meta, torch.tensor(logits_rows, dtype=torch.int64))
 
 
+def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTable, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer's attention for the step: rotate q and k, store K/V, attend. qkv: the step's
+    [T, (heads + 2 * kv_heads) * head_dim] projections (q and k of the decode rows are rotated in
+    place); positions: [T] int64; k_cache, v_cache: the layer's cache views. Returns [T, heads, head_dim].
+
+    Decode rows take the one native call; prefill chunks (and every row when not `meta.use_native`)
+    take the torch path: apply_rotary, write_kv, `paged_attention`."""
+    if qkv.stride(-1) != 1:  # the kernel reads rows; a projection with a bias may come column-major
+        qkv = qkv.contiguous()
+    T, D, kvh = qkv.shape[0], rotary.cos.shape[1], k_cache.shape[2]
+    heads = qkv.shape[1] // D - 2 * kvh
+    out = qkv.new_empty((T, heads, D))
+    nd = meta.num_decode if meta.use_native else 0
+    if nd:
+        kernels.rope_write_decode_attention(qkv, rotary.cos, rotary.sin, positions, meta.slot_blocks,
+                                            meta.slot_offsets, k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, scale, out=out)
+    if nd < T:
+        from deepinfer.engine.models.rope import apply_rotary  # not at the top: models imports this module
+
+        rest = qkv[nd:].view(T - nd, heads + 2 * kvh, D)
+        cos, sin = rotary.lookup(positions[nd:])
+        qk = apply_rotary(rest[:, : heads + kvh], cos, sin)
+        k, v = qk[:, heads:], rest[:, heads + kvh :]
+        write_kv(k_cache, v_cache, k, v, meta, start=nd)
+        paged_attention(qk[:, :heads].contiguous(), k, v, k_cache, v_cache, meta, scale, out=out[nd:], start=nd)
+    return out
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    """Store the step's new K/V ([T, kv_heads, head_dim]) into the layer's cache views
-    ([num_blocks, block_size, kv_heads, head_dim], strided in dim 0), converted to the cache's dtype
-    (round to nearest for an fp16 cache)."""
-    index = (meta.slot_blocks, meta.slot_offsets)
+             meta: AttentionMetadata, start: int = 0) -> None:
+    """Store the new K/V ([T - start, kv_heads, head_dim], the step's rows from `start` on) into the
+    layer's cache views ([num_blocks, block_size, kv_heads, head_dim], strided in dim 0), converted
+    to the cache's dtype (round to nearest for an fp16 cache)."""
+    index = (meta.slot_blocks[start:], meta.slot_offsets[start:])
     k_cache.index_put_(index, k.to(k_cache.dtype))
     v_cache.index_put_(index, v.to(v_cache.dtype))
 
@@ -133,17 +169,20 @@ def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim]; k, v: this step's fresh [T, kv_heads, head_dim] (already written to
-    the cache). Returns [T, heads, head_dim]."""
-    out = torch.empty_like(q)
-    nd = meta.num_decode
-    if nd:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                    start: int = 0) -> torch.Tensor:
+    """Attention of the step's rows from `start` on. q: [T - start, heads, head_dim]; k, v: their
+    fresh [T - start, kv_heads, head_dim] (already written to the cache). Returns `out`
+    ([T - start, heads, head_dim], allocated when None)."""
+    out = torch.empty_like(q) if out is None else out
+    nd = meta.num_decode - start
+    if nd > 0:
         decode = kernels.paged_decode_attention if meta.use_native else kernels.paged_decode_attention_reference
-        decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out=out[:nd])
+        decode(q[:nd], k_cache, v_cache, meta.decode_block_tables[start:], meta.decode_context_lens[start:], scale,
+               out=out[:nd])
     block_size = k_cache.shape[1]
     for chunk in meta.prefills:
-        rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        rows = slice(chunk.q_start - start, chunk.q_start - start + chunk.q_len)
         # SDPA takes its fused (flash) CPU path only for 4-D inputs; 3-D falls back to the math
         # path, which materialises every score and ran ~7x slower on a 1k-token prefill.
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]

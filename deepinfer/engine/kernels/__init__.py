@@ -7,6 +7,8 @@ from deepinfer.engine.kernels.paged_attention import (
     native_unavailable_reason,
     paged_decode_attention,
     paged_decode_attention_reference,
+    rope_write_decode_attention,
+    rope_write_decode_attention_reference,
 )
 
 __all__ = [
@@ -16,4 +18,6 @@ __all__ = [
     "native_unavailable_reason",
     "paged_decode_attention",
     "paged_decode_attention_reference",
+    "rope_write_decode_attention",
+    "rope_write_decode_attention_reference",
 ]

@@ -5,6 +5,9 @@
  * else an exact scalar conversion).
  *
  * Reads K/V in place through the block tables: no gather, no copy of the context.
+ * pa_rope_write_decode_attention_f32/_f16 first rotate the rows' q and k (rotary embedding) and
+ * store their k and v into the cache, bit-identical to the torch ops they replace, then run the
+ * same attention: one call per layer for a step's decode rows (see rope_write_decode_attention).
  * Plain C (no torch headers) so it builds in about a second; loaded with ctypes.
  *
  * Layout (element strides, as passed by the Python wrapper):
@@ -20,8 +23,9 @@
  * handles all query heads of its GQA group together, so each K/V row is read from memory
  * once for the whole group. Single pass with an online softmax (running max and sum),
  * processed a block at a time. When there are too few (sequence, kv_head) items to keep
- * every thread busy, long contexts are split into partitions whose partial results
- * (max, sum, unnormalised accumulator) are merged in a second step.
+ * PA_TARGET_ITEMS threads busy, long contexts are split into partitions whose partial results
+ * (max, sum, unnormalised accumulator) are merged in a second step. The split never depends on
+ * the thread count, so neither do the results.
  *
  * One source for both K/V element types: the functions that read K/V take `half` (0: float,
  * 1: fp16) and are forced inline, and every call chain starts from attend_range_f32 or
@@ -61,6 +65,11 @@
 #ifndef PA_MIN_PARALLEL_WORK
 #define PA_MIN_PARALLEL_WORK (256 * 1024)
 #endif
+/* Work items (sequence, kv_head, context partition) to aim for when (sequence, kv_head) pairs are
+ * fewer: about 4 per thread of a 16-thread team. Partitions keep at least ~512 tokens. */
+#ifndef PA_TARGET_ITEMS
+#define PA_TARGET_ITEMS 64
+#endif
 #ifndef PA_PREFETCH_LOCALITY
 #define PA_PREFETCH_LOCALITY 2
 #endif
@@ -72,6 +81,8 @@
 #define PA_ERR_CONTEXT_LEN -1 /* context_lens[b] < 0 or > max_blocks * block_size */
 #define PA_ERR_BLOCK_ID -2    /* a used block table entry is outside [0, num_blocks) */
 #define PA_ERR_NOMEM -3
+#define PA_ERR_POSITION -4 /* fused: a position outside the rotary table */
+#define PA_ERR_SLOT -5     /* fused: a slot block outside [0, num_blocks) or offset outside the block */
 
 int pa_version(void) { return 1; }
 
@@ -518,11 +529,36 @@ static void attend_range_f16(const pa_geom *g, const float *restrict qs, const i
 
 int pa_num_params(void) { return PA_NUM_PARAMS; }
 
-static int decode_attention(const float *q, const void *k, const void *v, const int32_t *block_tables,
-                            const int32_t *context_lens, float *out, const int64_t *params, float scale,
-                            int num_threads, int half) {
+/* Validate the parts of the block tables that will be read; on success sets the blocks and
+ * tokens they cover (summed over rows). */
+static int check_tables(const int64_t *params, const int32_t *block_tables, const int32_t *context_lens,
+                        int64_t *total_blocks, int64_t *total_tokens) {
+    const int64_t B = params[0], block_size = params[4], num_blocks = params[5], max_blocks = params[6],
+                  bt_stride = params[11];
+    int64_t tb = 0, tt = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t c = context_lens[b];
+        if (c < 0 || c > max_blocks * block_size) return PA_ERR_CONTEXT_LEN;
+        const int64_t nb = (c + block_size - 1) / block_size;
+        const int32_t *row = block_tables + b * bt_stride;
+        for (int64_t i = 0; i < nb; ++i)
+            if (row[i] < 0 || row[i] >= num_blocks) return PA_ERR_BLOCK_ID;
+        tb += nb;
+        tt += c;
+    }
+    *total_blocks = tb;
+    *total_tokens = tt;
+    return PA_OK;
+}
+
+/* Decode attention over block tables that check_tables accepted (the attention both entry points
+ * run). The work split depends only on the shapes and context lengths, never on num_threads, and
+ * each item and each merge is computed in a fixed order: results do not depend on the thread count. */
+static int attend_rows(const float *q, const void *k, const void *v, const int32_t *block_tables,
+                       const int32_t *context_lens, float *out, const int64_t *params, float scale,
+                       int num_threads, int half, int64_t total_blocks, int64_t total_tokens) {
     const int64_t B = params[0], num_heads = params[1], num_kv_heads = params[2], head_dim = params[3],
-                  block_size = params[4], num_blocks = params[5], max_blocks = params[6],
+                  block_size = params[4], max_blocks = params[6],
                   q_stride_b = params[7], q_stride_h = params[8], out_stride_b = params[9],
                   out_stride_h = params[10], bt_stride = params[11], k_block_stride = params[12],
                   k_tok_stride = params[13], v_block_stride = params[14], v_tok_stride = params[15];
@@ -531,28 +567,20 @@ static int decode_attention(const float *q, const void *k, const void *v, const 
     const int bs = (int)block_size;
     if (num_threads < 1) num_threads = 1;
 
-    /* Validate the parts of the block tables that will be read. */
-    int64_t total_blocks = 0, total_tokens = 0;
-    for (int64_t b = 0; b < B; ++b) {
-        const int64_t c = context_lens[b];
-        if (c < 0 || c > max_blocks * block_size) return PA_ERR_CONTEXT_LEN;
-        const int64_t nb = (c + block_size - 1) / block_size;
-        const int32_t *row = block_tables + b * bt_stride;
-        for (int64_t i = 0; i < nb; ++i)
-            if (row[i] < 0 || row[i] >= num_blocks) return PA_ERR_BLOCK_ID;
-        total_blocks += nb;
-        total_tokens += c;
-    }
     /* Too little work to pay for waking the thread team: run on the calling thread. */
     if (total_tokens * num_heads * head_dim < PA_MIN_PARALLEL_WORK) num_threads = 1;
 
-    /* Partitioning: split long contexts only when (sequence, kv_head) pairs are too few. */
+    /* Partitioning: split long contexts only when (sequence, kv_head) pairs are too few to keep
+     * PA_TARGET_ITEMS threads busy. A constant rather than the thread count: the split decides
+     * the rounding of the merged result, which must not change with the thread count. */
     const int64_t pairs = B * num_kv_heads;
-    const int64_t target_items = 4 * (int64_t)num_threads;
+    const int64_t target_items = PA_TARGET_ITEMS;
     int64_t part_blocks = max_blocks > 0 ? max_blocks : 1;
-    if (num_threads > 1 && pairs < target_items && total_blocks > 0) {
+    if (pairs < target_items && total_blocks > 0) {
         int64_t pb = (total_blocks * num_kv_heads + target_items - 1) / target_items;
-        const int64_t min_pb = (256 + block_size - 1) / block_size; /* at least ~256 tokens per part */
+        /* At least ~512 tokens per part: a split costs a merge even when one thread runs it all,
+         * and below ~512 tokens a call is mostly under PA_MIN_PARALLEL_WORK (one thread) anyway. */
+        const int64_t min_pb = (512 + block_size - 1) / block_size;
         if (pb < min_pb) pb = min_pb;
         if (pb < part_blocks) part_blocks = pb;
     }
@@ -700,6 +728,133 @@ static int decode_attention(const float *q, const void *k, const void *v, const 
     return err;
 }
 
+static int decode_attention(const float *q, const void *k, const void *v, const int32_t *block_tables,
+                            const int32_t *context_lens, float *out, const int64_t *params, float scale,
+                            int num_threads, int half) {
+    int64_t total_blocks, total_tokens;
+    const int rc = check_tables(params, block_tables, context_lens, &total_blocks, &total_tokens);
+    if (rc != PA_OK) return rc;
+    return attend_rows(q, k, v, block_tables, context_lens, out, params, scale, num_threads, half, total_blocks,
+                       total_tokens);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Rotary embedding and K/V write of the fused entry point.                             */
+
+/* rope_rows and float_to_half must round every product and sum on its own, as torch's separate
+ * ops do: the build's -O3 -mfma would otherwise let the compiler contract a*b + c into an FMA,
+ * which rounds once and so differs in the last bit. GCC takes the optimize attribute (noinline:
+ * the function keeps its own options), clang the standard pragma. */
+#if defined(__clang__)
+#define PA_NO_CONTRACT
+#define PA_CONTRACT_OFF _Pragma("STDC FP_CONTRACT OFF")
+#elif defined(__GNUC__)
+#define PA_NO_CONTRACT __attribute__((optimize("fp-contract=off"), noinline))
+#define PA_CONTRACT_OFF
+#else
+#define PA_NO_CONTRACT
+#define PA_CONTRACT_OFF
+#endif
+
+/* Rotate `heads` consecutive heads of D floats in place: the half-split rotation of
+ * rope.apply_rotary, x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1). For the
+ * first half a*c + (-b)*s equals a*c - b*s exactly (negation is exact), so both halves are three
+ * separately rounded operations, like torch's mul, mul, add. */
+PA_NO_CONTRACT static void rope_rows(float *restrict x, int64_t heads, int D, const float *restrict c,
+                                     const float *restrict s) {
+    PA_CONTRACT_OFF
+    const int h = D / 2;
+    for (int64_t r = 0; r < heads; ++r, x += D) {
+        for (int i = 0; i < h; ++i) {
+            const float a = x[i], b = x[i + h];
+            const float ac = a * c[i], bs = b * s[i], bc = b * c[i + h], as = a * s[i + h];
+            x[i] = ac - bs;
+            x[i + h] = bc + as;
+        }
+    }
+}
+
+#if !PA_F16C
+/* float -> IEEE binary16, round to nearest even, overflow to inf: the conversion of torch's
+ * c10::Half (fp16_ieee_from_fp32_value), which scales into range so that one float addition does
+ * the rounding. */
+PA_NO_CONTRACT static uint16_t float_to_half(float f) {
+    PA_CONTRACT_OFF
+    uint32_t w, bits;
+    memcpy(&w, &f, sizeof w);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+    float base = (fabsf(f) * 0x1p+112f) * 0x1p-110f, shifter;
+    memcpy(&shifter, &bias_bits, sizeof shifter);
+    base = shifter + base;
+    memcpy(&bits, &base, sizeof bits);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+#endif
+
+/* Store n floats at dst (float, or fp16 rounded to nearest even as torch's .to(torch.float16)). */
+static void store_row(void *dst, const float *src, int64_t n, int half) {
+    if (!half) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+    int64_t i = 0;
+#if PA_F16C
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; ++i) h[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+#else
+    for (; i < n; ++i) h[i] = float_to_half(src[i]);
+#endif
+}
+
+/*
+ * The fused decode step of one layer. qkv row b (b < B, qkv_stride_b = params[7] apart) holds the
+ * row's q [num_heads, head_dim], then k and v [num_kv_heads, head_dim], contiguous
+ * (params[8] = head_dim). For every row: rotate q and k in place by position positions[b]
+ * (cos/sin: [max_positions, head_dim] fp32), store k and v at (slot_blocks[b], slot_offsets[b])
+ * of the caches; then decode attention exactly as decode_attention. All rows are written before
+ * any row attends: rows of one sequence (speculative verification) see each other's fresh K/V
+ * through the cache. params: the PA_NUM_PARAMS of decode_attention, then max_positions.
+ * Everything is validated before anything is written.
+ */
+#define PA_NUM_FUSED_PARAMS (PA_NUM_PARAMS + 1)
+
+int pa_num_fused_params(void) { return PA_NUM_FUSED_PARAMS; }
+
+static int rope_write_decode_attention(float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                                       const int64_t *slot_blocks, const int64_t *slot_offsets, void *k_cache,
+                                       void *v_cache, const int32_t *block_tables, const int32_t *context_lens,
+                                       float *out, const int64_t *params, float scale, int num_threads, int half) {
+    const int64_t B = params[0], num_heads = params[1], num_kv_heads = params[2], D = params[3],
+                  block_size = params[4], num_blocks = params[5], qkv_stride_b = params[7],
+                  k_block_stride = params[12], k_tok_stride = params[13], v_block_stride = params[14],
+                  v_tok_stride = params[15], max_positions = params[16];
+    int64_t total_blocks, total_tokens;
+    const int rc = check_tables(params, block_tables, context_lens, &total_blocks, &total_tokens);
+    if (rc != PA_OK) return rc;
+    for (int64_t b = 0; b < B; ++b) {
+        if (positions[b] < 0 || positions[b] >= max_positions) return PA_ERR_POSITION;
+        if (slot_blocks[b] < 0 || slot_blocks[b] >= num_blocks || slot_offsets[b] < 0 || slot_offsets[b] >= block_size)
+            return PA_ERR_SLOT;
+    }
+    const int64_t kv_row = num_kv_heads * D, esize = half ? 2 : 4;
+    for (int64_t b = 0; b < B; ++b) {
+        float *row = qkv + b * qkv_stride_b;
+        rope_rows(row, num_heads + num_kv_heads, (int)D, cos + positions[b] * D, sin + positions[b] * D);
+        char *kd = (char *)k_cache + (slot_blocks[b] * k_block_stride + slot_offsets[b] * k_tok_stride) * esize;
+        char *vd = (char *)v_cache + (slot_blocks[b] * v_block_stride + slot_offsets[b] * v_tok_stride) * esize;
+        store_row(kd, row + num_heads * D, kv_row, half);
+        store_row(vd, row + num_heads * D + kv_row, kv_row, half);
+    }
+    return attend_rows(qkv, k_cache, v_cache, block_tables, context_lens, out, params, scale, num_threads, half,
+                       total_blocks, total_tokens);
+}
+
 int pa_paged_decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
                                   const int32_t *context_lens, float *out, const int64_t *params, float scale,
                                   int num_threads) {
@@ -711,4 +866,21 @@ int pa_paged_decode_attention_f16(const float *q, const uint16_t *k, const uint1
                                   const int32_t *block_tables, const int32_t *context_lens, float *out,
                                   const int64_t *params, float scale, int num_threads) {
     return decode_attention(q, k, v, block_tables, context_lens, out, params, scale, num_threads, 1);
+}
+
+int pa_rope_write_decode_attention_f32(float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                                       const int64_t *slot_blocks, const int64_t *slot_offsets, float *k_cache,
+                                       float *v_cache, const int32_t *block_tables, const int32_t *context_lens,
+                                       float *out, const int64_t *params, float scale, int num_threads) {
+    return rope_write_decode_attention(qkv, cos, sin, positions, slot_blocks, slot_offsets, k_cache, v_cache,
+                                       block_tables, context_lens, out, params, scale, num_threads, 0);
+}
+
+/* k_cache, v_cache: IEEE binary16 bit patterns (torch.float16's storage). */
+int pa_rope_write_decode_attention_f16(float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                                       const int64_t *slot_blocks, const int64_t *slot_offsets, uint16_t *k_cache,
+                                       uint16_t *v_cache, const int32_t *block_tables, const int32_t *context_lens,
+                                       float *out, const int64_t *params, float scale, int num_threads) {
+    return rope_write_decode_attention(qkv, cos, sin, positions, slot_blocks, slot_offsets, k_cache, v_cache,
+                                       block_tables, context_lens, out, params, scale, num_threads, 1);
 }

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.attention import AttentionMetadata, paged_attention, write_kv
+from deepinfer.engine.attention import AttentionMetadata, rope_attention
 from deepinfer.engine.config import ModelConfig
 from deepinfer.engine.kernels.rms_norm import rms_norm
 from deepinfer.engine.models.linear import Weight, embed_rows, fuse_rows, in_one_arena, linear, to_device
-from deepinfer.engine.models.rope import RotaryTable, apply_rotary
+from deepinfer.engine.models.rope import RotaryTable
 
 # A layer's MLP block: normed hidden states [T, hidden] -> output [T, hidden], each row from its own row.
 FeedForward = Callable[[torch.Tensor], torch.Tensor]
@@ -134,7 +134,6 @@ class LlamaModel:
         c = self.config
         T = input_ids.shape[0]
         eps = c.rms_norm_eps
-        cos, sin = self.rotary.lookup(positions)
         # x is the residual stream; each sublayer's output joins it inside the norm that reads it next
         # (rms_norm's residual=, in place), and `pending` is the last MLP's output, added at the end.
         x = embed_rows(input_ids, self.embed)
@@ -142,12 +141,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps, residual=pending)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
-            qk = apply_rotary(qkv[:, : self._q_dim + self._kv_dim].view(T, -1, c.head_dim), cos, sin)
-            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            v = qkv[:, self._q_dim + self._kv_dim :].view(T, c.num_kv_heads, c.head_dim)
-            k_cache, v_cache = kv[:, i, 0], kv[:, i, 1]
-            write_kv(k_cache, v_cache, k, v, meta)
-            o = paged_attention(q.contiguous(), k, v, k_cache, v_cache, meta, self.scale)
+            o = rope_attention(qkv, positions, self.rotary, kv[:, i, 0], kv[:, i, 1], meta, self.scale)
             h = rms_norm(x, layer.post_attn_norm, eps, residual=linear(o.view(T, self._q_dim), layer.o_proj))
             pending = layer.mlp(h)
         rows = x[logits_rows]  # a copy: only these rows need the last add and the final norm
