@@ -65,6 +65,17 @@
  * QL_FEW_M of them dot_rows instead. Measured (Q4_1 576 x 576, one thread, 30 layers' weights): 2 rows
  * dot_rows 26.0 us, small_rows 29.3; 3 rows dot_rows 34.2, small_rows 36.6, tiles 42.0; 4 rows dot_rows
  * and small_rows 44 (tiles 61); 8 rows small_rows 71.7, tiles 79.9. */
+/* The decode paths prefetch the weight stream QL_PF_BYTES ahead into all cache levels (hint 3).
+ * Without it the loads wait on memory and the dequantising arithmetic does not overlap them: one
+ * thread read 5.5 GB/s of packed weights from memory against 11 from cache. Measured on SmolLM2's
+ * 121 products per token (Q4_1 + Q8_0 LM head, 97 MB, 2 threads): none 9.7 ms, 1 KiB ahead 6.5,
+ * 4 KiB 5.8, 8 KiB 6.2, 32 KiB 6.7; the non-temporal hint (0) was no faster than none. */
+#ifndef QL_PF_BYTES
+#define QL_PF_BYTES 4096
+#endif
+#ifndef QL_PF_HINT
+#define QL_PF_HINT 3
+#endif
 #define QL_SMALL_M 8
 #define QL_FEW_M 3
 #define QL_NR 16  /* output features per tile of the prefill path */
@@ -231,8 +242,16 @@ QL_INLINE void dot_rows(const int fmt, const int MR, const int R, const uint8_t 
         macc[i] = _mm256_setzero_ps();
         for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
     }
+    /* Software prefetch of the weight rows QL_PF_BYTES ahead, two lines per block step (the R rows
+     * take at most 4 x 20 or 2 x 34 bytes a step, so the stream is covered). */
+    const int64_t group = R * row_bytes;
+    const uint8_t *pf = w + (QL_PF_BYTES + group - 1) / group * group;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bsz;
+        if (QL_PF_BYTES) {
+            __builtin_prefetch(pf + 128 * b, 0, QL_PF_HINT);
+            __builtin_prefetch(pf + 128 * b + 64, 0, QL_PF_HINT);
+        }
         __m128i words = _mm_cvtsi32_si128((int)load_u32(blk));
         if (R > 1) words = _mm_insert_epi32(words, (int)load_u32(blk + row_bytes), 1);
         if (R > 2) words = _mm_insert_epi32(words, (int)load_u32(blk + 2 * row_bytes), 2);
@@ -278,8 +297,10 @@ QL_INLINE void small_rows(const int fmt, const int mr, const uint8_t *wrow, int6
     __m256 acc[QL_SMALL_M][2];
     for (int i = 0; i < mr; i++)
         for (int a = 0; a < A; a++) acc[i][a] = _mm256_setzero_ps();
+    const uint8_t *pf = wrow + QL_PF_BYTES; /* see dot_rows; a block is at most 34 bytes, so one line a step */
     for (int64_t b = 0; b < nb; b++) {
         __m256 w[4];
+        if (QL_PF_BYTES) __builtin_prefetch(pf + 64 * b, 0, QL_PF_HINT);
         dequant_block(fmt, wrow + b * bsz, w);
         const float *xb = x + b * QK;
         for (int i = 0; i < mr; i++)
