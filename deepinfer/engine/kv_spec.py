@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.engine.huge_pages import huge_page_zeros
+
 if TYPE_CHECKING:
     from deepinfer.engine.config import ModelConfig
 
@@ -144,7 +146,11 @@ class KvSpec:
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zero-filled pool [num_blocks, *block_shape]. Zeros, not empty: the torch decode fallback
-        multiplies masked (beyond-context) slots by zero weights, and 0 * NaN would poison the row."""
+        multiplies masked (beyond-context) slots by zero weights, and 0 * NaN would poison the row.
+        On the CPU the pool is in huge pages (huge_pages.py): decode reads every live row each step,
+        and with 4 KiB pages one layer's rows of a block already span several pages."""
+        if torch.device(device).type == "cpu":
+            return huge_page_zeros(self.pool_shape(num_blocks), self.dtype)
         return torch.zeros(self.pool_shape(num_blocks), dtype=self.dtype, device=device)
 
     def layer_views(self, pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:

@@ -61,12 +61,15 @@
 #define PA_PREFETCH_TOKENS 16
 #endif
 /* Below this many multiply-adds per call (context tokens x heads x head_dim, for QK) stay on
- * one thread: a fork/join of the OpenMP team costs microseconds. */
+ * one thread: a fork/join of the OpenMP team costs microseconds. Inside a decode step the K/V
+ * come from memory (the weights just streamed through the caches), so even one sequence of a few
+ * hundred tokens is worth two threads: SmolLM2 at batch 1, ~300 tokens, 2 threads, attention per
+ * step 3.2 ms at 256 Ki (one thread below ~450 tokens), 2.4 ms at 64 Ki. */
 #ifndef PA_MIN_PARALLEL_WORK
-#define PA_MIN_PARALLEL_WORK (256 * 1024)
+#define PA_MIN_PARALLEL_WORK (64 * 1024)
 #endif
 /* Work items (sequence, kv_head, context partition) to aim for when (sequence, kv_head) pairs are
- * fewer: about 4 per thread of a 16-thread team. Partitions keep at least ~512 tokens. */
+ * fewer: about 4 per thread of a 16-thread team. Partitions keep at least ~128 tokens. */
 #ifndef PA_TARGET_ITEMS
 #define PA_TARGET_ITEMS 64
 #endif
@@ -578,9 +581,11 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
     int64_t part_blocks = max_blocks > 0 ? max_blocks : 1;
     if (pairs < target_items && total_blocks > 0) {
         int64_t pb = (total_blocks * num_kv_heads + target_items - 1) / target_items;
-        /* At least ~512 tokens per part: a split costs a merge even when one thread runs it all,
-         * and below ~512 tokens a call is mostly under PA_MIN_PARALLEL_WORK (one thread) anyway. */
-        const int64_t min_pb = (512 + block_size - 1) / block_size;
+        /* At least ~128 tokens per part: a split costs a merge even when one thread runs it all.
+         * Smaller parts let one short sequence's kv heads spread over the threads (3 kv heads
+         * on 2 threads leave one idle a third of the time); SmolLM2 batch 1, ~300 tokens: parts
+         * of 512 / 256 / 128 / 64 tokens, 3.2 (one thread) / 2.7 / 2.4 / 2.6 ms of attention a step. */
+        const int64_t min_pb = (128 + block_size - 1) / block_size;
         if (pb < min_pb) pb = min_pb;
         if (pb < part_blocks) part_blocks = pb;
     }
