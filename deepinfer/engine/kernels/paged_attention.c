@@ -629,6 +629,11 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
     const float qmul = scale * PA_LOG2E;
     int err = PA_OK;
 
+    /* A thread takes all kv heads of one (sequence, part) at a time: their slices share the K/V
+     * rows, so the lines the first head pulls from memory (with their neighbours) serve the others
+     * from cache. SmolLM2 c=128, 400 tokens, fp16 K/V: 2.09 -> 1.99 ms a layer (fp32 3.09 -> 2.82).
+     * Which thread runs an item never changes its result. */
+    const int pa_chunk = (int)num_kv_heads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n_items > 1)
     {
         /* per-thread scratch: scaled q [G*D], acc [G*D], m [G], l [G], scores [G*bs] */
@@ -642,7 +647,7 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
         pa_geom gl = geom;
         int64_t b = 0; /* sequence of the current item (each thread sees increasing item numbers) */
 
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, pa_chunk)
         for (int64_t it = 0; it < n_items; ++it) {
             if (!buf) continue;
             if (it < item_start[b] || it >= item_start[b + 1]) {
