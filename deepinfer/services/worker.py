@@ -104,6 +104,7 @@ class WorkerService(Service):
         peers = set(decode_peers) if role == "prefill" else set()
         self.core = WorkerCore(instance, role, self.engine.kv_spec, peers, offer_blocks=kvcache is not None)
         self._pushes: dict[str, Any] = {}
+        self._stream_timer: asyncio.TimerHandle | None = None
         self._kv_router: Any = None
         self._kv_dealers: dict[str, Any] = {}
         self._thread: EngineThread | None = None
@@ -140,6 +141,9 @@ class WorkerService(Service):
             await self._publish_snapshot()
 
     async def on_stop(self) -> None:
+        if self._stream_timer is not None:
+            self._stream_timer.cancel()
+            self._stream_timer = None
         if self._thread is not None:
             self._thread.stop()
         if self.cache is not None:
@@ -260,6 +264,20 @@ class WorkerService(Service):
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self._apply(self.core.on_outputs(outputs, self.progress, time.monotonic()))
+        self._arm_stream_flush()
+
+    def _arm_stream_flush(self) -> None:
+        """Tokens held for the stream interval go out when it ends even if no step comes first (a step
+        slower than the interval, the engine going idle)."""
+        if self.core.stream and self._stream_timer is None:
+            self._stream_timer = asyncio.get_running_loop().call_later(self.core.stream.interval_s,
+                                                                       self._stream_timer_fired)
+
+    def _stream_timer_fired(self) -> None:
+        self._stream_timer = None
+        if self.core.stream.due(time.monotonic()):
+            self._apply(self.core.stream_flush(self.progress, time.monotonic()))
+        self._arm_stream_flush()
 
     def _replies_from(self, peer: str) -> dict[type, Handler]:
         async def on_reply(reply: m.KvReserveReply | m.KvAck) -> None:

@@ -27,6 +27,7 @@ from deepinfer.protocol.messages import (
     PrefillDone,
     PrefillJob,
 )
+from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S, StreamCoalescer
 from deepinfer.services.wire import to_wire_logprobs, to_wire_prompt_logprobs
 
 HANDOFF_TIMEOUT_S = 30.0  # the most a prefill worker waits for each of the decode worker's replies
@@ -191,6 +192,7 @@ class Track:
     fetch_s: float = 0.0  # spent loading cached blocks from the cache daemon
     handoff: Handoff | None = None
     prompt_logprobs_sent: bool = False  # the request's first DetokenizeItem carried them (they go once)
+    streamed: bool = False  # some of its tokens went to the tokenizer (later ones may be held: StreamCoalescer)
 
 
 # -- the core ------------------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ class WorkerCore:
 
     def __init__(self, instance: str, role: str, kv: KvSpec, decode_peers: set[str] | frozenset[str], *,
                  offer_blocks: bool = False, handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
-                 lease_s: float = LEASE_S) -> None:
+                 lease_s: float = LEASE_S, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
         self.instance = instance
         self.role = role
         self.kv = kv  # the engine's KV: a KvTransfer names its layout, and a decode worker takes only its own
@@ -235,6 +237,7 @@ class WorkerCore:
         self.handoffs_failed: Counter[HandoffFailure] = Counter()
         self.stale = 0  # replies and export results for handoffs no longer awaiting them
         self._tracks: dict[str, Track] = {}
+        self.stream = StreamCoalescer(stream_interval_s)  # tokens on their way to the tokenizers
 
     def __len__(self) -> int:
         return len(self._tracks)
@@ -291,10 +294,11 @@ class WorkerCore:
     # -- the engine's outputs ------------------------------------------------------------------------
 
     def on_outputs(self, outputs: list[RequestOutput], step: int, now: float) -> list[Action]:
-        """One engine step's outputs: one DetokenizeBatch per tokenizer (after any other message of the
-        step), PrefillDone with a job's first token, ErrorReply for an engine error, handoffs started."""
+        """One engine step's outputs: PrefillDone with a job's first token, ErrorReply for an engine error,
+        handoffs started; then the new tokens, one DetokenizeBatch per tokenizer, unless they may wait for
+        the stream interval (`stream_flush`; see stream_coalescer.py: first tokens and finishes never wait)."""
         actions: list[Action] = []
-        batches: dict[str, list[DetokenizeItem]] = {}
+        urgent = False
         for out in outputs:
             rid = out.request_id
             track = self._tracks.get(rid)
@@ -313,19 +317,35 @@ class WorkerCore:
             prompt_logprobs = None
             if out.prompt_logprobs is not None and not track.prompt_logprobs_sent:
                 prompt_logprobs, track.prompt_logprobs_sent = to_wire_prompt_logprobs(out.prompt_logprobs), True
-            batches.setdefault(track.detokenizer, []).append(DetokenizeItem(
+            self.stream.add(track.detokenizer, DetokenizeItem(
                 rid, track.sent, list(out.new_token_ids), out.finished,
                 out.finish_reason.value if out.finish_reason else None,
                 to_wire_logprobs(out.new_logprobs),  # one per new token: the step's own
                 prompt_logprobs=prompt_logprobs,
                 spec_proposed_tokens=out.usage.spec_proposed_tokens,
                 spec_accepted_tokens=out.usage.spec_accepted_tokens))
+            urgent |= out.finished or (not track.streamed and bool(out.new_token_ids))
             track.sent += len(out.new_token_ids)
+            track.streamed |= bool(out.new_token_ids)
             if out.finished:
                 del self._tracks[rid]
                 if self.offer_blocks and out.block_hashes:
                     actions.append(OfferBlocks(rid, list(out.block_hashes)))
-        actions += [ToTokenizer(tok, DetokenizeBatch(self.instance, step, items)) for tok, items in batches.items()]
+        if urgent or self.stream.due(now):
+            actions += self.stream_flush(step, now)
+        return actions
+
+    def stream_flush(self, step: int, now: float) -> list[Action]:
+        """Send every held item (the shell calls this when the interval has passed and no step did). Items
+        of requests that ended meanwhile without a finished item (aborted, failed) are dropped: nothing is
+        sent about a request after it ended."""
+        if not self.stream:
+            return []
+        actions: list[Action] = []
+        for tok, items in self.stream.take(now).items():
+            live = [it for it in items if it.finished or it.request_id in self._tracks]
+            if live:
+                actions.append(ToTokenizer(tok, DetokenizeBatch(self.instance, step, live)))
         return actions
 
     def _prefill_done(self, out: RequestOutput, track: Track, now: float) -> PrefillDone:
@@ -443,7 +463,7 @@ class WorkerCore:
             prompt, resumed = split_resumed(t.token_ids, t.num_output_tokens)
         except ValueError as exc:
             return self._refuse(identity, t, str(exc))
-        self._tracks[t.request_id] = Track(t.detokenizer, sent=len(resumed) + 1)
+        self._tracks[t.request_id] = Track(t.detokenizer, sent=len(resumed) + 1, streamed=True)
         # The first token goes to the tokenizer before the engine can produce the second: the shell performs
         # these in order, and one PUSH socket per tokenizer keeps them in order. It carries the prefill
         # worker's logprob of that token and the prompt's logprobs, when the request asked for them.
