@@ -71,7 +71,7 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
             decode_peers={w.name: w.kv for w in topology.workers if w.role in ("decode", "worker")},
             tokenizers={t.name: t.detok for t in topology.tokenizers},
             kvcache=(daemon.name, daemon.endpoint) if daemon is not None else None, auth=auth,
-            ep=spec.ep, ep_master=spec.ep_master,
+            ep=spec.ep, ep_master=spec.ep_master, stream_interval_s=spec.stream_interval_ms / 1000,
         )
     if role == "kvcache":
         k = topology.kvcache(name)

@@ -20,6 +20,7 @@ from deepinfer.engine.config import (
     MIN_SPECULATIVE_TOKENS,
     WEIGHTS_MODES,
 )
+from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S
 
 ROLES = ("prefill", "decode", "worker")
 KVCACHE_DIR_ENV = "DEEPINFER_KVCACHE_DIR"
@@ -87,6 +88,9 @@ class WorkerSpec:
     redundant_experts: int | None = None
     # How the engine holds projection weights (EngineConfig.weights): "auto", "native", "fp32" or "q8_0".
     weights: str = DEFAULT_WEIGHTS
+    # New tokens go to the tokenizers at most this often (a request's first tokens and its finish at once;
+    # services/stream_coalescer.py); 0: after every engine step.
+    stream_interval_ms: float = STREAM_INTERVAL_S * 1000
 
     def rank_device(self, rank: int) -> str:
         """The device rank `rank` runs on: "cuda" gives rank R cuda:R (a group takes devices 0..ep-1 of its
@@ -121,6 +125,12 @@ class WorkerSpec:
         """What is wrong with this worker's `weights` key, or None."""
         if self.weights not in WEIGHTS_MODES:
             return f"weights = {self.weights!r}: must be one of {', '.join(map(repr, WEIGHTS_MODES))}"
+        return None
+
+    def stream_problem(self) -> str | None:
+        """What is wrong with this worker's `stream_interval_ms`, or None."""
+        if not 0 <= self.stream_interval_ms <= 10_000:
+            return f"stream_interval_ms = {self.stream_interval_ms!r}: must be a number of milliseconds in [0, 10000]"
         return None
 
     def speculation_problem(self) -> str | None:

@@ -33,6 +33,7 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     ep = 1                                # expert parallelism: a group of N ranks, a process each (default 1;
     ep_master = "10.0.0.2:29500"          #   N > 1 needs this rendezvous, host:port, and no kvcache yet)
     redundant_experts = 2                 # MoE: extra expert replicas per layer (default: max(1, E // 8); 0: none)
+    stream_interval_ms = 50               # send new tokens at most this often (first tokens, finishes: at once)
     [[kvcache]]
     name = "kvcache-0"
     endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here
@@ -190,7 +191,7 @@ class Topology:
         for w in self.workers:
             if w.kvcache is not None and w.kvcache not in daemons:
                 raise TopologyError(f"worker {w.name}: no kvcache named {w.kvcache!r}")
-            problem = w.speculation_problem() or w.parallel_problem() or w.weights_problem()
+            problem = w.speculation_problem() or w.parallel_problem() or w.weights_problem() or w.stream_problem()
             if problem is not None:
                 raise TopologyError(f"worker {w.name}: {problem}")
         self._check_ep_masters()

@@ -52,6 +52,7 @@ from deepinfer.services.base import Handler, Service
 from deepinfer.services.cache_client import CacheClient
 from deepinfer.services.engine_thread import EngineThread, load_on_a_passing_thread
 from deepinfer.services.kv_events import KvEventPublisher
+from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S
 from deepinfer.services.wire import from_wire_logprob, to_engine_params
 from deepinfer.services.worker_core import (
     Abort,
@@ -84,7 +85,7 @@ class WorkerService(Service):
     def __init__(self, instance: str, role: str, backend: str, ctx: zmq.asyncio.Context, model: str,
                  config: EngineConfig, kv_bind: str | None, decode_peers: dict[str, str],
                  tokenizers: dict[str, str], kvcache: tuple[str, str] | None = None, ep: int = 1,
-                 ep_master: str = "", **kw: Any) -> None:
+                 ep_master: str = "", stream_interval_s: float = STREAM_INTERVAL_S, **kw: Any) -> None:
         if ep > 1 and kvcache is not None:
             raise ValueError("a worker group cannot use a cache daemon yet")
         # Rank 0 of a group waits here for every rank to join, then loads the model like each of them.
@@ -102,7 +103,8 @@ class WorkerService(Service):
         self.tokenizer_endpoints = tokenizers
         # Only a prefill worker opens DEALERs to decode peers, so only its handoffs may name one.
         peers = set(decode_peers) if role == "prefill" else set()
-        self.core = WorkerCore(instance, role, self.engine.kv_spec, peers, offer_blocks=kvcache is not None)
+        self.core = WorkerCore(instance, role, self.engine.kv_spec, peers, offer_blocks=kvcache is not None,
+                               stream_interval_s=stream_interval_s)
         self._pushes: dict[str, Any] = {}
         self._stream_timer: asyncio.TimerHandle | None = None
         self._kv_router: Any = None

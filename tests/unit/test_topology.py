@@ -147,6 +147,15 @@ def test_weights_and_kv_dtype_reach_every_service_and_read_back(tmp_path):
         load(tmp_path, MINIMAL + 'weights = "int4"\n')
 
 
+def test_stream_interval_reads_back_and_is_checked(tmp_path):
+    topo = load(tmp_path, MINIMAL + "stream_interval_ms = 0\n")
+    assert topo.workers[0].stream_interval_ms == 0.0 and load(tmp_path, topo.to_toml()) == topo
+    assert load(tmp_path, MINIMAL).workers[0].stream_interval_ms == 50.0  # the default
+    for bad in ("-1", "20000"):
+        with pytest.raises(TopologyError, match="stream_interval_ms = .*milliseconds"):
+            load(tmp_path, MINIMAL + f"stream_interval_ms = {bad}\n")
+
+
 # -- every table checked when read ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, match", [
@@ -237,7 +246,8 @@ def every_field(tmp_path: Path) -> Topology:
     worker: dict[str, Any] = dict(device="cuda", threads=3, kv_cache_mb=64, max_num_seqs=8,
                                   max_num_batched_tokens=256, prefix_caching=False,
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
-                                  ep=2, ep_master="10.0.0.3:29500", redundant_experts=3, weights="q8_0")
+                                  ep=2, ep_master="10.0.0.3:29500", redundant_experts=3, weights="q8_0",
+                                  stream_interval_ms=12.5)
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, move_timeout_s=9.0)
