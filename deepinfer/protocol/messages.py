@@ -167,7 +167,7 @@ class Timings:
 
 @record
 class DetokenizeItem:
-    """One request's new tokens from one decode step."""
+    """One request's new tokens from one decode step, or from consecutive steps merged (stream interval)."""
 
     request_id: str
     offset: int  # generated tokens before token_ids[0]: lets the tokenizer spot gaps and duplicates
@@ -392,8 +392,9 @@ class EncodeResult:
 
 @message(0x22)
 class DetokenizeBatch:
-    """Decode worker → the tokenizer named in each request's KvTransfer, once per engine step: the new
-    tokens of every request that gained any (a worker sends one batch per tokenizer per step)."""
+    """Decode worker → the tokenizer named in each request's KvTransfer: the new tokens of every request
+    that gained any, one batch per tokenizer, after each engine step or, for fast steps, at most once per
+    the worker's stream interval (first tokens and finishes go at once; services/stream_coalescer.py)."""
 
     worker: str
     step: int
