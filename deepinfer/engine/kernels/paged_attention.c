@@ -210,6 +210,22 @@ static inline float exp2_sub_sum(float *restrict x, int n, float m) {
     return s;
 }
 
+/* Fold one block's scores (n of them, log2 domain, block max bm) into a head's running softmax: a new
+ * max rescales the sum *l and the unnormalised accumulator ah [D]; then sc becomes 2^(sc - max) in
+ * place and its sum joins *l. */
+PA_INLINE void softmax_block(float *restrict sc, int n, float bm, float *restrict m, float *restrict l,
+                             float *restrict ah, int D) {
+    if (bm > *m) {
+        if (*m != -INFINITY) {
+            const float corr = exp2f(*m - bm);
+            *l *= corr;
+            for (int d = 0; d < D; ++d) ah[d] *= corr;
+        }
+        *m = bm;
+    }
+    *l += exp2_sub_sum(sc, n, *m);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* scores[j] = dot(q, k_j) for n rows k_j = k + j * tok_stride.                          */
 
@@ -588,16 +604,7 @@ PA_INLINE void attend_block_grouped(const pa_geom *g, const float *restrict qs, 
     for (int h = 0; h < G; ++h) {
         float *sc = scores + (size_t)h * bs;
         float *ah = acc + (size_t)h * D;
-        const float bm = max_n(sc, n);
-        if (bm > m[h]) {
-            if (m[h] != -INFINITY) {
-                const float corr = exp2f(m[h] - bm);
-                l[h] *= corr;
-                for (int d = 0; d < D; ++d) ah[d] *= corr;
-            }
-            m[h] = bm;
-        }
-        l[h] += exp2_sub_sum(sc, n, m[h]);
+        softmax_block(sc, n, max_n(sc, n), m + h, l + h, ah, D);
     }
     for (int h0 = 0, gi = 0, nh; h0 < G; h0 += nh, ++gi) {
         nh = group_heads(G - h0);
@@ -691,15 +698,7 @@ PA_INLINE void attend_range(const pa_geom *g, const float *restrict qs, const in
 #endif
                 bm = qk_scores_generic(qs + (size_t)h * D, kb, g->k_tok_stride, n, D, sc, half);
             float *ah = acc + (size_t)h * D;
-            if (bm > m[h]) {
-                if (m[h] != -INFINITY) {
-                    const float corr = exp2f(m[h] - bm);
-                    l[h] *= corr;
-                    for (int d = 0; d < D; ++d) ah[d] *= corr;
-                }
-                m[h] = bm;
-            }
-            l[h] += exp2_sub_sum(sc, n, m[h]);
+            softmax_block(sc, n, bm, m + h, l + h, ah, D);
 #if PA_AVX2
             if (vec)
                 pv_accum_avx2(sc, vb, g->v_tok_stride, n, D, ah, pfv ? kv_at(pfv, r0 * g->v_tok_stride, half) : NULL,
