@@ -44,6 +44,11 @@ class Op(enum.IntEnum):
     EXPERT_LOAD = 8  # (result: per-layer per-expert token counts since the last EXPERT_LOAD, or None)
     STAGE = 9  # placement dict: start loading that expert placement (expert_move.py); reports say when ready
     UNSTAGE = 10  # drop whatever placement is staged
+    # The cache daemon's blocks (group_cache.py):
+    IMPORT_CACHED = 11  # hashes, tier, keep_resident, [dtype, shape]   (result: blocks imported; the KV follows
+    #                     from the leader, before it is applied)
+    EXPORT_CACHED = 12  # hashes   (result: [present hashes, [dtype, shape] or None]; the KV follows to the leader)
+    RESET_CACHE = 13  # (result: how many cached names were forgotten)
 
 
 Command = list[Any]
@@ -201,6 +206,27 @@ def kv_from_meta(meta: list[Any]) -> tuple[torch.dtype, tuple[int, ...]]:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown KV dtype {meta[0]!r}")
     return dtype, tuple(meta[1])
+
+
+def kv_in_meta(command: Command) -> list[Any] | None:
+    """The meta of the KV the leader sends after the round for this command (None: it sends none)."""
+    if command[0] == Op.INSTALL:
+        return command[5]
+    if command[0] == Op.IMPORT_CACHED:
+        return command[4]
+    return None
+
+
+def kv_out_meta(command: Command, result: Any) -> list[Any] | None:
+    """The meta of the KV a follower sends after its report for this command and its result (None: none).
+    Both sides decide with this, so each KV frame is sent exactly when it is expected."""
+    if isinstance(result, list) and len(result) == 3 and result[0] == _ERROR_TAG:
+        return None
+    if command[0] == Op.EXPORT:
+        return result
+    if command[0] == Op.EXPORT_CACHED:
+        return result[1]
+    return None
 
 
 def _pack(value: Any) -> bytes:

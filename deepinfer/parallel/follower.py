@@ -6,8 +6,8 @@ It joins the group (rendezvous `ep_master`), loads the same model with the same 
 leader (its share of the threads), says Hello (what the leader checks is the same on every rank), then
 serves rounds until told to stop:
 
-    receive Round → receive install KV → [switch placement] → apply my commands → [engine.step()] → report
-    → send exported KV
+    receive Round → receive install/import KV → [switch placement] → apply my commands → [engine.step()]
+    → report → send exported KV (a handoff's, or cached blocks for the cache daemon)
 
 Each command's result goes back in the report at its position; a command that raises answers with the
 error (the leader raises it again as the engine's type) and the engine is left as the call left it.
@@ -39,6 +39,7 @@ from deepinfer.parallel.control import (
     engine_stats,
     error_result,
     kv_from_meta,
+    kv_in_meta,
     kv_meta,
 )
 from deepinfer.parallel.group_engine import build_engine, take_expert_counts
@@ -74,8 +75,9 @@ class Follower:
     def _serve_round(self, rnd: Round) -> bool:
         engine = self.engine
         mine = rnd.commands[self.rank] if rnd.commands else []
-        # The leader sends install KV right after the round, in command order: take it all before applying.
-        kvs = {i: self.channel.recv_kv(0, *kv_from_meta(c[5])) for i, c in enumerate(mine) if c[0] == Op.INSTALL}
+        # The leader sends install/import KV right after the round, in command order: take it all before applying.
+        metas = {i: kv_in_meta(c) for i, c in enumerate(mine)}
+        kvs = {i: self.channel.recv_kv(0, *kv_from_meta(meta)) for i, meta in metas.items() if meta is not None}
         if rnd.switch is not None:  # before the commands and the step, as on every rank (a failure breaks the group)
             engine.switch_placement(rnd.switch)
         exports: list[torch.Tensor] = []
@@ -125,6 +127,18 @@ class Follower:
                     return None
                 case Op.EXPERT_LOAD:
                     return [take_expert_counts(e), e.expert_computed()]
+                case Op.IMPORT_CACHED:
+                    hashes, tier, keep_resident, _ = args
+                    assert kv is not None
+                    return e.import_cached_blocks(hashes, kv, tier, keep_resident)
+                case Op.EXPORT_CACHED:
+                    names, blocks = e.export_cached_blocks(args[0])
+                    if blocks is None:
+                        return [names, None]
+                    exports.append(blocks)
+                    return [names, kv_meta(blocks)]
+                case Op.RESET_CACHE:
+                    return e.reset_prefix_cache()
                 case Op.STAGE:
                     self._stage_error = None
                     try:

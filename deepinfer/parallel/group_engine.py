@@ -30,6 +30,10 @@ prefix cache, among ranks within `AFFINITY_SLACK` requests of the least loaded; 
 most free blocks. A KV reservation goes to the rank with the most free blocks, and the install that
 follows to the rank holding the reservation.
 
+Cache daemon (group_cache.py; only rank 0 talks to it): a request whose prefix is fetched is routed first
+(`cache_route`: the placement above, decided once), its lookup and import go to that rank, and its
+`add_request` takes that rank; write-behind exports come from the rank whose KV events named each block.
+
 Expert placement moves (`begin_placement`, `take_placement_results`): `PlacementMoves` in expert_move.py
 keeps the books; a round carries `switch` once every rank has staged the new placement, and every rank
 switches before that round's step.
@@ -82,9 +86,11 @@ from deepinfer.parallel.control import (
     engine_load,
     kv_from_meta,
     kv_meta,
+    kv_out_meta,
     raise_if_error,
 )
 from deepinfer.parallel.expert_move import MoveResult, PlacementMoves
+from deepinfer.parallel.group_cache import GroupCache, RankCache
 from deepinfer.parallel.placement import ExpertPlacement
 
 __all__ = ["GroupBroken", "GroupEngine", "build_engine"]
@@ -164,6 +170,7 @@ class GroupEngine:
         self._last_round = time.monotonic()
         self._last_tokens = [0] * self.size  # tokens_computed at the last expert-load report
         self._moves = PlacementMoves(local, self.size, lambda rank, command: self._queued[rank].append(command))
+        self.cache = GroupCache(self)
 
     @classmethod
     def start(cls, model: str, config: EngineConfig, size: int, master: str) -> GroupEngine:
@@ -197,7 +204,9 @@ class GroupEngine:
             raise InvalidRequestError("a group takes token ids under a request id")
         prompt_ids, resumed = list(prompt), list(resume_output_ids)
         self._check_id_free(request_id)
-        rank = self._place(prompt_ids + resumed, cache_salt)
+        rank = self.cache.take_route(request_id)  # where its cached prefix was looked up and imported
+        if rank is None:
+            rank = self._place(prompt_ids + resumed, cache_salt)
         if rank == 0:
             self.local.add_request(request_id, prompt_ids, params, priority, prefill_only=prefill_only,
                                    cache_salt=cache_salt, resume_output_ids=resumed)
@@ -214,6 +223,7 @@ class GroupEngine:
         """As LLMEngine.abort, on the rank that has it. A follower's abort is applied with the next round;
         True when something of that id was live there."""
         self._check()
+        self.cache.drop_route(request_id)
         cancelled = self.cancel_reservation(request_id)
         rank = self._owner.get(request_id)
         if rank is None:
@@ -253,6 +263,25 @@ class GroupEngine:
     def live_ids(self) -> set[str]:
         """Every id something is kept under, on any rank: requests, held requests, reservations."""
         return {*self._owner, *self._reserved}
+
+    # -- the cache daemon's calls (group_cache.py) ----------------------------------------------
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+        """The chain hashes of the full blocks of `token_ids` (every rank names blocks alike)."""
+        return self.local.block_hashes(token_ids, cache_salt)
+
+    def cache_route(self, request_id: str, hashes: Sequence[BlockHash]) -> RankCache:
+        """Place request `request_id` (its prompt's chain `hashes`) now: its cached-prefix lookup and import
+        go through the returned view, and its `add_request` goes to the same rank."""
+        return self.cache.route(request_id, hashes)
+
+    def export_cached_blocks(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], torch.Tensor | None]:
+        """As LLMEngine.export_cached_blocks, each block from a rank holding it (write-behind)."""
+        return self.cache.export(hashes)
+
+    def reset_prefix_cache(self) -> int:
+        """As LLMEngine.reset_prefix_cache, on every rank."""
+        return self.cache.reset()
 
     # -- prefill side of a handoff ------------------------------------------------------------
 
@@ -439,11 +468,15 @@ class GroupEngine:
         return [engine_load(self.local), *self._loads[1:]]
 
     def _place(self, token_ids: list[int], cache_salt: str | None) -> int:
+        return self._place_chain(self.local.block_hashes(token_ids, cache_salt) if self._holders else [])
+
+    def _place_chain(self, hashes: list[BlockHash]) -> int:
         loads = self._rank_loads()
-        busy = [loads[r].running + loads[r].waiting + self._queued_adds[r] for r in range(self.size)]
+        routed = self.cache.routed()  # placed by a cache route, not added yet
+        busy = [loads[r].running + loads[r].waiting + self._queued_adds[r] + routed[r] for r in range(self.size)]
         cached = [0] * self.size
         if self._holders:
-            for h in self.local.block_hashes(token_ids, cache_salt):
+            for h in hashes:
                 holders = [r for r in range(self.size) if h in self._hashes[r]]
                 if not holders:
                     break
@@ -490,8 +523,8 @@ class GroupEngine:
             exported: dict[tuple[int, int], torch.Tensor] = {}
             for r in range(1, self.size):  # each follower sends its exports after its report, in command order
                 for i, (command, result) in enumerate(zip(commands[r], reports[r].results)):
-                    if command[0] == Op.EXPORT and not _is_error(result):
-                        exported[(r, i)] = self.channel.recv_kv(r, *kv_from_meta(result))
+                    if (meta := kv_out_meta(command, result)) is not None:
+                        exported[(r, i)] = self.channel.recv_kv(r, *kv_from_meta(meta))
         except Exception as exc:  # a round half done leaves the ranks out of step: the group is over
             self._break(exc if isinstance(exc, GroupBroken) else GroupBroken(f"round failed: {exc!r}"))
         for r, report in reports.items():

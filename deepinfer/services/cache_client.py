@@ -7,7 +7,9 @@ path with a bounded number of stores in flight; past that, blocks are simply not
 always forget).
 
 The engine is touched only through `EngineThread.call`; the hashes used for lookups are the engine's
-own chain over the request's tokens, so a block fetched here is one this engine would compute.
+own chain over the request's tokens, so a block fetched here is one this engine would compute. A worker
+group's lookup and import go to the rank the request will be placed on (`GroupEngine.cache_route`, which
+places it then), its write-behind exports to the ranks holding the blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import structlog
 import torch
 
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.parallel.group_cache import RankCache
+from deepinfer.parallel.group_engine import GroupEngine
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import ClientAuth
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
@@ -33,6 +37,8 @@ REPLY_SLACK_S = 1.0  # on top of a deadline, for the wire and the daemon's queue
 STORE_TIMEOUT_S = 10.0
 PROBE_PERIOD_S = 1.0
 MAX_STORES_IN_FLIGHT = 4
+
+PrefixTarget = LLMEngine | RankCache  # what a request's lookup and import go to (a group: one rank)
 
 
 @dataclass
@@ -49,7 +55,7 @@ class CacheClientStats:
 
 
 class CacheClient:
-    def __init__(self, instance: str, endpoint: str, ctx: Any, engine: LLMEngine, thread: EngineThread,
+    def __init__(self, instance: str, endpoint: str, ctx: Any, engine: LLMEngine | GroupEngine, thread: EngineThread,
                  auth: ClientAuth | None = None) -> None:
         self.instance = instance
         self.engine = engine
@@ -142,7 +148,7 @@ class CacheClient:
             self.stats.skipped_down += 1
             return 0.0, None
         t0 = time.monotonic()
-        have = await self.thread.call(lambda: self.engine.cached_prefix_blocks(hashes))
+        target, have = await self.thread.call(lambda: self._lookup(request_id, hashes))
         if have == len(hashes):
             return time.monotonic() - t0, None
         self.stats.fetches += 1
@@ -172,16 +178,24 @@ class CacheClient:
             self.stats.fetch_misses += 1
             return time.monotonic() - t0, None
         self.stats.fetched_blocks += len(got)
-        return time.monotonic() - t0, lambda: self._import(hashes[:have], got, tiers, blocks)
+        return time.monotonic() - t0, lambda: self._import(target, hashes[:have], got, tiers, blocks)
 
-    def _import(self, head: list[bytes], hashes: list[bytes], tiers: list[str], blocks: list[torch.Tensor]) -> int:
+    def _lookup(self, request_id: str, hashes: list[bytes]) -> tuple[PrefixTarget, int]:
+        """On the engine thread: what the request's lookup and import go to (a group places the request
+        now, on one rank), and how many leading `hashes` it holds on the device."""
+        engine = self.engine
+        target = engine.cache_route(request_id, hashes) if isinstance(engine, GroupEngine) else engine
+        return target, target.cached_prefix_blocks(hashes)
+
+    def _import(self, target: PrefixTarget, head: list[bytes], hashes: list[bytes], tiers: list[str],
+                blocks: list[torch.Tensor]) -> int:
         """On the engine thread: import each run of blocks that came from the same tier, holding the chain
         before it (the device-resident head, earlier runs) so an import cannot evict its own prefix."""
         imported, start = 0, 0
         for i in range(1, len(tiers) + 1):
             if i == len(tiers) or tiers[i] != tiers[start]:
-                n = self.engine.import_cached_blocks(hashes[start:i], blocks[start:i], tiers[start],
-                                                     keep_resident=head)
+                n = target.import_cached_blocks(hashes[start:i], blocks[start:i], tiers[start],
+                                                keep_resident=head)
                 imported += n
                 if n < i - start:
                     break  # the pool is full or the head is gone: the rest could not be reached
