@@ -13,6 +13,9 @@ Qwen2-MoE. Their sparse layers hold `ffn_gate_inp` (the router), the experts fus
 `ffn_gate.{e}` names of older Mixtral files are read too) and, for Qwen2-MoE, the shared expert
 `ffn_gate_shexp`/`ffn_up_shexp`/`ffn_down_shexp` with its gate `ffn_gate_inp_shexp`. A layer that
 has `ffn_gate` instead of a router is dense.
+
+DeepSeek-V2/V2-Lite/V3 files (`deepseek2`: latent attention, DeepSeek routing) are read by
+`gguf_deepseek.py`; their tensor names are in `_MLA_NAMES` below.
 """
 
 from __future__ import annotations
@@ -57,13 +60,26 @@ _MOE_NAMES = {
 }
 _FUSED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                   "ffn_down_exps.weight": "down_proj"}
+# Latent attention and DeepSeek routing (deepseek2 files). `attn_k_b`/`attn_v_b` are kv_b_proj split per
+# head; gguf_deepseek.join_kv_b turns the pair back into `kv_b_proj`.
+_MLA_NAMES = {
+    "attn_q_a.weight": "q_a_proj",
+    "attn_q_a_norm.weight": "q_a_norm",
+    "attn_q_b.weight": "q_b_proj",
+    "attn_kv_a_mqa.weight": "kv_a_proj",
+    "attn_kv_a_norm.weight": "kv_a_norm",
+    "attn_kv_b.weight": "kv_b_proj",
+    "attn_k_b.weight": "k_b_proj",
+    "attn_v_b.weight": "v_b_proj",
+    "exp_probs_b.bias": "router_bias",
+}
 _SPLIT_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # blk.N.ffn_gate.E.weight
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens",
     "output_norm.weight": "norm",
     "output.weight": "lm_head",
 }
-_ARCHITECTURES = ("llama", "qwen2", "qwen2moe")
+_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "deepseek2")
 _ROPE_TYPES = {"linear": "linear", "yarn": "yarn"}
 
 
@@ -178,13 +194,49 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         raise ConfigError(f"GGUF architecture {arch!r} is not supported; supported: {supported}")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ConfigError("GGUF rope_freqs.weight (llama3-style rope scaling) is not supported")
+    if arch == "deepseek2":
+        from deepinfer.engine.gguf_deepseek import deepseek_config  # that module imports this one
+
+        return deepseek_config(reader)
 
     def key(name: str, default: Any = None) -> Any:
         return metadata(reader, f"{arch}.{name}", default)
 
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
+    hidden = required(reader, arch, "embedding_length")
+    heads = required(reader, arch, "attention.head_count")
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
+    names = {t.name for t in reader.tensors}
+    moe = _moe_config(reader, arch, names)
+    architecture = arch if moe is None else {"llama": "mixtral", "qwen2moe": "qwen2_moe"}[arch]
+    if moe is None and arch == "qwen2moe":
+        raise ConfigError("GGUF qwen2moe file has no qwen2moe.expert_count")
+    return ModelConfig(
+        architecture=architecture,
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        attention_bias="blk.0.attn_q.bias" in names,
+        moe=moe,
+        **common_config_fields(reader, arch),
+    )
+
+
+def required(reader: GGUFReader, arch: str, name: str) -> int:
+    """The integer metadata value `{arch}.{name}`; ConfigError naming the key when the file lacks it."""
+    value = metadata(reader, f"{arch}.{name}")
+    if value is None:
+        raise ConfigError(f"GGUF {arch} file has no {arch}.{name}")
+    return int(value)
+
+
+def common_config_fields(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """The `ModelConfig` fields every architecture reads the same way: sizes, norm epsilon, rope base and
+    scaling, context length, vocabulary (`vocab_size`, else the token list, else the embedding's rows),
+    tied embeddings (no `output.weight`) and the special token ids."""
+
+    def key(name: str, default: Any = None) -> Any:
+        return metadata(reader, f"{arch}.{name}", default)
+
     vocab = key("vocab_size")
     if vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -195,29 +247,18 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         if token is not None and int(token) not in eos_ids:
             eos_ids.append(int(token))
     bos = metadata(reader, "tokenizer.ggml.bos_token_id")
-    names = {t.name for t in reader.tensors}
-    moe = _moe_config(reader, arch, names)
-    architecture = arch if moe is None else {"llama": "mixtral", "qwen2moe": "qwen2_moe"}[arch]
-    if moe is None and arch == "qwen2moe":
-        raise ConfigError("GGUF qwen2moe file has no qwen2moe.expert_count")
-    return ModelConfig(
-        architecture=architecture,
+    return dict(
         vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(head_dim),
+        hidden_size=required(reader, arch, "embedding_length"),
+        intermediate_size=required(reader, arch, "feed_forward_length"),
+        num_layers=required(reader, arch, "block_count"),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
+        rope_scaling=rope_scaling_from_gguf(reader, arch),
         max_position_embeddings=int(key("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
-        moe=moe,
     )
 
 
@@ -247,7 +288,7 @@ def _moe_config(reader: GGUFReader, arch: str, names: set[str]) -> MoEConfig | N
     )
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+def rope_scaling_from_gguf(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
     kind = metadata(reader, f"{arch}.rope.scaling.type")
     factor = metadata(reader, f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
@@ -284,6 +325,8 @@ def gguf_to_our_name(gguf_name: str) -> str:
             return f"layers.{layer}.{_LAYER_NAMES[rest]}"
         if rest in _MOE_NAMES:
             return f"layers.{layer}.{_MOE_NAMES[rest]}"
+        if rest in _MLA_NAMES:
+            return f"layers.{layer}.{_MLA_NAMES[rest]}"
         if rest in _FUSED_EXPERTS:
             return f"layers.{layer}.experts.*.{_FUSED_EXPERTS[rest]}"
         split = rest.split(".")
@@ -299,7 +342,8 @@ def load_gguf(source: GGUFReader | str | os.PathLike[str],
     blocks, as a `PackedWeight` (its rows reordered like the fp32 ones: a row is whole blocks)."""
     reader = source if isinstance(source, GGUFReader) else open_gguf(source)
     config = config_from_gguf(reader)
-    permuted = metadata(reader, "general.architecture") == "llama"  # Mixtral files too
+    arch = metadata(reader, "general.architecture")
+    permuted = arch == "llama"  # Mixtral files too; deepseek2 keeps Hugging Face's row order
     state: dict[str, Any] = {}
     for tensor in reader.tensors:
         name = gguf_to_our_name(tensor.name)
@@ -329,4 +373,8 @@ def load_gguf(source: GGUFReader | str | os.PathLike[str],
                 state[name.replace("*", str(e))] = w
         else:
             state[name] = whole
+    if arch == "deepseek2":
+        from deepinfer.engine.gguf_deepseek import join_kv_b
+
+        join_kv_b(state, config)
     return config, state
