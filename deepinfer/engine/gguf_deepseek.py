@@ -39,6 +39,7 @@ from deepinfer.engine.config import ConfigError, MLAConfig, ModelConfig, MoEConf
 from deepinfer.engine.gguf import (
     UnsupportedWeightError,
     common_config_fields,
+    gguf_to_our_name,
     metadata,
     required,
     rope_scaling_from_gguf,
@@ -52,6 +53,7 @@ YARN_LOG_MUL_UNIT = 0.1  # llama.cpp's converter stores 0.1 · mscale_all_dim
 def deepseek_config(reader: GGUFReader) -> ModelConfig:
     """The `ModelConfig` of a deepseek2 file: `deepseek_v3` for sigmoid gating, `deepseek_v2` otherwise."""
     shapes = {t.name: tuple(reversed([int(d) for d in t.shape])) for t in reader.tensors}
+    _check_names(shapes)
     common = common_config_fields(reader, ARCH)
     heads = required(reader, ARCH, "attention.head_count")
     kv_heads = int(_key(reader, "attention.head_count_kv", heads))
@@ -75,6 +77,16 @@ def deepseek_config(reader: GGUFReader) -> ModelConfig:
 
 def _key(reader: GGUFReader, name: str, default: Any = None) -> Any:
     return metadata(reader, f"{ARCH}.{name}", default)
+
+
+def _check_names(shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor has a place in a DeepSeek model (an attention bias, say, has none in llama.cpp's
+    deepseek2 either), so that an unknown file is refused before its weights are read."""
+    for name in shapes:
+        try:
+            gguf_to_our_name(name)
+        except UnsupportedWeightError:
+            raise ConfigError(f"GGUF deepseek2: tensor {name!r} has no place in a DeepSeek model") from None
 
 
 def _mla_config(reader: GGUFReader) -> MLAConfig:

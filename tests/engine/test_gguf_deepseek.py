@@ -359,6 +359,36 @@ def test_inconsistent_deepseek2_files_are_refused(saved, tmp_path, variant, edit
         load_model_weights(tmp_path / "bad.gguf")
 
 
+def _add_tensor(name: str, array: np.ndarray) -> Callable[[dict[str, Any], dict[str, np.ndarray]], None]:
+    return lambda meta, tensors: tensors.__setitem__(name, array)
+
+
+def test_unknown_tensor_is_refused_by_name(saved, tmp_path):  # type: ignore[no-untyped-def]
+    _, hf_dir = saved("v3-plain-q")
+    bias = _add_tensor("blk.0.attn_output.bias", np.zeros(64, np.float32))
+    write_deepseek_gguf(tmp_path / "bias.gguf", hf_dir, edit=bias)
+    with pytest.raises(ConfigError, match=r"'blk\.0\.attn_output\.bias' has no place"):
+        load_model_weights(tmp_path / "bias.gguf")
+
+
+def test_routing_keys_older_and_optional(saved, tmp_path):  # type: ignore[no-untyped-def]
+    """No expert_gating_func (older V2 files): softmax, as llama.cpp defaults. expert_weights_norm set on a
+    softmax file: renormalised top-k weights, as llama.cpp computes them (no transformers oracle: its V2
+    ignores the flag). No expert_group_count: greedy."""
+    _, hf_dir = saved("v2-softmax")
+    reference = load_model_weights(hf_dir).config
+    write_deepseek_gguf(tmp_path / "old.gguf", hf_dir, split=False, edit=_drop("deepseek2.expert_gating_func"))
+    assert load_gguf(tmp_path / "old.gguf")[0] == reference
+
+    def norm_no_groups(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
+        meta["deepseek2.expert_weights_norm"] = (True, V.BOOL)
+        del meta["deepseek2.expert_group_count"], meta["deepseek2.expert_group_used_count"]
+
+    write_deepseek_gguf(tmp_path / "norm.gguf", hf_dir, edit=norm_no_groups)
+    moe = load_gguf(tmp_path / "norm.gguf")[0].moe
+    assert (moe.scoring, moe.topk_method, moe.n_group, moe.norm_topk_prob) == ("softmax", "greedy", 1, True)
+
+
 def test_packed_weights_stay_refused_for_latent_attention(saved, tmp_path):  # type: ignore[no-untyped-def]
     _, hf_dir = saved("v3-plain-q")
     write_deepseek_gguf(tmp_path / "q8.gguf", hf_dir, qtype=T.Q8_0)
