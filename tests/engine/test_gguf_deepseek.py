@@ -275,6 +275,20 @@ def test_f32_gguf_loads_exactly_like_the_hf_directory(saved, tmp_path, variant, 
     assert ours.fingerprint == theirs.fingerprint
 
 
+def test_whole_kv_b_wins_over_a_split_pair_beside_it(saved, tmp_path):  # type: ignore[no-untyped-def]
+    """A file holding attn_kv_b and attn_k_b/attn_v_b: the whole tensor is the converter's input, used as is."""
+    _, hf_dir = saved("v3-plain-q")
+    heads, c, n, v = (COMMON[k] for k in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
+
+    def add_zero_pairs(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
+        for i in range(COMMON["num_hidden_layers"]):
+            tensors[f"blk.{i}.attn_k_b.weight"] = np.zeros((heads, c, n), np.float32)
+            tensors[f"blk.{i}.attn_v_b.weight"] = np.zeros((heads, v, c), np.float32)
+
+    write_deepseek_gguf(tmp_path / "both.gguf", hf_dir, split=False, edit=add_zero_pairs)
+    assert load_model_weights(tmp_path / "both.gguf").fingerprint == load_model_weights(hf_dir).fingerprint
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_from_gguf_matches_transformers(saved, tmp_path, variant, mode):  # type: ignore[no-untyped-def]
