@@ -9,9 +9,8 @@ machine's threads; EP=2 is two spawned processes (gloo over tcp on 127.0.0.1), e
 layer's experts, owning half of the requests and half of the threads; they step in lockstep (a rank with
 nothing scheduled joins the all-to-alls with an empty batch). Both arms run the same prompts — windows of
 deepinfer/data/moe_eval.txt, a real text — greedy, `ignore_eos`, the same `max_tokens`, so they generate the
-same number of tokens. The run checks the token ids: EP=2 must equal EP=1, or where a request differs, equal
-EP=1 with its experts' outputs summed in EP's order (see `RankOrderExperts`: a rounding difference can flip
-a near-tie in a later layer's routing), else the run stops as a bug.
+same number of tokens. The run checks the token ids: EP=2 must equal EP=1 (the executor adds each token's
+expert outputs in EP=1's order whatever rank computed them), else the run stops as a bug.
 
 Per step (summed over a run, divided by the lockstep steps; under EP=2 the rank that waited least in the
 all-to-alls, whose time there is communication, not waiting — the other rank's extra is printed as "wait"):
@@ -47,12 +46,11 @@ from deepinfer.engine.derive_moe import EVAL_TEXT
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.fetch import resolve_model
 from deepinfer.engine.kv_spec import KvSpec
-from deepinfer.engine.models.moe import moe_blocks, run_experts
+from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import load_model_weights
 from deepinfer.parallel.group import init_ep_group
-from deepinfer.parallel.placement import ExpertPlacement
 
 PROMPT_TOKENS = 96  # each prompt: a window of this many tokens of the text, windows starting 37 tokens apart
 
@@ -79,28 +77,6 @@ class ArmResult:
 
     def per_step(self, seconds: float) -> float:
         return 1e3 * seconds / max(1, self.steps)
-
-
-class RankOrderExperts:
-    """EP=1, untimed: every expert local, but the routed output summed as an EP group of `ranks` sums it —
-    each rank's share (static placement) summed on its own, then the shares added in rank order. Floating
-    point addition is not associative, and a rounding difference can flip a near-tie between two experts'
-    router scores in a later layer, which changes that token's output discretely; an EP group must equal
-    this reference exactly (while it may differ from the plain single-process sum)."""
-
-    def __init__(self, inner: Any, layer: int, ranks: int) -> None:
-        self.inner = inner
-        placement = ExpertPlacement.static(layer + 1, inner.bank.num_experts, ranks)
-        self.shares = [inner.bank.subset(placement.experts_on(layer, r)) for r in range(ranks)]
-
-    def __call__(self, x: torch.Tensor, routing: Any) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for share in self.shares:
-            out = out + run_experts(x, routing, share)
-        return out
-
-    def take_counts(self) -> torch.Tensor:
-        return self.inner.take_counts()
 
 
 class TimedExperts:
@@ -133,9 +109,8 @@ def engine_config(threads: int, concurrency: int) -> EngineConfig:
 
 
 def run_rank(rank: int, size: int, master: str, model: str, concurrency: int, max_tokens: int,
-             threads: int, queue: Any, rank_order: int = 0) -> None:
-    """One arm's rank (size 1: the whole EP=1 arm; with `rank_order` N, summing experts as N ranks do).
-    Puts its partial ArmResult on `queue`."""
+             threads: int, queue: Any) -> None:
+    """One arm's rank (size 1: the whole EP=1 arm). Puts its partial ArmResult on `queue`."""
     torch.set_num_threads(threads)
     loaded = load_model_weights(model)
     tokenizer = Tokenizer.load(model)
@@ -143,11 +118,9 @@ def run_rank(rank: int, size: int, master: str, model: str, concurrency: int, ma
     engine = LLMEngine(loaded, tokenizer, engine_config(threads, concurrency), ep_group=group)
     timed: list[TimedExperts] = []
     if group is None:
-        for layer, block in enumerate(moe_blocks(engine.runner.model)):
-            block.experts = RankOrderExperts(block.experts, layer, rank_order) if rank_order else \
-                TimedExperts(block.experts)
-            if isinstance(block.experts, TimedExperts):
-                timed.append(block.experts)
+        for block in moe_blocks(engine.runner.model):
+            block.experts = TimedExperts(block.experts)
+            timed.append(block.experts)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     mine = [(i, p) for i, p in enumerate(prompts(tokenizer, concurrency)) if i % size == rank]
     for i, p in mine:
@@ -189,13 +162,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_arm(model: str, size: int, concurrency: int, max_tokens: int, cores: int, rank_order: int = 0) -> ArmResult:
+def run_arm(model: str, size: int, concurrency: int, max_tokens: int, cores: int) -> ArmResult:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     master = f"127.0.0.1:{free_port()}"
     threads = max(1, cores // size)
     procs = [ctx.Process(target=run_rank,
-                         args=(r, size, master, model, concurrency, max_tokens, threads, queue, rank_order))
+                         args=(r, size, master, model, concurrency, max_tokens, threads, queue))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -272,12 +245,8 @@ def main() -> None:
             row = {k: v for k, v in asdict(arm).items() if k != "outputs"}
             rows.append(row | {"tokens_per_s": arm.tokens_per_s, "requests_equal_ep1": same})
             if arm.ep > 1 and same < len(base.outputs):
-                # Only the summation order may differ: EP=2 must equal EP=1 summing experts in EP's order.
-                ordered = run_arm(model, 1, conc, args.max_tokens, args.cores, rank_order=arm.ep)
-                if ordered.outputs != arm.outputs:
-                    raise SystemExit("EP=2 outputs differ from EP=1 summing in EP's order: a correctness bug")
-                print(f"     {len(base.outputs) - same} request(s) differ from plain EP=1 only by summation order: "
-                      f"all equal EP=1 summing the experts' outputs per rank as EP does", flush=True)
+                raise SystemExit(f"EP={arm.ep} outputs differ from EP=1 in {len(base.outputs) - same} request(s): "
+                                 "a correctness bug")
     counts = torch.tensor(rows[-1]["counts"])
     skew = counts.max(1).values / counts.float().mean(1)
     print(f"\nexpert load (last run, tokens per expert summed over ranks): max/mean per layer "

@@ -7,18 +7,30 @@ batch. At a sparse block, `ExpertParallelExperts(x, routing)` does, on every ran
    `replica_index(t, rank, n_e)` of e. Assignments of one token to the same rank share one *row*: the
    token's hidden state is sent once per destination rank, not once per expert (top-k picks often land
    on one rank). A row carries the hidden state and `width` (expert id, weight) pairs, padded with
-   expert -1; `width` is this rank's most assignments to one rank in this batch.
-2. **header** (collective 1): all_to_all_single of [rows, width] per destination, int64 — each rank
-   learns how many rows of what width it is about to receive from each peer.
-3. **dispatch** (collective 2): all_to_all_single of the packed rows as raw bytes (hidden state in its
-   own dtype, int32 ids, fp32 weights: exact whatever the activations' dtype), split by destination.
-4. **compute**: `run_experts` over the received rows with this rank's bank; a row's result is the
+   expert -1.
+2. **dispatch**: all_to_all_single of the packed rows as raw bytes (hidden state in its own dtype, int32
+   ids, fp32 weights: exact whatever the activations' dtype), split by destination.
+3. **compute**: `run_experts` over the received rows with this rank's bank; a row's result is the
    weighted sum of its experts here — the partial sum of that token on this rank.
-5. **combine** (collective 3): all_to_all_single of the partial sums back to their senders (the same
-   splits reversed), then `index_add_` of each row into its token: the sum over ranks of the partial
-   sums is the routed output.
+4. **combine**: all_to_all_single of the partial sums back to their senders (the same splits reversed),
+   then each token's partial sums added in rank order: the routed output.
 
-So three collectives per MoE layer, always, on every rank — an idle rank joins with zero rows, and a rank
+The receiver must know the sizes before the dispatch. Two wire layouts, chosen once per group from its
+shape (`dense_rows`), so every rank uses the same one:
+
+* **dense** — when most tokens reach most ranks (few ranks, large top-k: smollm2-moe's top-12 of 16 on
+  two ranks sends nearly every token everywhere). Every rank sends every peer one row per token of its
+  batch, `width` = the placement's slots per rank (no token has more assignments on one rank); a token
+  with nothing for that peer is a row of expert -1 that no expert computes and whose partial sum is zero.
+  The sizes are then the batch sizes, which the first MoE layer of each forward gathers (one all_gather
+  per forward), so each layer costs **two** collectives.
+* **sparse** — when a token reaches few of many ranks (DeepSeek-V3's top-8 of 256 over 32 ranks). Rows
+  go only where a token has assignments; `width` is this rank's most assignments to one rank in this
+  batch; a **header** all-to-all ([rows, width] per destination) precedes the dispatch: three
+  collectives per layer.
+
+Both compute the same assignments in the same order and add the same partial sums in the same order, so
+the outputs are bit-identical whichever layout a group uses. An idle rank joins with zero rows, and a rank
 with nothing to receive still takes part. Counts (per-expert assignments of this rank's own tokens) and
 timings are kept for the benchmark and a balancer.
 """
@@ -37,8 +49,8 @@ from deepinfer.engine.models.moe import (
     LocalExperts,
     Routing,
     count_assignments,
+    expert_outputs,
     moe_blocks,
-    run_experts,
 )
 from deepinfer.parallel.group import EpGroup
 from deepinfer.parallel.placement import EMPTY, ExpertPlacement
@@ -53,14 +65,14 @@ class EpStats:
     cuda group with `sync` False they time the launch of the work, not the work (set `sync` to make each
     phase wait for the device: exact, and slower)."""
 
-    exchanges: int = 0  # MoE layer calls (three collectives each)
-    dispatch_s: float = 0.0  # routing to ranks, header and dispatch all-to-alls
+    exchanges: int = 0  # MoE layer calls (two collectives each in the dense layout, three in the sparse)
+    dispatch_s: float = 0.0  # routing to ranks, the batch-size gather or the header, the dispatch all-to-all
     compute_s: float = 0.0  # this rank's experts on the rows it received
     combine_s: float = 0.0  # the return all-to-all and the per-token sums
-    dispatch_bytes: int = 0  # header and rows this rank sent to other ranks
+    dispatch_bytes: int = 0  # header and rows (padding rows included) this rank sent to other ranks
     combine_bytes: int = 0  # partial sums this rank sent back to other ranks
-    rows_sent: int = 0  # rows for other ranks (a row: one token's hidden state for one rank)
-    rows_received: int = 0  # rows from other ranks
+    rows_sent: int = 0  # rows with assignments for other ranks (a row: one token's hidden state for one rank)
+    rows_received: int = 0  # rows from other ranks (padding rows included)
     sync: bool = False
 
     def take(self) -> EpStats:
@@ -84,14 +96,39 @@ class _Rows:
     width: torch.Tensor  # () int64, the most assignments in one row
 
 
+class BatchSizes:
+    """Every rank's batch rows in the current forward, shared by the executors of one model's MoE layers
+    in the dense layout: MoE layer 0 gathers them (every forward runs its MoE layers in order from the
+    first), the later layers of the forward read them."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] | None = None
+
+    def gather(self, rows: int, group: EpGroup) -> None:
+        mine = torch.tensor([rows], dtype=torch.int64, device=group.device)
+        every = torch.empty(group.size, dtype=torch.int64, device=group.device)
+        dist.all_gather_single(every, mine, group=group.data)
+        self.rows = every.tolist()
+
+    def of(self, rank: int, rows: int) -> list[int]:
+        """The gathered sizes; RuntimeError if this rank's own batch is not the size it gathered (a forward
+        that skipped MoE layer 0 would otherwise exchange with stale sizes)."""
+        if self.rows is None or self.rows[rank] != rows:
+            raise RuntimeError(f"rank {rank}: a batch of {rows} rows at a MoE layer, but {self.rows} were "
+                               "gathered at the forward's first MoE layer")
+        return self.rows
+
+
 class ExpertParallelExperts:
     """An `ExpertExecutor` (x [T, hidden], routing) -> [T, hidden] for MoE layer `layer` of `placement`,
     holding `bank`: this rank's rows of that layer, row i = local slot i of the placement (an empty slot
     is an empty row). Every rank of `group` must call it for the same layers in the same order, each with
-    its own batch (T may be 0). `switch` moves it to another placement of the same group shape."""
+    its own batch (T may be 0). `sizes` (shared by every layer of the model) selects the dense wire layout,
+    None the sparse one; every rank must choose alike (`dense_rows`). `switch` moves it to another
+    placement of the same group shape."""
 
     def __init__(self, bank: ExpertBank, placement: ExpertPlacement, layer: int, group: EpGroup,
-                 stats: EpStats | None = None) -> None:
+                 stats: EpStats | None = None, sizes: BatchSizes | None = None) -> None:
         check_bank(bank, placement, layer, group.rank)
         self.bank = bank
         self.layer = layer
@@ -99,6 +136,9 @@ class ExpertParallelExperts:
         self.num_experts = placement.num_experts
         self.dtype = bank.down.dtype
         self.stats = stats if stats is not None else EpStats()
+        self.sizes = sizes
+        # A token's assignments on one rank are distinct experts that rank holds: at most its slots.
+        self.width = placement.slots_per_rank
         # [E, num_ranks]: the ranks of each expert's replicas in slot order, padded with -1 (never indexed:
         # replica_index stays below the expert's own count). A fixed width (an expert has at most one replica
         # per rank) lets `switch` rewrite the tables in place.
@@ -108,19 +148,20 @@ class ExpertParallelExperts:
 
     @classmethod
     def from_state(cls, sd: dict[str, torch.Tensor], prefix: str, placement: ExpertPlacement, layer: int,
-                   group: EpGroup, stats: EpStats | None = None) -> ExpertParallelExperts:
+                   group: EpGroup, stats: EpStats | None = None,
+                   sizes: BatchSizes | None = None) -> ExpertParallelExperts:
         """This rank's share of `{prefix}experts.{e}.*` (see `ExpertBank.from_state`)."""
         slots = local_slots(placement, layer, group.rank)
         held = [e for e in slots if e != EMPTY]
         # A rank holding nothing of the layer still needs the rows' shapes: read expert 0 for them.
         source = ExpertBank.from_state(sd, prefix, placement.num_experts, held or [0])
-        return cls(source.slotted(slots), placement, layer, group, stats)
+        return cls(source.slotted(slots), placement, layer, group, stats, sizes)
 
     @classmethod
     def from_bank(cls, full: ExpertBank, placement: ExpertPlacement, layer: int, group: EpGroup,
-                  stats: EpStats | None = None) -> ExpertParallelExperts:
+                  stats: EpStats | None = None, sizes: BatchSizes | None = None) -> ExpertParallelExperts:
         """This rank's share copied out of a bank holding (at least) its experts."""
-        return cls(full.slotted(local_slots(placement, layer, group.rank)), placement, layer, group, stats)
+        return cls(full.slotted(local_slots(placement, layer, group.rank)), placement, layer, group, stats, sizes)
 
     def switch(self, placement: ExpertPlacement) -> None:
         """Route by `placement` from now on. The bank's rows must already hold this rank's slots of it
@@ -143,40 +184,31 @@ class ExpertParallelExperts:
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         started = self._now()
-        n, hidden = self.group.size, x.shape[1]
         self.counts += count_assignments(routing, self.num_experts)
-        rows = self._rows(routing, x.shape[0])
-
-        # Header: rows and width per destination; what comes back sizes every split below (one host sync).
-        header = torch.stack([rows.per_dest, rows.width.expand(n)], dim=1)  # [n, 2]
-        header_in = torch.empty_like(header)
-        dist.all_to_all_single(header_in, header, group=self.group.data)
-        (send_rows, widths), (recv_rows, recv_widths) = torch.stack([header, header_in]).transpose(1, 2).tolist()
-        w = widths[0]
-
-        # Dispatch the packed rows.
-        send_bytes = [r * _row_bytes(hidden, self.dtype, w) for r in send_rows]
-        recv_bytes = [r * _row_bytes(hidden, self.dtype, rw) for r, rw in zip(recv_rows, recv_widths)]
-        got = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(got, self._pack(x, routing, rows, w), output_split_sizes=recv_bytes,
-                               input_split_sizes=send_bytes, group=self.group.data)
-        recv_x, recv_routing = self._unpack(got, recv_rows, recv_widths, hidden)
+        n, hidden = self.group.size, x.shape[1]
+        dest = self._dest(routing)
+        if self.sizes is not None:
+            sent_at, got, recv_rows = self._dispatch_dense(x, routing, dest)
+        else:
+            sent_at, got, recv_rows = self._dispatch_sparse(x, routing, dest)
+        recv_x, recv_routing, recv_terms = got
         self.computed += recv_routing.expert.numel()
         dispatched = self._now()
 
-        # This rank's experts on what it received: one partial sum per received row.
-        if recv_x.shape[0]:
-            partial = run_experts(recv_x, recv_routing, self.bank)
-        else:
-            partial = recv_x
+        terms = expert_outputs(recv_x, recv_routing, self.bank)
         computed = self._now()
 
-        # Combine: partial sums back to their senders (in the order sent), summed per token.
-        back = torch.empty((rows.token.shape[0], hidden), dtype=self.dtype, device=x.device)
-        dist.all_to_all_single(back, partial.contiguous(), output_split_sizes=send_rows,
-                               input_split_sizes=recv_rows, group=self.group.data)
+        # Combine: every term back to its sender, in the order it came; the sender adds a token's terms in
+        # ascending expert id from zero, as `run_experts` over one bank of every expert does. So the output
+        # does not depend on which rank computed which expert: not on the placement, not on a move.
+        sent_terms = torch.bincount(dest, minlength=n).tolist()
+        back = torch.empty((dest.numel(), hidden), dtype=self.dtype, device=x.device)
+        dist.all_to_all_single(back, terms.contiguous(), output_split_sizes=sent_terms,
+                               input_split_sizes=recv_terms, group=self.group.data)
         out = torch.zeros_like(x)
-        out.index_add_(0, rows.token, back.to(x.dtype))
+        if dest.numel():
+            canonical = torch.argsort(routing.expert, stable=True)
+            out.index_add_(0, routing.token[canonical], back[sent_at[canonical]].to(x.dtype))
         combined = self._now()
 
         st, others = self.stats, [r for r in range(n) if r != self.group.rank]
@@ -184,25 +216,73 @@ class ExpertParallelExperts:
         st.dispatch_s += dispatched - started
         st.compute_s += computed - dispatched
         st.combine_s += combined - computed
-        st.dispatch_bytes += sum(header[r].numel() * header.element_size() + send_bytes[r] for r in others)
-        st.combine_bytes += sum(recv_rows[r] for r in others) * hidden * _itemsize(self.dtype)
-        st.rows_sent += sum(send_rows[r] for r in others)
+        st.combine_bytes += sum(recv_terms[r] for r in others) * hidden * _itemsize(self.dtype)
         st.rows_received += sum(recv_rows[r] for r in others)
         return out
 
-    def _rows(self, routing: Routing, num_tokens: int) -> _Rows:
-        """Group the assignments into send rows by (destination rank, token), per the replica rule."""
-        token, expert = routing.token, routing.expert
-        dest = self._replica_ranks[expert, (token + self.group.rank) % self._num_replicas[expert]]
+    def _dispatch_dense(self, x: torch.Tensor, routing: Routing,
+                        dest: torch.Tensor) -> tuple[torch.Tensor, _Received, list[int]]:
+        """Every peer gets one row per token of this batch, `width` = slots per rank, padded with -1 experts;
+        the batch sizes, gathered at MoE layer 0, size the receive. Returns (each assignment's position in
+        the send order, what was received, rows received per rank)."""
+        n, (t, hidden), w = self.group.size, x.shape, self.width
+        if self.layer == 0:
+            self.sizes.gather(t, self.group)  # type: ignore[union-attr]
+        sizes = self.sizes.of(self.group.rank, t)  # type: ignore[union-attr]
+        key = dest * t + routing.token  # the row: destination-major, then token
+        place, per_row = _columns(key, n * t)
+        cell = key * w + place
+        ids = torch.full((n * t * w,), -1, dtype=_ID, device=x.device)
+        ids[cell] = routing.expert.to(_ID)
+        weights = torch.zeros((n * t * w,), dtype=_WEIGHT, device=x.device)
+        weights[cell] = routing.weight.to(_WEIGHT)
+        states = x.to(self.dtype).expand(n, t, hidden).reshape(n * t, hidden)
+        send = torch.cat([_bytes(states), _bytes(ids.view(n * t, w)), _bytes(weights.view(n * t, w))], dim=1)
+        got = torch.empty((sum(sizes), send.shape[1]), dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(got, send, output_split_sizes=sizes, input_split_sizes=[t] * n,
+                               group=self.group.data)
+        others = [r for r in range(n) if r != self.group.rank]
+        sent = (per_row.view(n, t) > 0).sum(dim=1).tolist() if t else [0] * n
+        self.stats.dispatch_bytes += t * send.shape[1] * len(others)
+        self.stats.rows_sent += sum(sent[r] for r in others)
+        return _order_of(cell), _unpack_uniform(got, sizes, hidden, self.dtype, w), sizes
+
+    def _dispatch_sparse(self, x: torch.Tensor, routing: Routing,
+                         dest: torch.Tensor) -> tuple[torch.Tensor, _Received, list[int]]:
+        """Rows only where a token has assignments, this batch's own width; a header all-to-all first tells
+        each rank its sizes. Returns as `_dispatch_dense`."""
+        n, hidden = self.group.size, x.shape[1]
+        rows = self._rows(routing, dest, x.shape[0])
+
+        # Header: rows and width per destination; what comes back sizes the dispatch (one host sync).
+        header = torch.stack([rows.per_dest, rows.width.expand(n)], dim=1)  # [n, 2]
+        header_in = torch.empty_like(header)
+        dist.all_to_all_single(header_in, header, group=self.group.data)
+        (send_rows, widths), (recv_rows, recv_widths) = torch.stack([header, header_in]).transpose(1, 2).tolist()
+        w = widths[0]
+
+        send_bytes = [r * _row_bytes(hidden, self.dtype, w) for r in send_rows]
+        recv_bytes = [r * _row_bytes(hidden, self.dtype, rw) for r, rw in zip(recv_rows, recv_widths)]
+        got = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(got, self._pack(x, routing, rows, w), output_split_sizes=recv_bytes,
+                               input_split_sizes=send_bytes, group=self.group.data)
+        others = [r for r in range(n) if r != self.group.rank]
+        self.stats.dispatch_bytes += sum(header[r].numel() * header.element_size() + send_bytes[r] for r in others)
+        self.stats.rows_sent += sum(send_rows[r] for r in others)
+        return (_order_of(rows.of * w + rows.place), self._unpack(got, recv_rows, recv_widths, hidden), recv_rows)
+
+    def _dest(self, routing: Routing) -> torch.Tensor:
+        """Each assignment's destination rank, per the replica rule."""
+        expert = routing.expert
+        return self._replica_ranks[expert, (routing.token + self.group.rank) % self._num_replicas[expert]]
+
+    def _rows(self, routing: Routing, dest: torch.Tensor, num_tokens: int) -> _Rows:
+        """Group the assignments into send rows by (destination rank, token)."""
+        token = routing.token
         stride = max(num_tokens, 1)
         # Sorted unique keys are destination-major, token-minor: the send order.
         keys, row_of = torch.unique(dest * stride + token, sorted=True, return_inverse=True)
-        # An assignment's column is its rank among its row's assignments (a stable sort by row).
-        order = torch.argsort(row_of, stable=True)
-        per_row = torch.bincount(row_of, minlength=keys.shape[0])
-        first = torch.cumsum(per_row, 0) - per_row
-        place = torch.empty_like(order)
-        place[order] = torch.arange(order.shape[0], device=order.device) - first[row_of[order]]
+        place, per_row = _columns(row_of, keys.shape[0])
         width = per_row.max() if per_row.numel() else torch.zeros((), dtype=torch.int64, device=token.device)
         return _Rows(keys % stride, torch.bincount(keys // stride, minlength=self.group.size), row_of, place, width)
 
@@ -216,34 +296,67 @@ class ExpertParallelExperts:
         weights[rows.of, rows.place] = routing.weight.to(_WEIGHT)
         return torch.cat([_bytes(x[rows.token].to(self.dtype)), _bytes(ids), _bytes(weights)], dim=1).reshape(-1)
 
-    def _unpack(self, got: torch.Tensor, rows: list[int], widths: list[int],
-                hidden: int) -> tuple[torch.Tensor, Routing]:
-        """The received rows [R, hidden] and their assignments (token = received row), padding dropped."""
-        xs, tokens, experts, weights = [], [], [], []
-        offset = base = 0
-        xb = hidden * _itemsize(self.dtype)
+    def _unpack(self, got: torch.Tensor, rows: list[int], widths: list[int], hidden: int) -> _Received:
+        """The received rows, one width per sender (see `_unpack_uniform`)."""
+        parts, offset = [], 0
         for r, w in zip(rows, widths):
             size = _row_bytes(hidden, self.dtype, w)
-            seg = got[offset : offset + r * size].view(r, size)
+            parts.append(_unpack_uniform(got[offset : offset + r * size].view(r, size), [r], hidden, self.dtype, w))
             offset += r * size
-            xs.append(seg[:, :xb].contiguous().view(self.dtype))
-            ids = seg[:, xb : xb + 4 * w].contiguous().view(_ID).long()
-            wts = seg[:, xb + 4 * w :].contiguous().view(_WEIGHT)
-            row = torch.arange(base, base + r, device=got.device).unsqueeze(1).expand(r, w)
-            real = ids >= 0
-            tokens.append(row[real])
-            experts.append(ids[real])
-            weights.append(wts[real])
-            base += r
-        empty = torch.zeros(0, dtype=torch.int64, device=got.device)
-        return (torch.cat(xs) if xs else torch.zeros(0, hidden, dtype=self.dtype, device=got.device),
-                Routing(torch.cat(tokens) if tokens else empty, torch.cat(experts) if experts else empty,
-                        torch.cat(weights) if weights else empty.float()))
+        base = torch.tensor([0, *rows[:-1]], device=got.device).cumsum(0).tolist()
+        return (torch.cat([p[0] for p in parts]),
+                Routing(torch.cat([p[1].token + b for p, b in zip(parts, base)]),
+                        torch.cat([p[1].expert for p in parts]), torch.cat([p[1].weight for p in parts])),
+                [p[2][0] for p in parts])
 
     def _now(self) -> float:
         if self.stats.sync and self.group.device.type == "cuda":
             torch.cuda.synchronize(self.group.device)
         return time.perf_counter()
+
+
+def _columns(row_of: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each assignment's column: its rank among its row's assignments in assignment order, [num_rows]
+    assignments per row)."""
+    order = torch.argsort(row_of, stable=True)
+    per_row = torch.bincount(row_of, minlength=num_rows)
+    first = torch.cumsum(per_row, 0) - per_row
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.shape[0], device=order.device) - first[row_of[order]]
+    return place, per_row
+
+
+# What a rank received: ([R, hidden] row states, their assignments with token = received row in row
+# order, assignments received from each rank).
+_Received = tuple[torch.Tensor, Routing, list[int]]
+
+
+def _unpack_uniform(got: torch.Tensor, rows: list[int], hidden: int, dtype: torch.dtype, width: int) -> _Received:
+    """Received rows [R, row bytes] of one `width`, `rows[r]` of them from rank r; padding dropped."""
+    xb = hidden * _itemsize(dtype)
+    ids = got[:, xb : xb + 4 * width].contiguous().view(_ID).long()
+    weights = got[:, xb + 4 * width :].contiguous().view(_WEIGHT)
+    real = ids >= 0
+    row = torch.arange(got.shape[0], device=got.device).unsqueeze(1).expand_as(ids)
+    per_rank = [int(c.sum()) for c in real.split(rows)] if got.shape[0] else [0] * len(rows)
+    return got[:, :xb].contiguous().view(dtype), Routing(row[real], ids[real], weights[real]), per_rank
+
+
+def _order_of(position: torch.Tensor) -> torch.Tensor:
+    """Each element's rank among `position`'s (distinct) values: where it sits in ascending order."""
+    order = torch.argsort(position)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return rank
+
+
+def dense_rows(num_ranks: int, top_k: int | None) -> bool:
+    """Whether a group of `num_ranks` uses the dense layout for a router choosing `top_k` experts: when a
+    token is expected to reach at least half the ranks (uniform routing: 1 - (1 - 1/n)^k >= 1/2), padding
+    rows cost less than the header all-to-all saves. None (top-k unknown): the sparse layout."""
+    if top_k is None:
+        return False
+    return 1.0 - (1.0 - 1.0 / num_ranks) ** top_k >= 0.5
 
 
 def local_slots(placement: ExpertPlacement, layer: int, rank: int) -> list[int]:
@@ -320,6 +433,8 @@ def shard_experts(model: object, group: EpGroup, placement: ExpertPlacement | No
                           f"{placement.num_experts} experts; the group has {group.size} ranks and the model "
                           f"{len(blocks)} MoE layers of {experts}")
     stats = stats if stats is not None else EpStats()
+    top_k = {getattr(b.route, "top_k", None) for b in blocks}
+    sizes = BatchSizes() if len(top_k) == 1 and dense_rows(group.size, top_k.pop()) else None
     for i, block in enumerate(blocks):
-        block.experts = ExpertParallelExperts.from_bank(block.experts.bank, placement, i, group, stats)  # type: ignore[union-attr]
+        block.experts = ExpertParallelExperts.from_bank(block.experts.bank, placement, i, group, stats, sizes)  # type: ignore[union-attr]
     return placement, stats

@@ -17,8 +17,9 @@ A move has three parts, and each rank's old placement keeps serving until the la
 
 Why outputs never change: replicas hold identical weights (the digest check refuses anything else), and
 every rank switches before the same step, so at every step all ranks route with one table; only which
-rank computes an assignment changes. (The per-token sum of an MoE layer's partial results can come from
-ranks in another order; with top-2 routing that sum is exact either way.)
+rank computes an assignment changes, and the executor returns every assignment's output to its token's
+rank, which adds them in ascending expert id whoever computed them (`ep_moe`), so the sums are bit-identical
+under any placement.
 
 The background thread never calls `torch.set_num_threads` (under OpenMP that is process-wide: it would
 shrink the step's threads too). It keeps each conversion below ATen's parallel grain (`_CHUNK`

@@ -49,6 +49,11 @@ class DeepseekRouter:
     correction_bias: torch.Tensor | None  # [E], noaux_tc only: added to the scores for choosing
     moe: MoEConfig
 
+    @property
+    def top_k(self) -> int:
+        """Experts chosen per token."""
+        return self.moe.num_experts_per_tok
+
     def __call__(self, h: torch.Tensor) -> Routing:
         moe, k = self.moe, self.moe.num_experts_per_tok
         logits = F.linear(h.float(), self.weight)

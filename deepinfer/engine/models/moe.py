@@ -156,7 +156,8 @@ class ExpertBank:
 def run_experts(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Tensor:
     """Σ over the assignments to experts `bank` holds of weight · expert(x[token]), per token row:
     [T, hidden]. Assignments to experts held elsewhere contribute nothing here; empty rows are never
-    computed (`slot_of` never names them)."""
+    computed (`slot_of` never names them). A token's terms are added in the bank's slot order, starting
+    from zero: for a bank of every expert in id order, ascending expert id (transformers' order)."""
     out = torch.zeros_like(x)
     slot = bank.slot_of[routing.expert]
     token, weight = routing.token, routing.weight
@@ -165,11 +166,32 @@ def run_experts(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Te
         slot, token, weight = slot[held], token[held], weight[held]
     if slot.numel() == 0:
         return out
+    order, terms = _weighted_terms(x, token, slot, weight, bank)
+    out.index_add_(0, token[order], terms)
+    return out
+
+
+def expert_outputs(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Tensor:
+    """weight · expert(x[token]) of every assignment, in `routing`'s order: [A, hidden]. Every assignment
+    must name an expert `bank` holds. Each term has the bits `run_experts` adds for it, so whoever adds
+    a token's terms in ascending expert id from zero gets `run_experts` of a bank of every expert."""
+    slot = bank.slot_of[routing.expert]
+    if bool((slot < 0).any()):
+        raise ValueError("an assignment names an expert this bank does not hold")
+    terms = torch.empty((slot.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+    if slot.numel():
+        order, sorted_terms = _weighted_terms(x, routing.token, slot, routing.weight, bank)
+        terms[order] = sorted_terms
+    return terms
+
+
+def _weighted_terms(x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
+                    bank: ExpertBank) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the expert-major order of the assignments, their weighted outputs in that order)."""
     # Expert-major order: each expert's tokens are one contiguous run of the gathered batch.
     order = torch.argsort(slot, stable=True)
-    token, weight = token[order], weight[order]
     counts = torch.bincount(slot[order], minlength=bank.slots.shape[0]).tolist()
-    xs = x[token]
+    xs = x[token[order]]
     ys = torch.empty_like(xs)
     start = 0
     for s, n in enumerate(counts):
@@ -177,8 +199,7 @@ def run_experts(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch.Te
             gate, up = linear(xs[start : start + n], bank.gate_up[s]).chunk(2, dim=-1)
             ys[start : start + n] = linear(F.silu(gate) * up, bank.down[s])
             start += n
-    out.index_add_(0, token, ys * weight.unsqueeze(1))
-    return out
+    return order, ys * weight[order].unsqueeze(1)
 
 
 # The two points a sparse block is pluggable at. A router maps the normed hidden states [T, hidden] to a
