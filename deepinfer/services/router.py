@@ -38,6 +38,7 @@ from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.handshake import SAY_HELLO, check_hello
 from deepinfer.protocol.limits import CLIENT_LIMITS
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
+from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import DRAIN_TIMEOUT_S, BaseService, Handler
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
 
@@ -354,6 +355,11 @@ class RouterService(BaseService):
         if welcome.accepted and hello.instance.encode() != ident:
             welcome = dataclasses.replace(welcome, accepted=False,
                                           reason=f"Hello names {hello.instance!r}; its socket is {ident!r}")
+        elif welcome.accepted and (hello.service == BALANCER_ROLE) != (hello.instance == BALANCER_NAME):
+            # The role goes with the one name (which, on a secured backend, only the balancer's key may
+            # use): any other service claiming it would receive every group's loads and move their experts.
+            welcome = dataclasses.replace(welcome, accepted=False, reason=(
+                f"only {BALANCER_NAME!r} is the {BALANCER_ROLE}; {hello.instance!r} says {hello.service!r}"))
         await asend_msg(self.backend, welcome, ident)
         if welcome.accepted:
             self.greeted.add(ident)

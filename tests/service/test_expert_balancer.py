@@ -221,3 +221,27 @@ def test_the_router_refuses_updates_and_results_from_the_wrong_sender(tmp_path):
             await until(lambda: "worker-0" in router.expert_status())
 
     asyncio.run(run())
+
+
+def test_only_the_balancer_instance_may_take_the_balancer_role(tmp_path):
+    """A service saying Hello as "balancer" under another name (here a tokenizer's) is refused, so it
+    receives no group's loads and cannot move experts; nor may another role use the balancer's name."""
+
+    async def run() -> None:
+        async with running_router(tmp_path) as (ctx, router), group(ctx, tmp_path) as worker:
+            for name, role in (("tokenizer-9", "balancer"), ("balancer", "tokenizer")):
+                impostor = FakeGroup(ctx, f"ipc://{tmp_path}/back.sock", name, role=role)
+                try:
+                    await impostor.send(m.Hello(m.PROTOCOL_VERSION, role, name, capabilities={"incarnation": name}))
+                    welcome = await impostor.next(m.Welcome)
+                    assert not welcome.accepted and "balancer" in welcome.reason
+                finally:
+                    impostor.sock.close(linger=0)
+            assert router.balancer is None
+            await worker.report(STATIC)  # kept by the router, relayed to no one
+            await until(lambda: "worker-0" in router.expert_status())
+            async with balancer_running(ctx, router, tmp_path):  # the real one is still welcomed
+                await worker.report(STATIC)
+                assert isinstance(await worker.next(m.PlacementUpdate), m.PlacementUpdate)
+
+    asyncio.run(run())
