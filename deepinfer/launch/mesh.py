@@ -62,8 +62,6 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
     if role == "worker":
         spec = topology.worker(name)
         daemon = topology.kvcache(spec.kvcache) if spec.kvcache is not None else None
-        if spec.ep > 1 and daemon is not None:
-            raise ValueError(f"worker {spec.name}: a worker group (ep = {spec.ep}) cannot use a cache daemon yet")
         return WorkerService(
             spec.name, spec.role, topology.backend, ctx, topology.model,
             engine_config(spec, topology.block_size, kv_cache_dtype=topology.kv_cache_dtype),

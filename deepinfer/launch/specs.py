@@ -111,8 +111,6 @@ class WorkerSpec:
         if self.device not in EP_DEVICES:
             return (f"device = {self.device!r}: the ranks of an expert-parallel group take one device each "
                     f"(rank R on cuda:R), so give device = \"cuda\" or \"cpu\"")
-        if self.kvcache is not None:  # (mesh.build_service refuses it too: refused here, a file fails at load)
-            return f"kvcache = {self.kvcache!r}: a worker group (ep = {self.ep}) cannot use a cache daemon yet"
         if not self.ep_master:
             return f"ep = {self.ep}: needs ep_master = \"host:port\" (the group's torch.distributed rendezvous)"
         try:

@@ -276,11 +276,10 @@ class Topology:
         serves every worker; `prefix_caching=False` also turns off reuse inside each worker. The
         speculation options go to the workers that decode (decode and co-located ones). With `ep > 1`
         every worker is an expert-parallel group of `ep` ranks, each group rendezvousing on a free
-        127.0.0.1 port (free when chosen: another program may take it before the group starts); groups
-        cannot use a cache daemon yet, so there is none. `redundant_experts` goes to every worker; with
+        127.0.0.1 port (free when chosen: another program may take it before the group starts); a group's
+        rank 0 talks to the cache daemon for every rank. `redundant_experts` goes to every worker; with
         `balancer` the mesh runs an expert balancer with those settings. With `http` ("HOST:PORT") one HTTP
         gateway, "gateway-0", listens there."""
-        kvcache = kvcache and ep == 1
         if transport == "inproc":
             if ep != 1:
                 raise TopologyError("an in-process mesh runs every service in one process; an expert-parallel "

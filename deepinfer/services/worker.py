@@ -86,8 +86,6 @@ class WorkerService(Service):
                  config: EngineConfig, kv_bind: str | None, decode_peers: dict[str, str],
                  tokenizers: dict[str, str], kvcache: tuple[str, str] | None = None, ep: int = 1,
                  ep_master: str = "", stream_interval_s: float = STREAM_INTERVAL_S, **kw: Any) -> None:
-        if ep > 1 and kvcache is not None:
-            raise ValueError("a worker group cannot use a cache daemon yet")
         # Rank 0 of a group waits here for every rank to join, then loads the model like each of them.
         self.engine: LLMEngine | GroupEngine = (
             GroupEngine.start(model, config, ep, ep_master) if ep > 1

@@ -54,6 +54,7 @@ def test_up_ep_makes_every_generated_worker_a_group(tmp_path, monkeypatch):
     (topo,) = seen
     assert [(w.name, w.ep) for w in topo.workers] == [("prefill-0", 2), ("decode-0", 2)]
     assert len({w.ep_master for w in topo.workers}) == 2
+    assert [k.name for k in topo.kvcaches] == ["kvcache-0"] and all(w.kvcache == "kvcache-0" for w in topo.workers)
     out = run("up", "--run-dir", str(tmp_path / "run"))  # without --ep: single-rank workers, as before
     assert out.exit_code == 0 and all(w.ep == 1 for w in seen[1].workers)
 

@@ -252,7 +252,7 @@ def every_field(tmp_path: Path) -> Topology:
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, move_timeout_s=9.0)
     gateway: dict[str, Any] = dict(served_model_name="my model")
-    # (kvcache is exercised on prefill-0: a worker group cannot use a cache daemon yet)
+    # (kvcache is given below: on prefill-0, and on decode-0, a worker group whose rank 0 talks to the daemon)
     sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv", "kvcache"}),
                 (KvCacheSpec, kvcache, {"name", "endpoint"}), (SecuritySpec, security, {"keys_dir"}),
                 (BalancerConfig, balancer, set()), (GatewaySpec, gateway, {"name", "listen"}))
@@ -264,7 +264,7 @@ def every_field(tmp_path: Path) -> Topology:
         model='/models/a "quoted" model', frontend="tcp://10.0.0.1:5550", backend="tcp://10.0.0.1:5551",
         tokenizers=(TokenizerSpec("tok-0", "tcp://10.0.0.1:5560"), TokenizerSpec("tok-1", "tcp://10.0.0.1:5561")),
         workers=(WorkerSpec("prefill-0", "prefill", "tcp://10.0.0.2:5570", kvcache="kv-0"),
-                 WorkerSpec("decode-0", "decode", "tcp://10.0.0.3:5570", **worker)),
+                 WorkerSpec("decode-0", "decode", "tcp://10.0.0.3:5570", kvcache="kv-0", **worker)),
         router=RouterConfig(**router),
         kvcaches=(KvCacheSpec("kv-0", "tcp://10.0.0.2:5580", **kvcache),),
         block_size=32, kv_cache_dtype="float16",
@@ -335,10 +335,12 @@ def test_bad_parallel_keys_are_refused_naming_the_key(tmp_path, keys, match):
         group(tmp_path, keys)
 
 
-def test_a_group_cannot_use_a_cache_daemon_yet(tmp_path):
-    with pytest.raises(TopologyError, match="worker w: kvcache = 'kv': a worker group .* cannot use a cache daemon"):
-        group(tmp_path, 'ep = 2\nep_master = "10.0.0.2:29500"\nkvcache = "kv"',
-              '[[kvcache]]\nname = "kv"\nendpoint = "tcp://10.0.0.2:5580"\n')
+def test_a_group_may_use_a_cache_daemon(tmp_path):
+    topo = group(tmp_path, 'ep = 2\nep_master = "10.0.0.2:29500"\nkvcache = "kv"',
+                 '[[kvcache]]\nname = "kv"\nendpoint = "tcp://10.0.0.2:5580"\n')
+    w = topo.worker("w")
+    assert (w.ep, w.kvcache) == (2, "kv") and topo.kvcache("kv").endpoint == "tcp://10.0.0.2:5580"
+    assert load(tmp_path, topo.to_toml()) == topo
 
 
 SECOND_GROUP = '[[worker]]\nname = "w2"\nrole = "worker"\nkv = "tcp://10.0.0.2:5571"\nep = 2\nep_master = "{}"\n'
@@ -367,7 +369,7 @@ def test_local_topologies_give_each_group_a_free_loopback_port(tmp_path):
     topo = Topology.local("smollm2", "ipc", tmp_path, ep=3)
     masters = [w.ep_master for w in topo.workers]
     assert [w.ep for w in topo.workers] == [3, 3] and len(set(masters)) == 2
-    assert topo.kvcaches == () and all(w.kvcache is None for w in topo.workers)  # groups have none yet
+    assert [k.name for k in topo.kvcaches] == ["kvcache-0"] and all(w.kvcache == "kvcache-0" for w in topo.workers)
     assert all(m.startswith("127.0.0.1:") for m in masters)
     assert load(tmp_path, topo.to_toml()) == topo
     assert all(w.ep == 1 and w.ep_master == "" for w in Topology.local("smollm2", "ipc", tmp_path).workers)
