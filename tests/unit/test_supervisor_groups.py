@@ -55,9 +55,10 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 @pytest.fixture
 def group_topology(tmp_path: Path) -> Path:
-    """A co-located worker of 3 ranks (plus router and tokenizer: groups of one)."""
+    """A co-located worker of 3 ranks (plus router and tokenizer: groups of one; no cache daemon, which a
+    group may use but these tests of ranks as children do not need)."""
     path = tmp_path / "topology.toml"
-    path.write_text(Topology.local("smollm2", "ipc", tmp_path, disaggregated=False, ep=3).to_toml())
+    path.write_text(Topology.local("smollm2", "ipc", tmp_path, disaggregated=False, ep=3, kvcache=False).to_toml())
     return path
 
 
