@@ -18,10 +18,10 @@ batch). A round without a step only carries commands: the group steps only while
 
 Commands. Rank 0's are plain calls on `local`. A follower's fire-and-forget ones (add, abort, release,
 cancel) are queued and ride on the next round; the ones whose answer the caller needs (reserve, export,
-install, expert load) run a round at once and return its result, raising the engine's own exception
-type. A queued add is first validated here with the engine's own checks (every rank has the same model
-and limits), so it fails synchronously like a local one; an add that still fails on its rank ends with
-an `error` output in the next step.
+install, expert load, the cache daemon's import/export/reset) run a round at once and return its result,
+raising the engine's own exception type. A queued add is first validated here with the engine's own
+checks (every rank has the same model and limits), so it fails synchronously like a local one; an add
+that still fails on its rank ends with an `error` output in the next step.
 
 What the leader knows of each follower — its load, free blocks, prefix-cache names, expired leases,
 stats — is its last report: a follower's engine changes only inside rounds, so that view is exact

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from deepinfer.launch.cli import mesh_options
+from deepinfer.launch.keys import make_keys, service_auth
 from deepinfer.launch.topology import (
     ROUTER_DERIVED,
     BalancerConfig,
@@ -341,6 +342,12 @@ def test_a_group_may_use_a_cache_daemon(tmp_path):
     w = topo.worker("w")
     assert (w.ep, w.kvcache) == (2, "kv") and topo.kvcache("kv").endpoint == "tcp://10.0.0.2:5580"
     assert load(tmp_path, topo.to_toml()) == topo
+    # Secured: the daemon lets in the group's rank 0, under the worker's own key (its followers connect nowhere).
+    make_keys(tmp_path / "keys", topo)
+    secured = dataclasses.replace(topo, security=SecuritySpec(str(tmp_path / "keys")))
+    worker_key = service_auth(secured, "worker", "w").keypair
+    assert worker_key is not None and "kv" in service_auth(secured, "worker", "w").server_keys
+    assert service_auth(secured, "kvcache", "kv").allow["cache"].rule_for(worker_key.public) == "w"
 
 
 SECOND_GROUP = '[[worker]]\nname = "w2"\nrole = "worker"\nkv = "tcp://10.0.0.2:5571"\nep = 2\nep_master = "{}"\n'
