@@ -19,8 +19,9 @@ Loads (per layer, tokens per logical expert; seeded):
 Figures, mean over the 58 layers (and the worst layer): max/mean of the rank loads under the static table
 (`ExpertPlacement.static`: contiguous blocks, replicas of the first experts of each block, blind to load),
 under `balancer_core.rebalance` (global policy), and the lower bound the loads allow with 288 replicas
-(`balancer_core.lower_bound`: max(mean, heaviest replica under the best replica counts); it ignores the slots
-per rank, so with 2 or 3 per rank it is optimistic). Time: wall seconds of one `rebalance` for all 58 layers
+(`balancer_core.lower_bound` with the slots per rank: the mean, the heaviest replica under the best replica
+counts, and with few slots per rank the whole experts that must share a rank; a bound, not necessarily
+reachable). Time: wall seconds of one `rebalance` for all 58 layers
 (pure Python and numpy on one core); printed, never asserted.
 """
 
@@ -105,7 +106,7 @@ def main() -> None:
             placed = rebalance(loads, ranks, slots, redundant=REDUNDANT)
             took = time.perf_counter() - t0
             after = [max_over_mean(r) for r in rank_loads(placed, loads)]
-            bound = [lower_bound(w, ranks, EXPERTS + REDUNDANT) for w in loads]
+            bound = [lower_bound(w, ranks, EXPERTS + REDUNDANT, slots) for w in loads]
             line = (f"{name:>9} {ranks:>5} {slots:>5} {summary(before):>15} {summary(after):>15} "
                     f"{summary(bound):>15} {took:>7.2f}")
             if args.max_moves:

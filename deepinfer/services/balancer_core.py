@@ -112,23 +112,31 @@ def replica_counts(weights: Sequence[float], replicas: int, cap: int) -> list[in
     return counts
 
 
-def lower_bound(weights: Sequence[float], num_ranks: int, replicas: int) -> float:
-    """The lowest max/mean any placement of `replicas` replicas (at most one per expert per rank) could
-    reach for one layer's expert loads `weights`.
+def lower_bound(weights: Sequence[float], num_ranks: int, replicas: int, slots_per_rank: int | None = None) -> float:
+    """The lowest max/mean any placement of `replicas` replicas (at most one per expert per rank, at most
+    `slots_per_rank` per rank when given) could reach for one layer's expert loads `weights`.
 
-    Two facts bound the busiest rank from below: it carries at least the mean (total / num_ranks), and at
-    least its heaviest replica. The heaviest replica is at least w_e / c_e for every expert, and the
-    iterative rule of `replica_counts` makes max_e w_e / c_e as small as any choice of counts can (a
-    classic exchange argument: giving the extra replica to anyone else leaves the current maximum in
-    place). So bound = max(mean, min over counts of max_e w_e / c_e) / mean. It ignores the slot count
-    per rank, so with few slots per rank it can be well below what packing can reach."""
+    Three facts bound the busiest rank from below:
+    * it carries at least the mean (total / num_ranks);
+    * it carries at least the heaviest replica, which is at least w_e / c_e for every expert; the iterative
+      rule of `replica_counts` makes max_e w_e / c_e as small as any choice of counts can (a classic
+      exchange argument: giving the extra replica to anyone else leaves the current maximum in place);
+    * with s slots per rank, a pigeonhole: at most `replicas - E` experts are split, so of the k heaviest
+      experts at least k - (replicas - E) sit whole on one rank each; once that is more than
+      num_ranks · (s - 1), some rank holds s of them, at least the s lightest of the k heaviest
+      (k = num_ranks · (s - 1) + 1 + replicas - E, when there are that many experts). With few slots per
+      rank this is the binding one (two slots at EP 144 for 256 experts and 32 extra replicas)."""
     total = float(sum(weights))
     if total <= 0:
         return 1.0
     counts = replica_counts(weights, replicas, num_ranks)
-    heaviest = max(w / c for w, c in zip(weights, counts, strict=True))
-    mean = total / num_ranks
-    return max(mean, heaviest) / mean
+    busiest = max(total / num_ranks, max(w / c for w, c in zip(weights, counts, strict=True)))
+    if slots_per_rank is not None:
+        k = num_ranks * (slots_per_rank - 1) + 1 + replicas - len(weights)
+        if slots_per_rank <= k <= len(weights):
+            heaviest = sorted(weights, reverse=True)
+            busiest = max(busiest, float(sum(heaviest[k - slots_per_rank : k])))
+    return busiest / (total / num_ranks)
 
 
 # --- building a placement -------------------------------------------------------------------------------

@@ -54,6 +54,18 @@ def test_lower_bound_is_the_mean_or_the_heaviest_replica() -> None:
     assert lower_bound([0, 0], 2, 2) == 1.0
 
 
+def test_lower_bound_with_few_slots_per_rank_counts_whole_experts_sharing_a_rank() -> None:
+    # 2 ranks of 2 slots, [10, 10, 10, 1], no extra replica: three tens on two ranks, so one rank holds two
+    # (20 against a mean of 15.5), and {10, 10} {10, 1} reaches it. Without the slot count: 10 vs 15.5.
+    assert lower_bound([10, 10, 10, 1], 2, 4) == pytest.approx(1.0)
+    assert lower_bound([10, 10, 10, 1], 2, 4, slots_per_rank=2) == pytest.approx(20 / 15.5)
+    # 2 ranks of 3 slots: k = 2·2 + 1 + 1 = 6 > 4 experts, no pigeonhole; the mean binds.
+    assert lower_bound([10, 10, 10, 1], 2, 5, slots_per_rank=3) == pytest.approx(1.0)
+    # 4 ranks of 2 slots, six tens and a one, one extra replica: at most one ten is split, five whole tens
+    # on four ranks, so some rank holds two: 20 against 61 / 4 ({10,1} {10,5} {10,5} {10,10} reaches it).
+    assert lower_bound([10] * 6 + [1], 4, 8, slots_per_rank=2) == pytest.approx(20 / (61 / 4))
+
+
 def test_hand_checked_global_packing() -> None:
     # 2 ranks of 3 slots, loads [60, 30, 20, 10], 2 extra replicas. Counts: 60 -> 2 (30 each; expert 0
     # is then at its cap of 2 ranks), then 30 -> 2: [2, 2, 1, 1]. No rank holds an expert twice, so each
@@ -208,7 +220,7 @@ def test_rebalance_is_valid_deterministic_and_never_below_the_bound(g: tuple) ->
     assert all(sum(1 for e in layer if e != EMPTY) == experts + redundant for layer in p.layers)
     assert p == rebalance(loads, ranks, static.slots_per_rank, redundant=redundant)
     for ratio, w in zip(ratios(p, loads), loads, strict=True):
-        assert ratio >= lower_bound(w, ranks, experts + redundant) - 1e-9
+        assert ratio >= lower_bound(w, ranks, experts + redundant, static.slots_per_rank) - 1e-9
 
 
 @settings(max_examples=150, deadline=None)
