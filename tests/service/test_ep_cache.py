@@ -37,7 +37,7 @@ pytestmark = pytest.mark.smollm2
 
 BS = 16  # the topology's block size (the default)
 KV_MB = 4
-MAX_TOKENS = 8
+MAX_TOKENS = 16  # long enough that the concurrent requests overlap and spread over both ranks
 PROMPTS = [[random.Random(i).randrange(3, 320) for _ in range(3 * BS + 5)] for i in range(4)]
 
 
