@@ -43,6 +43,47 @@ _SPLITS = {
 }
 # Pre-tokenizers that isolate every digit, then apply GPT-2's split (SmolLM2's tokenizer.json).
 _DIGIT_SPLITTING = ("smollm", "starcoder", "refact")
+# DeepSeek's tokenizer.json files chain several Split regexes (each splits what the previous left),
+# the older ones then Digits(individual_digits=True), `_ISOLATE_DIGITS` below (llama.cpp: a `\p{N}`
+# regex; `\p{N}+` for deepseek-llm, the same tokens unless a merge joins two digits).
+# Non-ASCII characters are written as escapes so look-alikes (U+212A KELVIN SIGN next to K) stay
+# apparent; the strings equal tokenizer.json's.
+_ISOLATE_DIGITS = "<Digits(individual_digits=True)>"
+_DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+# deepseek-llm-7b-base and DeepSeek-V2: cased letters listed range by range (not \p{L}).
+_DEEPSEEK_LLM_LETTERS = (
+    r"\s?[A-Za-z"
+    "\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
+    "\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd"
+    "\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d"
+    "\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4"
+    "\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec"
+    "\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128"
+    "\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b"
+    "\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787"
+    "\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a"
+    "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+"
+)
+_DEEPSEEK_LLM_PUNCTUATION = r"\s?[!-/:-~" "\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"
+_DEEPSEEK_LLM = ("[\r\n]", _DEEPSEEK_LLM_LETTERS, _DEEPSEEK_LLM_PUNCTUATION, r"\s+$", _DEEPSEEK_CJK, _ISOLATE_DIGITS)
+# deepseek-coder-*-base (and -instruct).
+_DEEPSEEK_CODER = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, _ISOLATE_DIGITS)
+# DeepSeek-V3 and R1: numbers in runs of up to three, Han and kana runs, then a Llama-3-like split.
+# tokenizer.json's regex holds CR and LF themselves, not `\r\n` escapes.
+_DEEPSEEK_V3_WORDS = (
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+).replace(r"\r\n", "\r\n")
+_DEEPSEEK_V3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _DEEPSEEK_V3_WORDS)
+# GGUF `tokenizer.ggml.pre` → tokenizer.json's sequence of splits. None is in `_NFC` or
+# `_IGNORE_MERGES`: their tokenizer.json normalizes nothing and has no `ignore_merges`.
+_SPLIT_SEQUENCES = {
+    "deepseek-llm": _DEEPSEEK_LLM,
+    "deepseek-coder": _DEEPSEEK_CODER,
+    "deepseek-v3": _DEEPSEEK_V3,
+}
 _GPT2 = ("gpt2", "default")
 # llama.cpp looks a whole pre-token up in the vocabulary before merging only for Llama 3.
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
@@ -262,7 +303,15 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    known = ", ".join(sorted([*_DIGIT_SPLITTING, *_GPT2, *_SPLITS]))
+    if pre in _SPLIT_SEQUENCES:
+        steps = [
+            pre_tokenizers.Digits(individual_digits=True)
+            if step == _ISOLATE_DIGITS
+            else pre_tokenizers.Split(Regex(step), behavior="isolated")
+            for step in _SPLIT_SEQUENCES[pre]
+        ]
+        return pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    known = ", ".join(sorted([*_DIGIT_SPLITTING, *_GPT2, *_SPLITS, *_SPLIT_SEQUENCES]))
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {known}")
 
 
