@@ -78,7 +78,8 @@ _DEEPSEEK_V3_WORDS = (
 ).replace(r"\r\n", "\r\n")
 _DEEPSEEK_V3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", _DEEPSEEK_V3_WORDS)
 # GGUF `tokenizer.ggml.pre` → tokenizer.json's sequence of splits. None is in `_NFC` or
-# `_IGNORE_MERGES`: their tokenizer.json normalizes nothing and has no `ignore_merges`.
+# `_IGNORE_MERGES`: DeepSeek-V3's tokenizer.json has an empty normalizer and no `ignore_merges`,
+# and llama.cpp neither normalizes nor ignores merges for any of the three.
 _SPLIT_SEQUENCES = {
     "deepseek-llm": _DEEPSEEK_LLM,
     "deepseek-coder": _DEEPSEEK_CODER,
