@@ -9,6 +9,10 @@ Layout of DIR (0700; see `protocol.auth` for the file format)::
     clients/NAME.key, NAME.key_secret      one pair per HTTP gateway (a client of the router's front)
     clients/allowed                        the tenants' (and gateways') public keys the router's front accepts
 
+Under systemd a unit does not read DIR (root's, 0700): each gets its own secret and the public keys as
+credentials (`LoadCredential=`, read by systemd before it drops privileges; `systemd.credential_lines`), and
+`service_auth` reads them from `$CREDENTIALS_DIRECTORY` — so one compromised service holds no other's secret.
+
 Service keys and tenant keys never mix: the router's front accepts only `clients/allowed`, every other socket
 only service keys. Who may connect where (each bound socket its own allow-list):
 
@@ -47,6 +51,16 @@ from deepinfer.services.balancer_config import BALANCER_NAME
 
 ROUTER = ROUTER_KEY_NAME
 SUPERVISOR = "supervisor"  # its routing ids are `supervisor-<pid>` (see exit_notes)
+# Credential ids under systemd (file names in $CREDENTIALS_DIRECTORY): the unit's own secret key, the tenants'
+# public keys (the router's front), and every service's public key under its file name, NAME.key.
+SECRET_CREDENTIAL = "key_secret"
+CLIENTS_CREDENTIAL = "clients.allowed"
+
+
+def credentials_dir() -> Path | None:
+    """systemd's credentials directory for this unit, if it passed this service its keys."""
+    found = os.environ.get("CREDENTIALS_DIRECTORY")
+    return Path(found) if found and (Path(found) / SECRET_CREDENTIAL).is_file() else None
 
 
 def key_owners(topology: Topology) -> list[str]:
@@ -92,7 +106,8 @@ def service_auth(topology: Topology, role: str, name: str) -> ServiceAuth:
     the servers it connects to, and the allow-list of each socket it binds. NO_AUTH without [security]."""
     if topology.security is None:
         return NO_AUTH
-    services = Path(topology.security.keys_dir) / SERVICES_DIR
+    credentials = credentials_dir()
+    services = credentials or Path(topology.security.keys_dir) / SERVICES_DIR
 
     def public(owner: str) -> bytes:
         return load_public_key(services / f"{owner}.key")
@@ -108,7 +123,8 @@ def service_auth(topology: Topology, role: str, name: str) -> ServiceAuth:
         daemons = [k.name for k in topology.kvcaches]
         backend = allow("backend", [t.name for t in topology.tokenizers] + workers + daemons + _balancer(topology))
         backend.allow(public(SUPERVISOR), f"{SUPERVISOR}-*")
-        client_keys = topology.security.client_keys or Path(topology.security.keys_dir) / CLIENTS_DIR / CLIENTS_ALLOWED
+        client_keys = (credentials / CLIENTS_CREDENTIAL if credentials else topology.security.client_keys
+                       or Path(topology.security.keys_dir) / CLIENTS_DIR / CLIENTS_ALLOWED)
         lists = {"backend": backend, "frontend": client_allow_list(f"{name}/frontend", read_client_keys(client_keys))}
     elif role == "tokenizer":
         lists = {"detok": allow("detok", workers)}
@@ -120,7 +136,8 @@ def service_auth(topology: Topology, role: str, name: str) -> ServiceAuth:
         lists = {}  # it binds nothing: it only connects to the router
     else:
         raise ValueError(f"unknown role {role!r}")
-    return ServiceAuth(KeyPair.load(services / f"{name}.key_secret"), {s: public(s) for s in servers}, lists)
+    secret = credentials / SECRET_CREDENTIAL if credentials else services / f"{name}.key_secret"
+    return ServiceAuth(KeyPair.load(secret), {s: public(s) for s in servers}, lists)
 
 
 def supervisor_auth(topology: Topology) -> ClientAuth | None:
@@ -137,6 +154,10 @@ def gateway_client_keys(topology: Topology, name: str) -> dict[str, Any]:
     topology.gateway(name)  # TopologyError for a name the topology does not have
     if topology.security is None or not secured(topology.frontend):
         return {}
+    credentials = credentials_dir()
+    if credentials is not None:
+        return {"curve_keys": KeyPair.load(credentials / SECRET_CREDENTIAL),
+                "server_key": load_public_key(credentials / f"{ROUTER}.key")}
     pair, router_key = load_client_keys(topology.security.keys_dir, name)
     return {"curve_keys": pair, "server_key": router_key}
 

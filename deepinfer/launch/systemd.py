@@ -26,6 +26,10 @@ cannot go on without every rank, so rank 0 and each follower are bound both ways
 any rank stops the group, and a rank's automatic restart (`Restart=on-failure`) restarts every unit bound
 to it, so the group starts again whole. Rank 0 is ordered after its followers, so on a stop it drains
 first, while they still compute with it.
+
+With a `[security]` table, no unit reads the keys directory (it stays root's, 0700): each unit gets its own
+secret key and every service's public key (and the router the tenants' list) as systemd credentials
+(`LoadCredential=`, read by systemd before it drops privileges, private to the unit).
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from deepinfer.launch.keys import CLIENTS_CREDENTIAL, SECRET_CREDENTIAL, key_owners
 from deepinfer.launch.topology import Topology, TopologyError, WorkerSpec
 from deepinfer.metrics.env import MULTIPROC_ENV
+from deepinfer.protocol.auth import CLIENTS_ALLOWED, CLIENTS_DIR, SERVICES_DIR
 from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 
@@ -71,7 +77,7 @@ KillSignal=SIGTERM
 Environment=PYTHONUNBUFFERED=1
 Environment=DEEPINFER_CACHE_DIR=%C/deepinfer
 Environment={metrics_env}
-LimitNOFILE=65536
+{credentials}LimitNOFILE=65536
 CacheDirectory=deepinfer
 CacheDirectoryMode=0700
 RuntimeDirectory=deepinfer
@@ -112,6 +118,21 @@ def _writable_dirs(topology: Topology) -> list[str]:
     return sorted(set(dirs))
 
 
+def credential_lines(topology: Topology, role: str, name: str = "%i") -> str:
+    """The LoadCredential= lines of a unit of `role` for instance `name` (a specifier or a name): its secret
+    key, every service's public key, and for the router the tenants' public keys. Empty without [security]."""
+    if topology.security is None:
+        return ""
+    keys = Path(topology.security.keys_dir)
+    own = keys / (CLIENTS_DIR if role == "gateway" else SERVICES_DIR) / f"{name}.key_secret"
+    lines = [f"LoadCredential={SECRET_CREDENTIAL}:{own}"]
+    lines += [f"LoadCredential={o}.key:{keys / SERVICES_DIR / f'{o}.key'}" for o in key_owners(topology)]
+    if role == "router":
+        allowed = topology.security.client_keys or str(keys / CLIENTS_DIR / CLIENTS_ALLOWED)
+        lines.append(f"LoadCredential={CLIENTS_CREDENTIAL}:{allowed}")
+    return "".join(line + "\n" for line in lines)
+
+
 def _under_home(path: str) -> bool:
     return any(path == h or path.startswith(h + "/") for h in HOME_DIRS)
 
@@ -139,7 +160,8 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
                                 user=user, stop_s=int(DRAIN_TIMEOUT_S) + STOP_MARGIN_S,
                                 exec_start=argv if rank is None else f"{argv} --rank {rank}",
                                 read_write=read_write, protect_home=protect_home, private_devices=private_devices,
-                                metrics_env=f"{MULTIPROC_ENV}={METRICS_DIR}")
+                                metrics_env=f"{MULTIPROC_ENV}={METRICS_DIR}",
+                                credentials=credential_lines(topology, role, name))
 
     # (rank_unit refuses a name a unit cannot hold; such a name is also one word of ExecStart=, no specifier.)
     groups = {rank_unit(w, r): unit("worker", name=w.name, rank=r, group=_group_lines(w, r),

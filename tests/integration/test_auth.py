@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 import stat
 from functools import partial
@@ -23,6 +24,7 @@ from click.testing import CliRunner
 
 from deepinfer.launch.cli import main
 from deepinfer.launch.keys import make_keys, service_auth
+from deepinfer.launch.systemd import unit_files
 from deepinfer.launch.topology import KvCacheSpec, SecuritySpec, TokenizerSpec, Topology, WorkerSpec
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import KeyPair, load_client_keys, load_public_key
@@ -293,3 +295,46 @@ def test_up_on_a_secured_topology_serves_clients_with_a_tenant_key_only(tmp_path
     assert stranger.returncode == 1 and "give --keys" in stranger.stderr and "Traceback" not in stranger.stderr
     assert misused.returncode == 2 and "--keys secures a tcp://" in misused.stderr
     assert code == 0
+
+
+def _systemd_credentials(unit_text: str, instance: str, into: Path) -> Path:
+    """What systemd does with a unit's LoadCredential= lines for `instance`: copies each file (as root, before
+    dropping privileges) into a private directory under its credential id, mode 0400 like systemd's."""
+    into.mkdir(mode=0o700)
+    for line in unit_text.splitlines():
+        if line.startswith("LoadCredential="):
+            cred, source = line.removeprefix("LoadCredential=").split(":", 1)
+            target = into / cred
+            shutil.copyfile(source.replace("%i", instance), target)
+            os.chmod(target, 0o400)
+    return into
+
+
+def test_systemd_units_pass_each_service_only_its_own_secret_as_a_credential(tmp_path, monkeypatch):
+    topo = tcp_topology("smollm2", tmp_path / "keys")
+    make_keys(tmp_path / "keys", topo)
+    path = tmp_path / "mesh.toml"
+    path.write_text(topo.to_toml())
+    files = unit_files(path, Topology.load(path), launcher="/usr/bin/deepinfer-launch")
+    for role, instance in (("router", "router"), ("tokenizer", "tokenizer-0"), ("worker", "worker-0"),
+                           ("kvcache", "kvcache-0")):
+        text = files[f"deepinfer-{role}@.service"]
+        secrets = [line for line in text.splitlines() if line.startswith("LoadCredential=key_secret:")]
+        assert secrets == [f"LoadCredential=key_secret:{tmp_path / 'keys' / 'services' / '%i.key_secret'}"]
+        # No other secret reaches the unit: every other credential is a public key or the tenants' list.
+        assert all(line.split(":", 1)[1].endswith((".key", "allowed")) for line in text.splitlines()
+                   if line.startswith("LoadCredential=") and line not in secrets)
+        creds = _systemd_credentials(text, instance, tmp_path / f"creds-{instance}")
+        from_dir = service_auth(topo, role, instance)
+        monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+        from_creds = service_auth(topo, role, instance)
+        monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+        assert from_creds.keypair is not None and from_dir.keypair is not None
+        assert from_creds.keypair.public == from_dir.keypair.public
+        assert from_creds.keypair.secret == from_dir.keypair.secret
+        assert dict(from_creds.server_keys) == dict(from_dir.server_keys)
+        assert {k: v.rules for k, v in from_creds.allow.items()} == {k: v.rules for k, v in from_dir.allow.items()}
+    assert "LoadCredential=clients.allowed:" in files["deepinfer-router@.service"]
+    # Without [security] a unit has no credentials.
+    plain = tcp_topology("smollm2", None)
+    assert "LoadCredential" not in "".join(unit_files(path, plain, launcher="/usr/bin/deepinfer-launch").values())
