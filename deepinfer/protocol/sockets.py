@@ -6,9 +6,15 @@
   routing id over at once. On a CURVE-secured ROUTER it is off, so no other key can take a connected peer's
   id (and the replies meant for it); the price is that libzmq parks a newcomer whose id is still held, unread,
   until it reconnects — a service whose old connection outlives it (a crashed host, a half-open TCP) times out
-  its handshake and is restarted.
+  its handshake and is restarted; the restart's new connection gets the id once the bound side has dropped
+  the dead one, which its ZMTP heartbeats (below) do within BOUND_HEARTBEAT_TIMEOUT_MS of the peer going silent.
 * pipelines: PUSH → PULL; broadcasts that may be lost: PUB → SUB (subscribe with `type_frame(Cls)` to get
   one message type). The long-lived side binds.
+* every bound socket: ZMTP heartbeats (HEARTBEAT_IVL / HEARTBEAT_TIMEOUT). libzmq's I/O thread PINGs each
+  connected peer and closes a connection that sends nothing back (not even the PONG, which the peer's I/O
+  thread answers whatever its Python is doing) for BOUND_HEARTBEAT_TIMEOUT_MS. Without them nothing on the
+  bound side ever drops a dead TCP peer (a crashed host, a half-open connection): TCP itself may never give
+  up when nothing is sent, and with handover off the dead connection would hold its routing id for good.
 * every socket: LINGER 0 (closing never blocks on unsent messages: request-level deadlines recover them),
   SNDHWM/RCVHWM, and MAXMSGSIZE = limits.max_frame (libzmq applies it per frame and drops a peer that
   exceeds it, before we ever see the data).
@@ -46,6 +52,12 @@ from deepinfer.protocol.framing import decode_frames, encode_frames
 from deepinfer.protocol.limits import DEFAULT_LIMITS, Limits
 
 DEFAULT_HWM = 1000  # messages queued per peer before send blocks (or PUB drops)
+# ZMTP heartbeats on bound sockets (see the module docstring). A PING each second, like the client's
+# (protocol.client.HEARTBEAT_IVL_MS); a peer silent for 5 s, the router's own default `heartbeat_timeout_s`
+# after which it declares the instance dead anyway, loses its connection and so its routing id. No TTL: the
+# connecting side keeps its own choice (the client sets one; services rely on the router's heartbeats).
+BOUND_HEARTBEAT_IVL_MS = 1000
+BOUND_HEARTBEAT_TIMEOUT_MS = 5000
 
 
 def _new(ctx: zmq.Context, kind: int, hwm: int, limits: Limits) -> Any:
@@ -75,6 +87,9 @@ def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None,
                 raise ValueError("ClientAuth secures a connecting socket")
             secure_client(sock, auth)
         if bind is not None:
+            # Copied into each connection when it is made: set before bind.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, BOUND_HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, BOUND_HEARTBEAT_TIMEOUT_MS)
             sock.bind(bind)
         else:
             for endpoint in [connect] if isinstance(connect, str) else connect:
