@@ -484,6 +484,14 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
     temporary = run_dir is None  # made here: removed whole at exit
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))  # (mode 0700)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    from deepinfer.launch.supervisor import UnsafeRunDir, check_ipc_dirs, check_private_dir
+
+    try:  # an existing --run-dir is reused only if private (it is not silently repaired)
+        check_private_dir(run_dir)
+        if topology is not None:
+            check_ipc_dirs(Topology.load(topology))
+    except UnsafeRunDir as e:
+        raise click.ClickException(str(e)) from None
     cache = dict(kvcache=not (no_kvcache or no_prefix_caching), cache_dir=cache_dir, host_cache_mb=host_cache_mb,
                  disk_cache_mb=disk_cache_mb, prefix_caching=not no_prefix_caching)
     spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)

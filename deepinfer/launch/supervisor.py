@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import dataclasses
 import os
 import signal
 import stat
@@ -177,6 +178,48 @@ def _metrics_process_exited(pid: int) -> None:
         log.exception("dropping an exited child's metrics failed", pid=pid)
 
 
+class UnsafeRunDir(PermissionError):
+    """A directory of ipc:// sockets that another user could reach into (and so connect to a service)."""
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse a directory (an existing `--run-dir`, or one a topology's ipc:// sockets lie in) that is not
+    owned by this user or that group/others may access: the sockets in it are only as private as it is."""
+    st = os.stat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        raise UnsafeRunDir(f"{path}: the directory of ipc:// sockets is owned by uid {st.st_uid}, not this user "
+                           f"({os.geteuid()}), mode {mode:o}; use a directory of your own with mode 0700")
+    if mode & 0o077:
+        raise UnsafeRunDir(f"{path}: the directory of ipc:// sockets has mode {mode:o}, so group/others may reach "
+                           f"them; chmod 700 it")
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [s for f in dataclasses.fields(value) for s in _strings(getattr(value, f.name))]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    return []
+
+
+def ipc_dirs(topology: Topology) -> list[Path]:
+    """The directories of every ipc:// endpoint a topology names, once each."""
+    found = [Path(e.removeprefix("ipc://")).parent for e in _strings(topology) if e.startswith("ipc://")]
+    return list(dict.fromkeys(found))
+
+
+def check_ipc_dirs(topology: Topology) -> None:
+    """`check_private_dir` on the directory of each ipc:// endpoint (one not there yet is left to the bind)."""
+    for d in ipc_dirs(topology):
+        if d.is_dir():
+            check_private_dir(d)
+
+
 class Supervisor:
     """Spawn, restart and stop the children. `on_exit(name, role, pid, returncode)` is called once for every
     child exit that `poll()` sees (not for the exits `stop()` causes), the ranks it stopped because their
@@ -258,6 +301,7 @@ class Supervisor:
         g.started_at = time.monotonic()
 
     def start(self) -> None:
+        check_ipc_dirs(self.topology)  # a hand-written topology's socket directories too (UnsafeRunDir)
         for g in self.groups:
             self._start_group(g)
 
