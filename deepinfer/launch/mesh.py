@@ -1,6 +1,8 @@
 """Builds services from a topology and runs them: all in one process (`run_inproc`, every service an
 asyncio task over inproc://), or one per process (`run_service`, what the supervisor and systemd run).
-This is the only module that knows every service class."""
+This is the only module that knows every service class. It imports a role's class only when it builds one:
+a service process pays for its own imports alone (the router's start does not wait for torch, ~1.5 s here,
+which is most of how long a restarted router takes to serve again)."""
 
 from __future__ import annotations
 
@@ -21,13 +23,8 @@ from deepinfer.launch.keys import service_auth
 from deepinfer.launch.supervisor import watch_lifeline
 from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir
 from deepinfer.launch.tuning import tune_malloc
-from deepinfer.services.balancer import BalancerService
 from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import Service
-from deepinfer.services.kvcache import KvCacheService
-from deepinfer.services.router import RouterService
-from deepinfer.services.tokenizer import TokenizerService
-from deepinfer.services.worker import WorkerService
 
 
 def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int = 0,
@@ -54,12 +51,18 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
     shares (model, backend, block size), passed explicitly: no constructor default stands in for them."""
     auth = service_auth(topology, role, name)  # CURVE keys for its tcp:// sockets; none without [security]
     if role == "router":
+        from deepinfer.services.router import RouterService
+
         return RouterService("router", topology.frontend, topology.backend, ctx, topology.router, auth=auth)
     if role == "tokenizer":
+        from deepinfer.services.tokenizer import TokenizerService
+
         spec = topology.tokenizer(name)
         return TokenizerService(spec.name, topology.backend, spec.detok, ctx, topology.model,
                                 block_size=topology.block_size, kv_cache_dtype=topology.kv_cache_dtype, auth=auth)
     if role == "worker":
+        from deepinfer.services.worker import WorkerService
+
         spec = topology.worker(name)
         daemon = topology.kvcache(spec.kvcache) if spec.kvcache is not None else None
         return WorkerService(
@@ -72,6 +75,8 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
             ep=spec.ep, ep_master=spec.ep_master, stream_interval_s=spec.stream_interval_ms / 1000,
         )
     if role == "kvcache":
+        from deepinfer.services.kvcache import KvCacheService
+
         k = topology.kvcache(name)
         return KvCacheService(k.name, topology.backend, ctx, topology.model, k.endpoint,
                               k.dir if k.dir is not None else default_kvcache_dir(), k.host_mb, k.disk_mb,
@@ -79,6 +84,8 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
     if role == "balancer":
         if topology.balancer is None or name != BALANCER_NAME:
             raise ValueError(f"the topology has no balancer named {name!r} (a [balancer] table runs {BALANCER_NAME!r})")
+        from deepinfer.services.balancer import BalancerService
+
         return BalancerService(BALANCER_NAME, topology.backend, ctx, config=topology.balancer, auth=auth)
     raise ValueError(f"unknown role {role!r}")
 
