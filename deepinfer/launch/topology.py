@@ -44,8 +44,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     interval_s = 30.0                     #   named "balancer"): how often it reconsiders each group's placement
     window_s = 120.0                      # the load reports it weighs: the last window_s seconds
     threshold = 0.05                      # the relative max/mean gain a layer must promise before experts move
-    max_moves = 8                         # at most this many slots per layer load new weights at once (default:
-                                          #   no bound)
+    max_moves = 8                         # at most this many slots per layer load new weights at once (default 8)
+    max_moves_total = 64                  # and at most this many over all layers, largest gains first (default 64)
     move_timeout_s = 60.0                 # a placement unanswered by then is given up
     [[gateway]]                           # optional: an OpenAI-compatible HTTP gateway (a client of the frontend)
     name = "gateway-0"

@@ -118,7 +118,8 @@ class BalancerService(Service):
                           settled_pending=settled)
             return group
         c = self.config
-        core = BalancerCore(table, window_s=c.window_s, threshold=c.threshold, max_moves=c.max_moves)
+        core = BalancerCore(table, window_s=c.window_s, threshold=c.threshold, max_moves=c.max_moves,
+                            max_moves_total=c.max_moves_total)
         self.groups[worker] = group = GroupState(core)
         self.log.info("balancing a worker group", worker=worker, version=table.version, ranks=table.num_ranks,
                       experts=table.num_experts, slots_per_rank=table.slots_per_rank, moe_layers=table.num_layers)

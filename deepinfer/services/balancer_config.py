@@ -16,13 +16,26 @@ class BalancerConfig:
 
     interval_s: how often each group's placement is reconsidered; window_s: the load reports it weighs (the
     last window_s seconds); threshold: the relative max/mean improvement a layer must promise before its
-    experts move; max_moves: at most this many slots per layer load new weights in one decision (None: no
-    bound); move_timeout_s: a decision with no PlacementResult by then is given up."""
+    experts move; max_moves: at most this many slots of one MoE layer load new weights in one decision;
+    max_moves_total: at most this many in one decision over all layers, spent on the layers with the largest
+    predicted gain first; move_timeout_s: a decision with no PlacementResult by then is given up.
+
+    Why 8 and 64. A move reloads one expert's weights on one rank while the old placement serves, in the
+    background at a bounded duty (deepinfer.parallel.expert_move), so what a decision costs is the number
+    of moves; what it risks is how much of the model changes at one switch. 8 slots per layer is a few per
+    rank at EP 2-8 (2-9 slots each) and about what `bench.bench_eplb --max-moves` needs to keep making
+    progress per round at EP 32 (32 per layer: 9-43 rounds to the threshold there; a small bound such as 2
+    still converges over rounds, tests/unit/test_balancer_core.py). 64 per decision caps one decision at the
+    weights of about 64 experts (smollm2-moe at EP 2: an eighth of its 30 layers x 18 slots; DeepSeek-V3:
+    about 2.8 GB of fp8 experts spread over the ranks), so a switch stays a small, quick step and the
+    largest gains go first; the rest follows at the next intervals. For the old unbounded behaviour, set
+    both at least the group's slots per layer (and that times the MoE layers)."""
 
     interval_s: float = 30.0
     window_s: float = 120.0
     threshold: float = 0.05
-    max_moves: int | None = None
+    max_moves: int = 8
+    max_moves_total: int = 64
     move_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -30,8 +43,12 @@ class BalancerConfig:
             raise ValueError("interval_s, window_s and move_timeout_s must be positive")
         if self.threshold < 0:
             raise ValueError(f"threshold = {self.threshold}: must not be negative")
-        if self.max_moves is not None and self.max_moves < 1:
-            raise ValueError(f"max_moves = {self.max_moves}: must be at least 1")
+        for key in ("max_moves", "max_moves_total"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{key} = {value!r}: must be an integer")
+            if value < 1:
+                raise ValueError(f"{key} = {value}: must be at least 1")
 
 
 BALANCER_DEFAULTS = BalancerConfig()

@@ -39,7 +39,9 @@ weights costs more than it gains. When the candidate needs more than `max_moves`
 subset is applied instead (`_bounded`): step by step, the change (or pair of changes, for two experts
 trading ranks) with the lowest predicted (max, sum of squares) of the rank loads, every intermediate
 placement valid, the best prefix kept — a down payment on the whole gain, taken when it is strictly
-better; later plans continue from where it left the group.
+better; later plans continue from where it left the group. A decision as a whole moves at most
+`max_moves_total` slots: the layers' steps are taken in order of predicted max/mean gain, largest first,
+and one that does not fit whole gets a smaller bounded step with the budget left.
 """
 
 from __future__ import annotations
@@ -567,10 +569,11 @@ class BalancerCore:
     plan moves from a wrong starting point. Versions only grow."""
 
     def __init__(self, current: ExpertPlacement, *, window_s: float, threshold: float = 0.05,
-                 max_moves: int | None = None, redundant: int | None = None, ranks_per_node: int | None = None,
-                 num_groups: int | None = None) -> None:
-        if window_s <= 0 or threshold < 0 or (max_moves is not None and max_moves < 1):
-            raise ValueError("window_s must be positive, threshold not negative, max_moves at least 1")
+                 max_moves: int | None = None, max_moves_total: int | None = None, redundant: int | None = None,
+                 ranks_per_node: int | None = None, num_groups: int | None = None) -> None:
+        if window_s <= 0 or threshold < 0 or any(x is not None and x < 1 for x in (max_moves, max_moves_total)):
+            raise ValueError("window_s must be positive, threshold not negative, max_moves and max_moves_total "
+                             "at least 1")
         filled = max((sum(1 for e in layer if e != EMPTY) for layer in current.layers), default=0)
         self.redundant = (filled - current.num_experts) if redundant is None else redundant
         self.replicas = current.num_experts + self.redundant
@@ -578,7 +581,8 @@ class BalancerCore:
         self.current = current
         self.window_s = window_s
         self.threshold = threshold
-        self.max_moves = max_moves
+        self.max_moves = max_moves  # per MoE layer and decision (None: no bound)
+        self.max_moves_total = max_moves_total  # per decision over all layers (None: no bound)
         self.ranks_per_node = ranks_per_node
         self.num_groups = num_groups
         self.pending: ExpertPlacement | None = None
@@ -589,11 +593,13 @@ class BalancerCore:
     @classmethod
     def for_group(cls, num_layers: int, num_experts: int, num_ranks: int, redundant: int = 0, *,
                   window_s: float, threshold: float = 0.05, max_moves: int | None = None,
-                  ranks_per_node: int | None = None, num_groups: int | None = None) -> BalancerCore:
+                  max_moves_total: int | None = None, ranks_per_node: int | None = None,
+                  num_groups: int | None = None) -> BalancerCore:
         """A core for a group that starts on the static table (`ExpertPlacement.static`)."""
         static = ExpertPlacement.static(num_layers, num_experts, num_ranks, redundant)
-        return cls(static, window_s=window_s, threshold=threshold, max_moves=max_moves, redundant=redundant,
-                   ranks_per_node=ranks_per_node, num_groups=num_groups)
+        return cls(static, window_s=window_s, threshold=threshold, max_moves=max_moves,
+                   max_moves_total=max_moves_total, redundant=redundant, ranks_per_node=ranks_per_node,
+                   num_groups=num_groups)
 
     # -- reports --
 
@@ -639,30 +645,57 @@ class BalancerCore:
         cur = self.current
         rpn = self.ranks_per_node if _hierarchical(cur.num_experts, cur.num_ranks, self.replicas,
                                                    self.ranks_per_node, self.num_groups) else cur.num_ranks
-        layers, changed, moves, before, after = [], [], [], [], []
+        s = cur.slots_per_rank
+        before: list[float] = []
+        wanted: dict[int, tuple[float, list[int], int]] = {}  # layer -> (predicted gain, step, moves)
+        full: dict[int, list[int]] = {}  # layer -> the whole rebalance the step heads for
         for i, (slots, w) in enumerate(zip(cur.layers, loads, strict=True)):
-            old = max_over_mean(_slot_rank_loads(slots, w, cur.num_ranks, cur.slots_per_rank))
-            new_slots, new = list(slots), old
-            if sum(w) > 0:
-                bins = _layer_bins(w, cur.num_ranks, cur.slots_per_rank, self.replicas, self.ranks_per_node,
-                                   self.num_groups)
-                target = _align(slots, bins, cur.slots_per_rank, rpn)
-                if rpn == cur.num_ranks:  # global policy: a layout close to the current one may do
-                    target = self._nearer(slots, target, w)
-                ratio = max_over_mean(_slot_rank_loads(target, w, cur.num_ranks, cur.slots_per_rank))
-                # The gain weighed against the cost is the whole rebalance's; a bounded step towards it
-                # is taken when it predicts a strictly better (max, sum of squares) of the rank loads.
-                if old - ratio >= self.threshold * old:
-                    if self.max_moves is not None and _moves(slots, target) > self.max_moves:
-                        target = _bounded(slots, target, w, cur.num_ranks, cur.slots_per_rank, self.max_moves)
-                        ratio = max_over_mean(_slot_rank_loads(target, w, cur.num_ranks, cur.slots_per_rank))
-                    if target != list(slots):
-                        new_slots, new = target, ratio
-                        changed.append(i)
+            old = max_over_mean(_slot_rank_loads(slots, w, cur.num_ranks, s))
+            before.append(old)
+            if sum(w) <= 0:
+                continue
+            bins = _layer_bins(w, cur.num_ranks, s, self.replicas, self.ranks_per_node, self.num_groups)
+            target = _align(slots, bins, s, rpn)
+            if rpn == cur.num_ranks:  # global policy: a layout close to the current one may do
+                target = self._nearer(slots, target, w)
+            ratio = max_over_mean(_slot_rank_loads(target, w, cur.num_ranks, s))
+            # The gain weighed against the cost is the whole rebalance's; a bounded step towards it
+            # is taken when it predicts a strictly better (max, sum of squares) of the rank loads.
+            if old - ratio < self.threshold * old:
+                continue
+            full[i] = target
+            if self.max_moves is not None and _moves(slots, target) > self.max_moves:
+                target = _bounded(slots, target, w, cur.num_ranks, s, self.max_moves)
+                ratio = max_over_mean(_slot_rank_loads(target, w, cur.num_ranks, s))
+            if target != list(slots):
+                wanted[i] = (old - ratio, target, _moves(slots, target))
+        # The decision's budget goes to the layers whose step gains the most max/mean first (the same
+        # tokens pass every MoE layer, so a point of max/mean is worth about as much in each); a layer
+        # that no longer fits whole takes a smaller bounded step with what is left.
+        left = self.max_moves_total
+        chosen: dict[int, list[int]] = {}
+        for i in sorted(wanted, key=lambda i: (-wanted[i][0], i)):
+            gain, target, n = wanted[i]
+            if left is not None and n > left:
+                if left < 1:
+                    break
+                slots, w = cur.layers[i], loads[i]
+                target = _bounded(slots, full[i], w, cur.num_ranks, s, min(left, self.max_moves or left))
+                if target == list(slots):
+                    continue
+                n = _moves(slots, target)
+            chosen[i] = target
+            if left is not None:
+                left -= n
+        layers, changed, moves, after = [], [], [], []
+        for i, (slots, w) in enumerate(zip(cur.layers, loads, strict=True)):
+            new_slots = chosen.get(i, list(slots))
+            if i in chosen:
+                changed.append(i)
             layers.append(tuple(new_slots))
             moves.append(_moves(slots, new_slots))
-            before.append(old)
-            after.append(new)
+            after.append(max_over_mean(_slot_rank_loads(new_slots, w, cur.num_ranks, s)) if i in chosen
+                         else before[i])
         if not changed:
             return None
         self._top_version += 1

@@ -47,8 +47,10 @@ MAX_TOKENS = 24
 # 1.14 in the worst layer, on EP=2).
 PROMPTS = ["def fibonacci(n):\n    ", "for i in range(10):\n    print(", "import numpy as np\nx = np.",
            "class Stack:\n    def __init__(self):"]
-# Fast decisions for a test; a threshold low enough that EP=2's modest skew is worth a move.
-BALANCER = BalancerConfig(interval_s=1.0, window_s=120.0, threshold=0.01, move_timeout_s=120.0)
+# Fast decisions for a test; a threshold low enough that EP=2's modest skew is worth a move; move bounds
+# above any decision of this model (30 layers x 18 slots), so one decision rebalances every layer at once.
+BALANCER = BalancerConfig(interval_s=1.0, window_s=120.0, threshold=0.01, max_moves=1_000, max_moves_total=100_000,
+                          move_timeout_s=120.0)
 
 
 @pytest.fixture(scope="module")

@@ -187,6 +187,67 @@ def test_max_moves_converges_over_rounds() -> None:
     assert ratios(core.current, loads)[0] < start * 0.95
 
 
+# Three layers of 16 experts on 4 ranks (5 slots each, 4 redundant): layer 1 very skewed, layer 2 a little,
+# layer 0 in between.
+SKEWED = [[(e * 37) % 101 + (400 if e in (3, 7) else 0) for e in range(16)],
+          [(e * 53) % 97 + (3000 if e in (0, 1, 2, 3) else 0) for e in range(16)],
+          [(e * 29) % 89 + (120 if e == 5 else 0) for e in range(16)]]
+
+
+def skewed_core(**bounds: int | None) -> BalancerCore:
+    core = BalancerCore.for_group(3, 16, 4, redundant=4, window_s=60.0, **bounds)
+    core.observe(SKEWED, version=0, now=0.0)
+    return core
+
+
+def test_max_moves_total_bounds_a_decision_and_spends_on_the_largest_gains_first() -> None:
+    free = skewed_core().plan(0.0)
+    assert free is not None and free.changed == (0, 1, 2)
+    gains = [b - a for b, a in zip(free.before, free.after, strict=True)]
+    best = max(range(3), key=lambda i: gains[i])
+    assert best == 1 and sorted(gains, reverse=True) == [gains[1], gains[0], gains[2]]
+    # Just enough for the largest gain's whole step: that layer moves, and nothing else.
+    d = skewed_core(max_moves_total=free.moves[1]).plan(0.0)
+    assert d is not None and d.changed == (1,)
+    assert d.placement.layers[1] == free.placement.layers[1]
+    # A little more: the next gain (layer 0) takes a bounded step with what is left; layer 2 waits.
+    extra = 2
+    d = skewed_core(max_moves_total=free.moves[1] + extra).plan(0.0)
+    assert d is not None and 1 in d.changed and 2 not in d.changed and sum(d.moves) <= free.moves[1] + extra
+    assert d.moves[0] <= extra
+    # Both bounds together: each layer within max_moves, the decision within the total, every step better.
+    d = skewed_core(max_moves=3, max_moves_total=5).plan(0.0)
+    assert d is not None and max(d.moves) <= 3 and sum(d.moves) <= 5
+    assert all(d.after[i] < d.before[i] for i in d.changed)
+    assert d.moves[1] == 3  # the most skewed layer is served first, to its per-layer bound
+
+
+def test_both_bounds_converge_over_rounds() -> None:
+    core = skewed_core(max_moves=2, max_moves_total=3)
+    start = ratios(core.current, SKEWED)
+    for _ in range(200):
+        d = core.plan(0.0)
+        if d is None:
+            break
+        assert max(d.moves) <= 2 and sum(d.moves) <= 3
+        core.adopt(d.placement)
+    else:
+        raise AssertionError("no convergence in 200 rounds")
+    end = ratios(core.current, SKEWED)
+    unbounded = skewed_core().plan(0.0)
+    assert unbounded is not None
+    for i in range(3):
+        assert end[i] <= start[i]
+        # It ends where the rest of the gain falls under the threshold (5%), as an unbounded plan would.
+        assert end[i] < start[i] * 0.95 or start[i] - unbounded.after[i] < 0.05 * start[i]
+
+
+def test_bad_move_bounds_are_refused() -> None:
+    for bounds in ({"max_moves": 0}, {"max_moves_total": 0}, {"max_moves_total": -3}):
+        with pytest.raises(ValueError, match="max_moves"):
+            BalancerCore.for_group(1, 4, 2, window_s=1.0, **bounds)
+
+
 # --- properties -----------------------------------------------------------------------------------------
 
 
@@ -224,14 +285,15 @@ def test_rebalance_is_valid_deterministic_and_never_below_the_bound(g: tuple) ->
 
 
 @settings(max_examples=150, deadline=None)
-@given(groups(), st.one_of(st.none(), st.integers(1, 6)), st.sampled_from([0.0, 0.05, 0.2]))
+@given(groups(), st.one_of(st.none(), st.integers(1, 6)), st.one_of(st.none(), st.integers(1, 10)),
+       st.sampled_from([0.0, 0.05, 0.2]))
 def test_plan_is_valid_bounded_never_worse_and_deterministic(g: tuple, max_moves: int | None,
-                                                            threshold: float) -> None:
+                                                            max_moves_total: int | None, threshold: float) -> None:
     experts, ranks, redundant, loads = g
 
     def run() -> tuple[BalancerCore, object]:
         core = BalancerCore.for_group(len(loads), experts, ranks, redundant, window_s=30.0, threshold=threshold,
-                                      max_moves=max_moves)
+                                      max_moves=max_moves, max_moves_total=max_moves_total)
         core.observe(loads, version=0, now=0.0)
         return core, core.plan(1.0)
 
@@ -252,6 +314,8 @@ def test_plan_is_valid_bounded_never_worse_and_deterministic(g: tuple, max_moves
             assert moved <= max_moves
         if i not in d.changed:
             assert d.placement.layers[i] == core.current.layers[i]
+    if max_moves_total is not None:
+        assert sum(d.moves) <= max_moves_total
     # A changed layer came from a rebalance whose whole gain reached the threshold.
     assert d.changed
 

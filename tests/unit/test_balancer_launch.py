@@ -44,9 +44,10 @@ def load(tmp_path: Path, text: str) -> Topology:
 
 def test_a_balancer_table_reads_and_round_trips(tmp_path):
     topo = load(tmp_path, MINIMAL + "[balancer]\ninterval_s = 5\nwindow_s = 30.5\nthreshold = 0.1\nmax_moves = 4\n"
-                                    "move_timeout_s = 12.0\n")
+                                    "max_moves_total = 20\nmove_timeout_s = 12.0\n")
     assert topo.balancer == BalancerConfig(interval_s=5.0, window_s=30.5, threshold=0.1, max_moves=4,
-                                           move_timeout_s=12.0)
+                                           max_moves_total=20, move_timeout_s=12.0)
+    assert "max_moves = 4" in topo.to_toml() and "max_moves_total = 20" in topo.to_toml()
     assert load(tmp_path, topo.to_toml()) == topo
     defaults = load(tmp_path, MINIMAL + "[balancer]\n")  # an empty table: every default
     assert defaults.balancer == BALANCER_DEFAULTS
@@ -62,10 +63,24 @@ def test_a_balancer_table_reads_and_round_trips(tmp_path):
     ("interval_s = 0", "balancer: interval_s, window_s and move_timeout_s must be positive"),
     ("threshold = -0.1", "balancer: threshold = -0.1: must not be negative"),
     ("max_moves = 0", "balancer: max_moves = 0: must be at least 1"),
+    ("max_moves_total = 0", "balancer: max_moves_total = 0: must be at least 1"),
+    ("max_moves_total = -4", "balancer: max_moves_total = -4: must be at least 1"),
+    ("max_moves_total = 2.5", "balancer: max_moves_total = 2.5: must be an integer"),
+    ('max_moves_total = "64"', "balancer: max_moves_total = '64': must be an integer"),
 ])
 def test_bad_balancer_keys_are_refused_naming_the_key(tmp_path, table, match):
     with pytest.raises(TopologyError, match=match):
         load(tmp_path, MINIMAL + "[balancer]\n" + table + "\n")
+
+
+def test_the_default_move_bounds_are_finite_and_checked_in_python_too():
+    # Out of the box one decision may not reload every slot of every layer.
+    assert BALANCER_DEFAULTS.max_moves == 8 and BALANCER_DEFAULTS.max_moves_total == 64
+    for bad, match in (({"max_moves": 0}, "max_moves = 0"), ({"max_moves_total": 0}, "max_moves_total = 0"),
+                       ({"max_moves": None}, "max_moves = None: must be an integer"),
+                       ({"max_moves_total": 1.5}, "max_moves_total = 1.5: must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            BalancerConfig(**bad)
 
 
 def test_the_balancer_name_is_taken_and_redundant_experts_is_checked(tmp_path):
