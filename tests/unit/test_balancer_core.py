@@ -320,6 +320,71 @@ def test_plan_is_valid_bounded_never_worse_and_deterministic(g: tuple, max_moves
     assert d.changed
 
 
+@st.composite
+def running_groups(draw: st.DrawFn) -> tuple:
+    """A group already running a balanced placement for some other load (version > 0), the load it sees now,
+    both move bounds and a threshold. Half the time a shape the hierarchical policy takes (nodes divide the
+    expert groups and the replicas, groups divide the experts), else any group, with ranks per node and
+    expert groups drawn that the policy may refuse (then it is the global one)."""
+    if draw(st.booleans()):  # a shape the hierarchical policy takes: 2-3 nodes of 1-3 ranks
+        nodes, rpn = draw(st.integers(2, 3)), draw(st.integers(1, 3))
+        num_groups = nodes * draw(st.integers(1, 2))
+        experts = num_groups * draw(st.integers(1, 3))
+        ranks = nodes * rpn
+        redundant = nodes * draw(st.integers(0, (experts * (rpn - 1)) // nodes))
+        loads = draw(st.lists(st.lists(st.integers(0, 1000), min_size=experts, max_size=experts),
+                              min_size=1, max_size=3))
+    else:
+        experts, ranks, redundant, loads = draw(groups())
+        rpn = draw(st.one_of(st.none(), st.sampled_from([d for d in range(1, ranks + 1) if ranks % d == 0])))
+        num_groups = None if rpn is None else draw(st.integers(1, experts))
+    earlier = draw(st.lists(st.lists(st.integers(0, 1000), min_size=experts, max_size=experts),
+                            min_size=len(loads), max_size=len(loads)))
+    version = draw(st.integers(1, 50))
+    max_moves = draw(st.one_of(st.none(), st.integers(1, 6)))
+    max_moves_total = draw(st.one_of(st.none(), st.integers(1, 10)))
+    threshold = draw(st.sampled_from([0.0, 0.01, 0.05, 0.2]))
+    return experts, ranks, redundant, loads, earlier, rpn, num_groups, version, max_moves, max_moves_total, threshold
+
+
+@settings(max_examples=150, deadline=None)
+@given(running_groups())
+def test_plans_from_a_running_placement_stay_valid_bounded_never_worse_and_deterministic(g: tuple) -> None:
+    experts, ranks, redundant, loads, earlier, rpn, num_groups, version, max_moves, max_moves_total, threshold = g
+    slots = ExpertPlacement.static(len(loads), experts, ranks, redundant).slots_per_rank
+    start = rebalance(earlier, ranks, slots, redundant=redundant, ranks_per_node=rpn, num_groups=num_groups,
+                      version=version)
+    check_valid(start)
+
+    def core_on(current: ExpertPlacement) -> BalancerCore:
+        core = BalancerCore(current, window_s=30.0, threshold=threshold, max_moves=max_moves,
+                            max_moves_total=max_moves_total, redundant=redundant, ranks_per_node=rpn,
+                            num_groups=num_groups)
+        core.observe(loads, version=current.version, now=0.0)
+        return core
+
+    core = core_on(start)
+    for _ in range(4):  # several plan/adopt rounds under the same load
+        d = core.plan(1.0)
+        again = core_on(core.current).plan(1.0)
+        assert again == d  # the same table and reports give the same decision
+        if d is None:
+            break
+        check_valid(d.placement)
+        assert d.placement.version == core.current.version + 1
+        before, after = ratios(core.current, loads), ratios(d.placement, loads)
+        assert d.changed
+        for i in range(len(loads)):
+            assert after[i] <= before[i] + 1e-9  # never worse, whatever the threshold
+            assert d.after[i] == pytest.approx(after[i]) and d.before[i] == pytest.approx(before[i])
+            moved = sum(1 for a, b in zip(core.current.layers[i], d.placement.layers[i], strict=True)
+                        if a != b and b != EMPTY)
+            assert moved == d.moves[i]
+            assert max_moves is None or moved <= max_moves
+        assert max_moves_total is None or sum(d.moves) <= max_moves_total
+        core.adopt(d.placement)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 100), st.integers(0, 50)), min_size=1, max_size=8),
        st.floats(1, 50), st.floats(0, 200))
