@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer.launch.systemd import unit_files, write_units
-from deepinfer.launch.topology import Topology, TopologyError
+from deepinfer.launch.topology import BalancerConfig, Topology, TopologyError
 from deepinfer.protocol.client import Client
 from deepinfer.services.base import DRAIN_TIMEOUT_S
 
@@ -178,17 +178,21 @@ def test_bad_speculation_options_fail_before_anything_starts(tmp_path, args, mes
 
 
 def test_systemd_units(tmp_path):
-    topo = Topology.local("smollm2", "ipc", tmp_path)
+    # With a [balancer] table: its unit is checked (hardened, verified) like the others.
+    topo = Topology.local("smollm2", "ipc", tmp_path, balancer=BalancerConfig())
     path = tmp_path / "topology.toml"
     path.write_text(topo.to_toml())
     files = unit_files(path, topo, launcher="/usr/bin/deepinfer-launch")
     assert set(files) == {"deepinfer.target", "deepinfer-router@.service", "deepinfer-tokenizer@.service",
-                          "deepinfer-worker@.service", "deepinfer-kvcache@.service"}
+                          "deepinfer-worker@.service", "deepinfer-kvcache@.service", "deepinfer-balancer@.service"}
     target = files["deepinfer.target"]
     for name in ("deepinfer-router@router.service", "deepinfer-tokenizer@tokenizer-0.service",
                  "deepinfer-worker@prefill-0.service", "deepinfer-worker@decode-0.service",
-                 "deepinfer-kvcache@kvcache-0.service"):
+                 "deepinfer-kvcache@kvcache-0.service", "deepinfer-balancer@balancer.service"):
         assert name in target
+    balancer = files["deepinfer-balancer@.service"]
+    assert "service balancer --topology" in balancer and "--name %i" in balancer
+    assert "Restart=on-failure" in balancer and "PrivateDevices=yes" in balancer  # it plans; no GPU
     worker = files["deepinfer-worker@.service"]
     assert "service worker --topology" in worker and "--name %i" in worker and "Restart=on-failure" in worker
     for name, text in files.items():
@@ -204,7 +208,8 @@ def test_systemd_units(tmp_path):
     for inst, template in (("deepinfer-router@router.service", "deepinfer-router@.service"),
                            ("deepinfer-worker@prefill-0.service", "deepinfer-worker@.service"),
                            ("deepinfer-tokenizer@tokenizer-0.service", "deepinfer-tokenizer@.service"),
-                           ("deepinfer-kvcache@kvcache-0.service", "deepinfer-kvcache@.service")):
+                           ("deepinfer-kvcache@kvcache-0.service", "deepinfer-kvcache@.service"),
+                           ("deepinfer-balancer@balancer.service", "deepinfer-balancer@.service")):
         shutil.copy(out / template, out / inst)
     res = subprocess.run(["systemd-analyze", "verify", "--man=no", *(str(p) for p in sorted(out.iterdir()))],
                          capture_output=True, text=True)
