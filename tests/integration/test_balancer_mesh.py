@@ -4,9 +4,12 @@ process (`service balancer`), as the supervisor would run them.
 
 1. Static placement, no balancer yet: a skewed workload (code prompts) is served and the group's measured
    expert load per rank (the assignments each rank's experts computed, per MoE layer) is recorded.
-2. The balancer starts, sees the skew and sends a new placement; the same workload runs across the move.
-   The balancer is killed (-9) as soon as the group has begun the move: the group finishes it on its own
-   and every rank switches to the one new version at the same step.
+2. The balancer starts, sees the skew and sends a new placement; the same prompts are asked again and
+   again (four staggered streams) until the move has ended, and the group's steps are logged (placement
+   version, requests that gained tokens): some request must have decoded tokens under the static placement
+   and then under the new one, i.e. run across the switch. The balancer is killed (-9) as soon as the group
+   has begun the move: the group finishes it on its own and every rank switches to the one new version at
+   the same step.
 3. A new balancer resumes from the ranks' reports (it issues nothing stale); the workload runs again on
    the new placement.
 
@@ -101,6 +104,31 @@ class LoadLog:
         return sum(max(layer) * len(layer) / sum(layer) for layer in layers) / len(layers)
 
 
+class StepLog:
+    """Per group step (wrapping the engine's `step`, which the worker's engine thread calls): the placement
+    version the step ran under (a switch is made at the start of a round, before its step) and the requests
+    that gained tokens in it."""
+
+    def __init__(self, group: GroupEngine) -> None:
+        self.log: list[tuple[int, list[str]]] = []
+        step = group.step
+
+        def logged() -> list[Any]:
+            outputs = step()
+            self.log.append((group.placement_version, [o.request_id for o in outputs if o.new_token_ids]))
+            return outputs
+
+        group.step = logged  # type: ignore[method-assign]
+
+    def spanning(self, first: int) -> list[str]:
+        """The requests, among the steps from `first` on, that gained tokens under two placement versions."""
+        versions: dict[str, set[int]] = {}
+        for version, ids in self.log[first:]:
+            for rid in ids:
+                versions.setdefault(rid, set()).add(version)
+        return sorted(rid for rid, seen in versions.items() if len(seen) > 1)
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", *cmd], stdout=out, stderr=out)
@@ -126,6 +154,7 @@ def test_the_balancer_moves_experts_while_serving_without_changing_outputs(moe_p
         group = worker.engine
         assert isinstance(group, GroupEngine)
         worker.expert_load_period_s = 0.3
+        steps = StepLog(group)
         await mesh.start()
         loads = LoadLog(router)
         out: dict[str, Any] = {"static": group.placement}
@@ -140,17 +169,32 @@ def test_the_balancer_moves_experts_while_serving_without_changing_outputs(moe_p
                 out["static_results"] = await workload()
                 await until(lambda: sum(map(sum, loads.by_version.get(0, []))) > 0, "expert load measured on v0")
 
-                # 2. The balancer moves experts while the workload runs; killed once the move has begun.
+                # 2. The balancer moves experts while the workload runs; killed once the move has begun. Each
+                # prompt is asked again and again (the four staggered by a few group rounds, so that some
+                # request is always decoding) until the move has ended: a request is running at the switch.
+                begun = asyncio.Event()
+                first = len(steps.log)
+
+                async def again_and_again(i: int) -> list[tuple[int, m.RequestFinished]]:
+                    done: list[tuple[int, m.RequestFinished]] = []
+                    rounds = group.rounds
+                    await until(lambda: group.rounds >= rounds + 6 * i, f"stream {i} staggered")
+                    while not (begun.is_set() and group._moves.pending is None):
+                        done.append((i, await c.generate(prompt=PROMPTS[i], max_tokens=MAX_TOKENS, ignore_eos=True)))
+                    return done
+
                 start_balancer()
-                running = asyncio.ensure_future(workload())
+                running = asyncio.gather(*[again_and_again(i) for i in range(len(PROMPTS))])
                 await until(lambda: group._moves.pending is not None or group.placement_version > 0, "a move begun",
                             lambda: (group.placement_version, router.expert_status()))
                 os.kill(balancers[0].pid, signal.SIGKILL)
                 out["killed_mid_move"] = group._moves.pending is not None
-                out["across_results"] = await running
+                begun.set()
+                out["across_results"] = [r for stream in await running for r in stream]
                 await until(lambda: group._moves.pending is None, "the move ended",
                             lambda: (group._moves.pending.version, group.local.staged_placement(), group._moves._ready))
                 out["moved"] = group.placement
+                out["spanned"] = steps.spanning(first)
                 # The group finished the move alone; its next reports name the new version.
                 await until(lambda: router.expert_status()["worker-0"].placement_version == group.placement_version,
                             "the router sees the new version",
@@ -178,8 +222,14 @@ def test_the_balancer_moves_experts_while_serving_without_changing_outputs(moe_p
         for p in (follower, *balancers):
             if p.poll() is None:
                 p.kill()
-    for phase in ("static_results", "across_results", "after_results"):
+    for phase in ("static_results", "after_results"):
         assert [r.token_ids for r in out[phase]] == reference, phase  # every request finished, unchanged
+    across = out["across_results"]
+    assert len(across) >= len(PROMPTS) and all(r.token_ids == reference[i] for i, r in across), "across_results"
+    # Some request decoded tokens under the static placement and then under the moved one: it ran across
+    # the switch, and (above) its output is the single engine's.
+    assert out["spanned"], "no request was running when the placement switched"
+    print(f"requests running across the switch: {len(out['spanned'])} of {len(across)}")
     assert code == EXIT_STOPPED
     static, moved = out["static"], out["moved"]
     assert static.version == 0 and moved.version >= 1 and moved.layers != static.layers
