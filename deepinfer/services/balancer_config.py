@@ -21,15 +21,15 @@ class BalancerConfig:
     predicted gain first; move_timeout_s: a decision with no PlacementResult by then is given up.
 
     Why 8 and 64. A move reloads one expert's weights on one rank while the old placement serves, in the
-    background at a bounded duty (deepinfer.parallel.expert_move), so what a decision costs is the number
-    of moves; what it risks is how much of the model changes at one switch. 8 slots per layer is a few per
-    rank at EP 2-8 (2-9 slots each) and about what `bench.bench_eplb --max-moves` needs to keep making
-    progress per round at EP 32 (32 per layer: 9-43 rounds to the threshold there; a small bound such as 2
-    still converges over rounds, tests/unit/test_balancer_core.py). 64 per decision caps one decision at the
-    weights of about 64 experts (smollm2-moe at EP 2: an eighth of its 30 layers x 18 slots; DeepSeek-V3:
-    about 2.8 GB of fp8 experts spread over the ranks), so a switch stays a small, quick step and the
-    largest gains go first; the rest follows at the next intervals. For the old unbounded behaviour, set
-    both at least the group's slots per layer (and that times the MoE layers)."""
+    background at a bounded duty (deepinfer.parallel.expert_move), so a decision costs its number of moves
+    and risks what changes at one switch. 8 per layer is a few slots per rank on the small groups a host
+    runs (EP 2-8); it still converges, over more rounds: `bench.bench_eplb --max-moves 32` reaches the
+    threshold in 3-43 rounds at DeepSeek scale, and a bound of 2 still gets there on a 16-expert layer
+    (tests/unit/test_balancer_core.py, test_max_moves_converges_over_rounds). 64 per decision caps one
+    decision at about 64 experts' weights (smollm2-moe: about an eighth of its 30 layers' slots at EP 2;
+    DeepSeek-V3: about 2.8 GB of fp8 expert weights over all ranks), the largest gains first, the rest at
+    the next intervals. For the old unbounded behaviour, set max_moves to the group's slots per layer and
+    max_moves_total to that times the MoE layers."""
 
     interval_s: float = 30.0
     window_s: float = 120.0
