@@ -23,6 +23,12 @@
   against its allow-list; a connecting one given `auth=ClientAuth` proves its key to the server. On a secured
   ROUTER, `recv_routed` also refuses a message whose routing id is not one the sender's key may claim
   (ProtocolError "unauthenticated", counted on the allow-list), so the identity a service sees is authenticated.
+  libzmq shows ZAP the server's routing id, not the peer's, so a routing id cannot be bound to a key when a
+  peer connects: a key may hold any id nobody holds. So on a secured edge an instance is never *addressed* by
+  an id it chose: its DEALER's id is its name plus a random suffix (`make_dealer`: no other key can occupy
+  it), the ROUTER learns from each authenticated message which connection speaks for which instance, and a
+  send to an instance's name goes to that connection — or raises EHOSTUNREACH if the instance has not spoken
+  on this socket, never to a connection another key opened under its name.
 
 The factories take either a `zmq.Context` or a `zmq.asyncio.Context` and return that context's socket kind.
 A socket belongs to the task or thread that made it. Sync helpers (`send_msg`, `recv_msg`, `recv_routed`)
@@ -32,6 +38,7 @@ work on sync sockets, the `a*` coroutines on asyncio sockets; all receive with c
 
 from __future__ import annotations
 
+import secrets
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -82,6 +89,8 @@ def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None,
                 raise ValueError("ServerAuth secures a bound socket")
             secure_server(sock, auth)
             _ALLOW_LISTS[sock] = auth.allow
+            if sock.type == zmq.ROUTER:
+                _ROUTES[sock] = {}
         elif isinstance(auth, ClientAuth):
             if connect is None:
                 raise ValueError("ClientAuth secures a connecting socket")
@@ -124,6 +133,10 @@ def make_dealer(
     # libzmq reserves identities starting with a zero byte for ones it generates itself.
     if not 0 < len(ident) <= 255 or ident[0] == 0:
         raise ValueError(f"identity must be 1..255 bytes not starting with \\x00, got {ident!r}")
+    if auth is not None:
+        # Secured, the server names this peer by its key, not by this id (see the module docstring): the id
+        # only has to be one no other key can occupy, and a restarted process must not find its old one held.
+        ident = ident[: 255 - 1 - 2 * _SUFFIX_BYTES] + b"." + secrets.token_hex(_SUFFIX_BYTES).encode()
     sock = _new(ctx, zmq.DEALER, hwm, limits)
     sock.setsockopt(zmq.ROUTING_ID, ident)
     if auth is not None:  # also when connecting later (connect=[]): the options must precede the connect
@@ -196,6 +209,9 @@ def _frames(msg: Any, identity: bytes | None, limits: Limits) -> list:
 # The allow-list of each secured bound socket, for the per-message routing-id check (weak: closing and dropping
 # a socket forgets it).
 _ALLOW_LISTS: weakref.WeakKeyDictionary[Any, AllowList] = weakref.WeakKeyDictionary()
+# Each secured ROUTER's routes: instance name -> the routing id of the connection whose key last spoke for it.
+_ROUTES: weakref.WeakKeyDictionary[Any, dict[bytes, bytes]] = weakref.WeakKeyDictionary()
+_SUFFIX_BYTES = 8  # random bytes (hex) after a secured DEALER's name: 64 bits, not guessed
 
 
 def _routed(sock: Any, frames: list, limits: Limits) -> tuple[bytes, Any]:
@@ -203,7 +219,13 @@ def _routed(sock: Any, frames: list, limits: Limits) -> tuple[bytes, Any]:
     allow = _ALLOW_LISTS.get(sock)
     if allow is not None:
         rule = sender_rule(frames[-1])
-        if rule is None or not identity_allowed(rule, identity):
+        routes = _ROUTES.get(sock)
+        name = rule.encode() if rule is not None and not rule.endswith("*") else None
+        if name is not None and routes is not None and (identity == name or identity.startswith(name + b".")):
+            # An instance, known by its key: the application sees its name, and replies go to this connection.
+            routes[name] = identity
+            identity = name
+        elif rule is None or not identity_allowed(rule, identity):
             allow.refuse("routing id not owned by the sender's key", identity=identity.decode(errors="replace"),
                          key_owner=rule)
             # No `peer`: nothing is sent back to an identity the sender does not own.
@@ -213,6 +235,20 @@ def _routed(sock: Any, frames: list, limits: Limits) -> tuple[bytes, Any]:
     except ProtocolError as e:
         e.peer = identity
         raise
+
+
+def _address(sock: Any, identity: bytes | None) -> bytes | None:
+    """The routing id to send `identity`'s messages to: on a secured ROUTER an instance's name becomes the
+    connection its key spoke from (EHOSTUNREACH if it has not spoken here); a client's own key-bound id passes."""
+    routes = _ROUTES.get(sock)
+    if routes is None or identity is None:
+        return identity
+    route = routes.get(identity)
+    if route is not None:
+        return route
+    if any(r.endswith("*") and identity_allowed(r, identity) for r in _ALLOW_LISTS[sock].rules.values()):
+        return identity
+    raise zmq.ZMQError(zmq.EHOSTUNREACH)
 
 
 def _not_router(sock: Any) -> None:
@@ -232,7 +268,7 @@ def send_msg(
     """Send `msg` (to `identity` on a ROUTER). Buffer frames go zero-copy: with track=True the returned
     tracker tells when their memory may be reused. A ROUTER send to an unknown identity raises
     zmq.ZMQError(EHOSTUNREACH)."""
-    return sock.send_multipart(_frames(msg, identity, limits), flags=flags, copy=False, track=track)
+    return sock.send_multipart(_frames(msg, _address(sock, identity), limits), flags=flags, copy=False, track=track)
 
 
 def recv_msg(sock: zmq.Socket, *, flags: int = 0, limits: Limits = DEFAULT_LIMITS) -> Any:
@@ -252,7 +288,8 @@ async def asend_msg(
     limits: Limits = DEFAULT_LIMITS,
 ) -> zmq.MessageTracker | None:
     """`send_msg` for a zmq.asyncio socket (with flags=zmq.NOBLOCK a full queue raises zmq.Again at once)."""
-    return await sock.send_multipart(_frames(msg, identity, limits), flags=flags, copy=False, track=track)
+    return await sock.send_multipart(_frames(msg, _address(sock, identity), limits), flags=flags, copy=False,
+                                     track=track)
 
 
 async def arecv_msg(sock: Any, *, limits: Limits = DEFAULT_LIMITS) -> Any:

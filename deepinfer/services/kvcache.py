@@ -49,8 +49,7 @@ from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.metrics.recorders.cache import CacheExport
 from deepinfer.protocol import messages as m
-from deepinfer.protocol.framing import encode_frames
-from deepinfer.protocol.sockets import arecv_routed, make_router
+from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.base import Handler, Service
 from deepinfer.services.kv_events import KvEventPublisher
 
@@ -184,7 +183,7 @@ class KvCacheService(Service):
         """Send without ever waiting on the peer: a worker that is gone, or does not read its replies (its
         queue is full), loses this one rather than stalling the daemon for every other worker."""
         try:
-            await self.sock.send_multipart([peer, *encode_frames(msg)], flags=zmq.NOBLOCK, copy=False)
+            await asend_msg(self.sock, msg, peer, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self.replies_dropped += 1
             if self._drops_throttle.ready():
