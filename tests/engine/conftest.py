@@ -26,3 +26,14 @@ def tiny_llama(tiny_llama_dir):
     from deepinfer.engine.weights import load_model_weights
 
     return load_model_weights(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def one_thread():  # type: ignore[no-untyped-def]
+    """One torch thread for a module of tiny models: intra-op threads only add synchronisation, which on a
+    loaded machine made each matmul cost milliseconds (40x slower measured with 2 threads on a busy 2-core
+    box). A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

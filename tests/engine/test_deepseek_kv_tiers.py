@@ -40,13 +40,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 VARIANT = "v3-qlora-dense1-yarn"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    """Tiny models: intra-op threads only add synchronisation (see test_oracle_deepseek.one_thread)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -63,13 +63,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    """Tiny models: intra-op threads only add synchronisation (see test_oracle_deepseek.py)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build_hf(variant: str, seed: int) -> Any:

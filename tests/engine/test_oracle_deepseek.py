@@ -45,14 +45,7 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    """These models are tiny: intra-op threads only add synchronisation, which on a loaded machine made
-    each matmul cost milliseconds (40x slower measured with 2 threads on a busy 2-core box)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -147,7 +147,7 @@ def test_from_dir_matches(ours: Tokenizer, reference, tmp_path: Path) -> None:
     assert from_dir.eos_token_ids == (2,) and from_dir.bos_token_id == 1
 
 
-def _write_tokenizer_gguf(path: Path, tokens: list[str], merges: list[str], types: list[int], pre: str, arch="llama"):
+def write_tokenizer_gguf(path: Path, tokens: list[str], merges: list[str], types: list[int], pre: str, arch="llama"):
     w = GGUFWriter(path, arch)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
@@ -172,7 +172,7 @@ def test_other_pre_tokenizers_match_transformers_gguf(smollm2_path: Path, tmp_pa
     tokens = metadata(reader, "tokenizer.ggml.tokens")
     merges = metadata(reader, "tokenizer.ggml.merges")
     types = np.asarray(metadata(reader, "tokenizer.ggml.token_type")).tolist()
-    _write_tokenizer_gguf(tmp_path / "t.gguf", tokens, merges, types, pre, arch)
+    write_tokenizer_gguf(tmp_path / "t.gguf", tokens, merges, types, pre, arch)
     ours = Tokenizer.from_gguf(tmp_path / "t.gguf")
     ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
     for text in CORPUS:
@@ -180,14 +180,14 @@ def test_other_pre_tokenizers_match_transformers_gguf(smollm2_path: Path, tmp_pa
 
 
 def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
-    _write_tokenizer_gguf(tmp_path / "t.gguf", ["a", "b", "ab"], ["a b"], [1, 1, 1], "mystery")
+    write_tokenizer_gguf(tmp_path / "t.gguf", ["a", "b", "ab"], ["a b"], [1, 1, 1], "mystery")
     with pytest.raises(ValueError, match="'mystery'"):
         Tokenizer.from_gguf(tmp_path / "t.gguf")
 
 
 def test_tiny_gguf_tokenizer(tmp_path: Path) -> None:
     tokens = ["<s>", "a", "b", "ab", "Ġ", "Ġab", "1", "2", "<x>"]
-    _write_tokenizer_gguf(tmp_path / "t.gguf", tokens, ["a b", "Ġ ab"], [3, 1, 1, 1, 1, 1, 1, 1, 4], "smollm")
+    write_tokenizer_gguf(tmp_path / "t.gguf", tokens, ["a b", "Ġ ab"], [3, 1, 1, 1, 1, 1, 1, 1, 4], "smollm")
     tok = Tokenizer.from_gguf(tmp_path / "t.gguf")
     assert tok.encode("ab ab12<x><s>") == [3, 5, 6, 7, 8, 0]
     assert tok.decode([3, 5, 6, 7, 8, 0], skip_special_tokens=True) == "ab ab12<x>"

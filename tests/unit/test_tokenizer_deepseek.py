@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
-from gguf import GGUFWriter
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers, trainers
 
 from deepinfer.engine.tokenizer import Tokenizer
+from tests.unit.test_tokenizer import write_tokenizer_gguf
 
 _BYTE_LEVEL = '{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}'
 
@@ -97,18 +97,7 @@ def vocabulary() -> tuple[list[str], list[str]]:
 
 
 def _write_gguf(path: Path, tokens: list[str], merges: list[str], pre: str) -> None:
-    w = GGUFWriter(path, "deepseek2")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types([1] * len(tokens))
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tokenizer_gguf(path, tokens, merges, [1] * len(tokens), pre, arch="deepseek2")
 
 
 def _reference(tokens: list[str], merges: list[str], pre_tokenizer: dict) -> Backend:
