@@ -10,10 +10,16 @@ batch. At a sparse block, `ExpertParallelExperts(x, routing)` does, on every ran
    expert -1.
 2. **dispatch**: all_to_all_single of the packed rows as raw bytes (hidden state in its own dtype, int32
    ids, fp32 weights: exact whatever the activations' dtype), split by destination.
-3. **compute**: `run_experts` over the received rows with this rank's bank; a row's result is the
-   weighted sum of its experts here — the partial sum of that token on this rank.
-4. **combine**: all_to_all_single of the partial sums back to their senders (the same splits reversed),
-   then each token's partial sums added in rank order: the routed output.
+3. **compute**: `expert_outputs` over the received assignments with this rank's bank: weight · expert(x)
+   for each (row, expert).
+4. **combine**: all_to_all_single of those outputs back to their senders (in the order they came); the
+   sender adds each token's outputs in ascending expert id from zero — exactly what `run_experts` over one
+   bank of every expert computes (transformers' order too), so the result does not depend on which rank
+   computed which expert: not on the placement, nor on a move between two steps (given that a row's result
+   of an expert's GEMM does not depend on which other rows share the call, as holds for the fp32 GEMMs
+   here; tests/engine/test_ep_exact.py checks the bits over shuffled placements). (Returning one partial
+   sum per rank would move fewer bytes when a token has several experts on a rank, but its rounding would
+   follow the placement, and a near-tie in a later layer's routing could then change a greedy output.)
 
 The receiver must know the sizes before the dispatch. Two wire layouts, chosen once per group from its
 shape (`dense_rows`), so every rank uses the same one:
@@ -21,7 +27,7 @@ shape (`dense_rows`), so every rank uses the same one:
 * **dense** — when most tokens reach most ranks (few ranks, large top-k: smollm2-moe's top-12 of 16 on
   two ranks sends nearly every token everywhere). Every rank sends every peer one row per token of its
   batch, `width` = the placement's slots per rank (no token has more assignments on one rank); a token
-  with nothing for that peer is a row of expert -1 that no expert computes and whose partial sum is zero.
+  with nothing for that peer is a row of expert -1 that no expert computes.
   The sizes are then the batch sizes, which the first MoE layer of each forward gathers (one all_gather
   per forward), so each layer costs **two** collectives.
 * **sparse** — when a token reaches few of many ranks (DeepSeek-V3's top-8 of 256 over 32 ranks). Rows
@@ -29,8 +35,8 @@ shape (`dense_rows`), so every rank uses the same one:
   batch; a **header** all-to-all ([rows, width] per destination) precedes the dispatch: three
   collectives per layer.
 
-Both compute the same assignments in the same order and add the same partial sums in the same order, so
-the outputs are bit-identical whichever layout a group uses. An idle rank joins with zero rows, and a rank
+Both layouts carry the same assignments and return the same outputs, so the result is bit-identical
+whichever a group uses. An idle rank joins with zero rows, and a rank
 with nothing to receive still takes part. Counts (per-expert assignments of this rank's own tokens) and
 timings are kept for the benchmark and a balancer.
 """
@@ -70,7 +76,7 @@ class EpStats:
     compute_s: float = 0.0  # this rank's experts on the rows it received
     combine_s: float = 0.0  # the return all-to-all and the per-token sums
     dispatch_bytes: int = 0  # header and rows (padding rows included) this rank sent to other ranks
-    combine_bytes: int = 0  # partial sums this rank sent back to other ranks
+    combine_bytes: int = 0  # expert outputs this rank sent back to other ranks
     rows_sent: int = 0  # rows with assignments for other ranks (a row: one token's hidden state for one rank)
     rows_received: int = 0  # rows from other ranks (padding rows included)
     sync: bool = False
