@@ -11,7 +11,8 @@ The block is split where expert parallelism cuts it:
 * `run_experts` computes the assignments whose expert an `ExpertBank` holds and returns their
   weighted sum per token, zero for tokens with nothing routed there. A bank may hold any subset of
   the logical experts; with all of them (the single-process case) the result is the whole routed
-  output, and with a rank's share it is that rank's partial sum, to be combined across ranks.
+  output. `expert_outputs` returns each assignment's weighted output instead: what an expert-parallel
+  rank computes for its peers, who add a token's outputs in ascending expert id, as `run_experts` does.
 
 `LocalExperts` runs one bank of every expert; `deepinfer.parallel.ep_moe.ExpertParallelExperts` (installed
 by `shard_experts` on every block `moe_blocks` finds) spreads them over ranks. Both count assignments per
@@ -206,7 +207,7 @@ def _weighted_terms(x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, we
 # Routing (softmax top-k here; DeepSeek's sigmoid group-limited routing elsewhere). An expert executor
 # maps (x [T, hidden], routing) to the weighted sum of every routed expert's output per token [T, hidden]:
 # `LocalExperts` when one process holds every expert, an expert-parallel executor when they are spread
-# over ranks (it dispatches tokens to the ranks holding their experts and combines the partial sums).
+# over ranks (it dispatches tokens to the ranks holding their experts and adds the outputs that come back).
 Router = Callable[[torch.Tensor], Routing]
 ExpertExecutor = Callable[[torch.Tensor, Routing], torch.Tensor]
 
