@@ -3,6 +3,7 @@ it, for fault tests: dead children are restarted in the background while the tes
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -12,10 +13,17 @@ from pathlib import Path
 from deepinfer.launch.exit_notes import ExitNotifier
 from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
+from deepinfer.metrics.env import MULTIPROC_ENV, prepare_dir
 
 
 @contextmanager
-def supervised_mesh(topo: Topology, run_dir: Path, poll_s: float = 0.2) -> Iterator[Supervisor]:
+def supervised_mesh(topo: Topology, run_dir: Path, poll_s: float = 0.2, metrics: bool = False) -> Iterator[Supervisor]:
+    """With `metrics`, as `up` does, every child writes its metrics samples to `<run_dir>/metrics` (read them
+    with `metric`); the variable is set in this process too (the supervisor drops a dead child's live gauges)."""
+    previous = os.environ.get(MULTIPROC_ENV)
+    if metrics:
+        prepare_dir(run_dir / "metrics")
+        os.environ[MULTIPROC_ENV] = str(run_dir / "metrics")
     path = run_dir / "topology.toml"
     path.write_text(topo.to_toml())
     notes = ExitNotifier(topo.backend)  # as `up` does: the router hears of a dead child at once
@@ -36,6 +44,11 @@ def supervised_mesh(topo: Topology, run_dir: Path, poll_s: float = 0.2) -> Itera
         stop.set()
         sup.stop()
         notes.close()
+        if metrics:
+            if previous is None:
+                os.environ.pop(MULTIPROC_ENV, None)
+            else:
+                os.environ[MULTIPROC_ENV] = previous
 
 
 def wait_every_child_serving(sup: Supervisor, timeout_s: float) -> None:
@@ -53,3 +66,19 @@ def wait_every_child_serving(sup: Supervisor, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"not serving after {timeout_s}s: {waiting}")
         time.sleep(0.2)
+
+
+def metric(run_dir: Path, name: str, **labels: str) -> float | None:
+    """A sample of a `supervised_mesh(metrics=True)`'s directory by name and labels, e.g. the live gauge
+    ("deepinfer_num_requests_running", instance="worker-0"; refreshed at the instance's heartbeat rate) or a
+    counter ("deepinfer_router_events_total", event="moves"); None before any process wrote it."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(run_dir / "metrics"))
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None

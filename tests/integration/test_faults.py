@@ -59,9 +59,11 @@ def mesh(smollm2_path, tmp_path):
         yield sup
 
 
-async def streams_through_a_fault(endpoint: str, prompts: list[list[int]], fault) -> list[tuple[list[int], object]]:
-    """Stream every prompt; once a third of them have tokens flowing, run `fault()`. Returns per stream the
-    tokens of its deltas, in order, and how it ended (the RequestFinished or the exception)."""
+async def streams_through_a_fault(endpoint: str, prompts: list[list[int]], fault,
+                                  spec=params) -> list[tuple[list[int], object]]:
+    """Stream every prompt (stream i with the sampling parameters `spec(i)`); once a third of them have tokens
+    flowing, run `fault()`. Returns per stream the tokens of its deltas, in order, and how it ended (the
+    RequestFinished or the exception)."""
     results: list[tuple[list[int], object]] = [([], None) for _ in prompts]
     async with AsyncClient(endpoint, timeout_s=300) as c:
         flowing: set[int] = set()
@@ -70,7 +72,7 @@ async def streams_through_a_fault(endpoint: str, prompts: list[list[int]], fault
         async def one(i: int) -> None:
             tokens: list[int] = []
             try:
-                async for msg in c.stream(prompt_token_ids=prompts[i], **params(i)):
+                async for msg in c.stream(prompt_token_ids=prompts[i], **spec(i)):
                     if isinstance(msg, m.StreamDelta):
                         assert msg.offset == len(tokens), (i, msg.offset, len(tokens))  # no gap, no repeat
                         tokens += msg.token_ids
