@@ -188,6 +188,48 @@ def test_router_backend_refuses_strangers_and_keys_claiming_other_instances(tmp_
 # -- a whole secured mesh on the real model ---------------------------------------------------------------------------
 
 
+LANES = [[{"role": "user", "content": f"Name a colour and an animal, number {i}."}] for i in range(3)]
+LANE_PARAMS = dict(max_tokens=24, ignore_eos=True)
+
+
+async def streaming_lanes_through(c: AsyncClient, undisturbed: list[list[int]], during: Any) -> list[int]:
+    """Stream each of LANES again and again, from before `during()` starts (each lane has tokens flowing)
+    until it has returned: so a request of every lane is in flight throughout. Every request must end with
+    the tokens of `undisturbed`, delivered delta by delta without a gap or a repeat. Returns per lane the
+    number of requests it completed."""
+    flowing = [asyncio.Event() for _ in LANES]
+    done = asyncio.Event()
+    completed = [0] * len(LANES)
+
+    async def lane(i: int) -> None:
+        while True:
+            tokens: list[int] = []
+            end: Any = None
+            async for msg in c.stream(messages=LANES[i], **LANE_PARAMS):
+                if isinstance(msg, m.StreamDelta):
+                    assert msg.offset == len(tokens), (i, msg.offset, len(tokens))
+                    tokens += msg.token_ids
+                    flowing[i].set()
+                else:
+                    end = msg
+            assert isinstance(end, m.RequestFinished), (i, end)
+            assert end.token_ids == undisturbed[i] and tokens == undisturbed[i], i
+            completed[i] += 1
+            if done.is_set():  # this request was in flight when `during` returned
+                return
+
+    lanes = [asyncio.ensure_future(lane(i)) for i in range(len(LANES))]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flowing)), 120)  # a guard, not a timing
+        await during()
+        done.set()
+        await asyncio.wait_for(asyncio.gather(*lanes), 120)
+    finally:
+        for t in lanes:
+            t.cancel()
+    return completed
+
+
 @pytest.mark.smollm2
 def test_secured_mesh_serves_and_refuses_every_forgery(tmp_path, smollm2_path):
     from deepinfer.launch.mesh import InprocMesh
@@ -206,6 +248,7 @@ def test_secured_mesh_serves_and_refuses_every_forgery(tmp_path, smollm2_path):
             async with AsyncClient(topo.frontend, timeout_s=120, curve_keys=client_keys,
                                    server_key=router_key) as c:
                 before = await c.generate(messages=question, max_tokens=6)
+                undisturbed = [(await c.generate(messages=q, **LANE_PARAMS)).token_ids for q in LANES]
             # A client without a key is not served (its handshake never completes: bounded wait, then give up).
             with pytest.raises((MeshError, TimeoutError)):
                 async with AsyncClient(topo.frontend, timeout_s=2, connect_timeout_s=2) as c:
@@ -233,16 +276,28 @@ def test_secured_mesh_serves_and_refuses_every_forgery(tmp_path, smollm2_path):
                 (zmq.DEALER, topo.kvcache("kvcache-0").endpoint, store, "worker-0", daemon.auth.allow["cache"],
                  "kvcache-0", service_keys(keys, "tokenizer-0")),
             ]
-            for kind, endpoint, msg, identity, allow, server, other_key in cases:
-                for keys_used in (None, other_key):
-                    server_key = public[server] if keys_used else None
-                    await refused_once_more(allow, partial(forger.send, kind, endpoint, msg, keys_used, server_key,
-                                                           identity or "forger"))
-            # A valid service key (the cache daemon's) on the backend claiming another routing id: refused by the
-            # routing-id check (an id not connected now: libzmq drops a duplicate of a connected one uncounted).
-            beat = m.Heartbeat("worker", "worker-1", "forged", 1, 10**6)
-            await refused_once_more(router.auth.allow["backend"], lambda: forger.send(
-                zmq.DEALER, topo.backend, beat, wrong, public["router"], "worker-1"))
+
+            async def forge() -> None:
+                for kind, endpoint, msg, identity, allow, server, other_key in cases:
+                    for keys_used in (None, other_key):
+                        server_key = public[server] if keys_used else None
+                        await refused_once_more(allow, partial(forger.send, kind, endpoint, msg, keys_used,
+                                                               server_key, identity or "forger"))
+                # A valid service key (the cache daemon's) on the backend claiming another routing id: refused by
+                # the routing-id check (an id not connected now: libzmq drops a duplicate of a connected one
+                # uncounted).
+                beat = m.Heartbeat("worker", "worker-1", "forged", 1, 10**6)
+                await refused_once_more(router.auth.allow["backend"], lambda: forger.send(
+                    zmq.DEALER, topo.backend, beat, wrong, public["router"], "worker-1"))
+
+            # Every forgery is sent while requests stream: each lane streams its prompt again and again from
+            # before the first forgery until after the last, and every request it ran must equal the undisturbed
+            # run, delta by delta.
+            async with AsyncClient(topo.frontend, timeout_s=120, curve_keys=client_keys,
+                                   server_key=router_key) as c:
+                completed = await streaming_lanes_through(c, undisturbed, forge)
+            print("requests completed per lane while forging:", completed)
+            assert all(n >= 1 for n in completed), completed
 
             assert router.core.table.get("worker-0").incarnation == incarnation
             assert "tokenizer-9" not in router.core.table.instances
