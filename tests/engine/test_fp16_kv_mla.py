@@ -25,13 +25,13 @@ import torch
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.weights import load_model_weights
-from tests.engine import deepseek_models, test_oracle_deepseek
+from tests.engine import deepseek_models
 from tests.engine.oracle import assert_whole, hf_top2_gap, memoised_greedy
 from tests.engine.test_fp16_kv_cache import PATHS_TOL, decode_row_logits
 from tests.engine.test_oracle_deepseek import BLOCK, MODES, NEW_TOKENS, prompts, run
 
 LOGITS_REL = 1.5e-3
-one_thread = test_oracle_deepseek.one_thread  # autouse there, so here too
+pytestmark = pytest.mark.usefixtures("one_thread")  # as in test_oracle_deepseek
 
 
 @pytest.fixture(scope="module", params=list(deepseek_models.VARIANTS))
