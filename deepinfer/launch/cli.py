@@ -618,9 +618,14 @@ def _announce(endpoint: str, extra: str = "", urls: list[str] | None = None) -> 
                    "follow it (engine only).")
 def service(role: str, topology: Path, name: str | None, index: int | None, rank: int) -> None:
     """Run one service of a topology (what a systemd unit runs)."""
+    from deepinfer.launch.supervisor import UnsafeRunDir, check_ipc_dirs
     from deepinfer.launch.topology import Topology, TopologyError
 
     topo = Topology.load(topology)
+    try:
+        check_ipc_dirs(topo)  # as up does: a unit or a hand-started service binds only where others cannot reach
+    except UnsafeRunDir as exc:
+        raise click.ClickException(str(exc)) from None
     if name is None:
         names = {"router": ["router"], "tokenizer": [t.name for t in topo.tokenizers],
                  "worker": [w.name for w in topo.workers], "kvcache": [k.name for k in topo.kvcaches],

@@ -81,3 +81,11 @@ def test_up_refuses_a_hand_written_topology_whose_sockets_others_may_reach(tmp_p
     result = CliRunner().invoke(cli, ["up", "--topology", str(topology), "--run-dir", str(run)])
     assert result.exit_code != 0
     assert str(sockets) in result.output and "775" in result.output, result.output
+
+
+def test_a_single_service_refuses_a_topology_whose_sockets_others_may_reach(tmp_path):
+    """`deepinfer-launch service` (what a systemd unit or an operator runs) checks like `up` before it binds."""
+    sockets = _dir(tmp_path, "sockets", 0o750)
+    result = CliRunner().invoke(cli, ["service", "router", "--topology", str(_topology(tmp_path, sockets))])
+    assert result.exit_code != 0
+    assert str(sockets) in result.output and "750" in result.output, result.output
