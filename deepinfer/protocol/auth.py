@@ -135,6 +135,9 @@ class AllowList:
     def __init__(self, domain: str, rules: Mapping[bytes, str] | None = None) -> None:
         self.domain = domain
         self.rules: dict[bytes, str] = dict(rules or {})
+        # The exact rules: instance names, which a secured ROUTER addresses only by the connection a key spoke
+        # from (see `sockets`); prefix rules are clients' own key-bound ids.
+        self.instances: set[bytes] = {r.encode() for r in self.rules.values() if not r.endswith("*")}
         # Connections refused (no CURVE, or a key not on the list) plus messages whose sender claimed a
         # routing id its key does not own.
         self.refused = 0
@@ -143,6 +146,8 @@ class AllowList:
 
     def allow(self, public_key: bytes, rule: str) -> None:
         self.rules[public_key] = rule
+        if not rule.endswith("*"):
+            self.instances.add(rule.encode())
 
     def rule_for(self, public_key: bytes) -> str | None:
         return self.rules.get(public_key)

@@ -239,16 +239,18 @@ def _routed(sock: Any, frames: list, limits: Limits) -> tuple[bytes, Any]:
 
 def _address(sock: Any, identity: bytes | None) -> bytes | None:
     """The routing id to send `identity`'s messages to: on a secured ROUTER an instance's name becomes the
-    connection its key spoke from (EHOSTUNREACH if it has not spoken here); a client's own key-bound id passes."""
+    connection its key spoke from (EHOSTUNREACH if it has not spoken here); any other id (a client's own
+    key-bound one) passes, since only an id a key may claim ever reached the application. O(1): it runs for
+    every message a router sends."""
     routes = _ROUTES.get(sock)
     if routes is None or identity is None:
         return identity
     route = routes.get(identity)
     if route is not None:
         return route
-    if any(r.endswith("*") and identity_allowed(r, identity) for r in _ALLOW_LISTS[sock].rules.values()):
-        return identity
-    raise zmq.ZMQError(zmq.EHOSTUNREACH)
+    if identity in _ALLOW_LISTS[sock].instances:
+        raise zmq.ZMQError(zmq.EHOSTUNREACH)
+    return identity
 
 
 def _not_router(sock: Any) -> None:
