@@ -701,6 +701,11 @@ class LLMEngine:
         """How many leading `hashes` are device-resident now (takes nothing: a later step may evict them)."""
         return self.prefix_cache.cached_prefix_blocks(hashes)
 
+    def cache_route(self, request_id: str, hashes: Sequence[BlockHash]) -> LLMEngine:
+        """Where request `request_id`'s cached-prefix lookup and import go: this engine (a worker group
+        answers with the one rank it places the request on)."""
+        return self
+
     def export_cached_blocks(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], torch.Tensor | None]:
         """The KV of those of `hashes` that are device-resident, in order, as one contiguous copy
         [n, *kv_spec.block_shape] (None when none is): for write-behind."""

@@ -19,14 +19,12 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.parallel.group_cache import RankCache
-from deepinfer.parallel.group_engine import GroupEngine
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import ClientAuth
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
@@ -38,7 +36,11 @@ STORE_TIMEOUT_S = 10.0
 PROBE_PERIOD_S = 1.0
 MAX_STORES_IN_FLIGHT = 4
 
-PrefixTarget = LLMEngine | RankCache  # what a request's lookup and import go to (a group: one rank)
+if TYPE_CHECKING:
+    from deepinfer.parallel.group_cache import RankCache
+    from deepinfer.parallel.group_engine import GroupEngine
+
+    PrefixTarget = LLMEngine | RankCache  # what a request's lookup and import go to (a group: one rank)
 
 
 @dataclass
@@ -183,8 +185,7 @@ class CacheClient:
     def _lookup(self, request_id: str, hashes: list[bytes]) -> tuple[PrefixTarget, int]:
         """On the engine thread: what the request's lookup and import go to (a group places the request
         now, on one rank), and how many leading `hashes` it holds on the device."""
-        engine = self.engine
-        target = engine.cache_route(request_id, hashes) if isinstance(engine, GroupEngine) else engine
+        target = self.engine.cache_route(request_id, hashes)
         return target, target.cached_prefix_blocks(hashes)
 
     def _import(self, target: PrefixTarget, head: list[bytes], hashes: list[bytes], tiers: list[str],
