@@ -11,15 +11,19 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine.huge_pages import huge_page_bytes
+from deepinfer.engine.kernels.dense_linear import MAX_ROWS as DENSE_MAX_ROWS
+from deepinfer.engine.kernels.dense_linear import dense_linear
 from deepinfer.engine.kernels.quant_linear import PackedWeight, quant_linear
 from deepinfer.engine.packed_weights import Weight
 
 __all__ = ["SMALL_BATCH_ROWS", "Weight", "embed_rows", "fuse_rows", "in_one_arena", "linear", "to_device"]
 
-# Up to this many rows, an fp32 `linear` computes (W @ x.T).T instead of x @ W.T. Same product, but with
-# the CPU BLAS here (MKL in the torch wheel) it takes a multi-threaded GEMM that streams W at close to
-# memory bandwidth, where F.linear on a few rows takes a single-threaded GEMV: measured on SmolLM2's layers
-# at 1/2/32/128 rows, 2.3x/4x/1.07x/1.15x faster. Above it (prefill chunks) F.linear is faster.
+# fp32 weights on CPU: up to dense_linear.MAX_ROWS rows the C kernel (kernels/dense_linear.c) streams W once
+# for all rows, batch-invariantly; above it F.linear (the BLAS GEMM). Without the kernel (no compiler), up to
+# SMALL_BATCH_ROWS rows compute (W @ x.T).T instead of x @ W.T: on an AVX2 VM's MKL that took a multi-threaded
+# GEMM where F.linear took a single-threaded GEMV (2.3x/4x/1.07x/1.15x faster at 1/2/32/128 rows of SmolLM2),
+# though on the AVX-512 VM of 2026-12-02 it was 2.5x slower at one row: which BLAS path wins is machine-
+# dependent, the reason for the kernel.
 SMALL_BATCH_ROWS = 256
 
 
@@ -30,6 +34,10 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         y = quant_linear(x, w, torch.get_num_threads())
         return y + bias if bias is not None else y
     rows = x.shape[0]
+    if rows <= DENSE_MAX_ROWS and x.is_cpu:
+        y = dense_linear(x, w, torch.get_num_threads())
+        if y is not None:
+            return y + bias if bias is not None else y
     if rows > SMALL_BATCH_ROWS:
         return F.linear(x, w, bias)
     # One row would still take the GEMV path: pad it to two.
