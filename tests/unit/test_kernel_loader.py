@@ -101,3 +101,20 @@ def test_a_load_that_refuses_the_library_leaves_it_unloaded(source):
     k = loader(source, refuse)
     assert not k.available() and k.lib is None and not k.fns
     assert "built for another wrapper" in (k.unavailable_reason() or "")
+
+
+def test_the_build_key_covers_local_headers(tmp_path: Path) -> None:
+    """A kernel that includes a header of its own directory (dense_tiles.h) must rebuild when only the header
+    changes: the header's bytes are part of the cached library's name; system headers are not read."""
+    src, header = tmp_path / "k.c", tmp_path / "tiles.h"
+    src.write_text('#include <stdint.h>\n#include "tiles.h"\nint tl_answer(void) { return TILE; }\n')
+    header.write_text("#define TILE 42\n")
+    first = build.lib_name(src, "k", "gcc", ["-O3"])
+    assert build.lib_name(src, "k", "gcc", ["-O3"]) == first
+    header.write_text("#define TILE 43\n")
+    assert build.lib_name(src, "k", "gcc", ["-O3"]) != first
+    assert b"#define TILE 43" in build.source_bytes(src)
+    # The shipped kernels: the dense and quantized linear sources both carry the shared tiles.
+    kernels = Path(build.__file__).parent
+    for name in ("dense_linear.c", "quant_linear.c"):
+        assert (kernels / "dense_tiles.h").read_bytes() in build.source_bytes(kernels / name)

@@ -116,6 +116,35 @@ def test_decode_result_does_not_depend_on_thread_count(fmt):
             assert torch.equal(quant_linear(x[:m], packed, threads, impl="native"), y1), (m, threads)
 
 
+def _group_max_m() -> int:
+    return int(ql._loader.lib.ql_group_max_m()) if ql.native_available() and ql._loader.lib is not None else 0
+
+
+@needs_native
+@pytest.mark.skipif(_group_max_m() == 0, reason="no AVX-512F here: the group path does not run")
+@pytest.mark.parametrize("fmt", list(QTYPES))
+def test_group_path_is_the_fp32_kernel_on_the_loaders_weights(fmt):
+    """From 4 rows to ql_group_max_m() (AVX-512F), the kernel dequantises 16 weight rows at a time and runs
+    dense_linear's tiles: every output equals dense_linear on the loader's fp32 weights, to the bit, for every
+    row count in that range (N not a multiple of 16, K a multiple of 32 but not of 64) and thread count; and
+    the auto path takes it instead of dequantise + GEMM up to that limit."""
+    from deepinfer.engine.kernels import dense_linear as dl
+
+    packed, w = _packed(fmt, 1000, 608, seed=21)
+    limit = _group_max_m()
+    x = torch.randn(limit + 1, 608, generator=torch.Generator().manual_seed(22))
+    full = quant_linear(x[:limit], packed, 2, impl="native")
+    for m in (4, 5, 7, 17, 64, limit):
+        for threads in (1, 3):
+            y = quant_linear(x[:m], packed, threads, impl="native")
+            assert torch.equal(y, full[:m]), (m, threads)
+        ref = torch.cat([dl.dense_linear(x[i:min(i + 64, m)], w, 2) for i in range(0, m, 64)])
+        assert torch.equal(y, ref), m
+    assert ql._fns["gemm_min_rows"] == limit + 1
+    assert torch.equal(quant_linear(x[:limit], packed, 2), full)
+    _assert_product(quant_linear(x, packed, 2), x, w)  # one more row: dequantise + GEMM
+
+
 @needs_native
 @pytest.mark.parametrize("fmt", list(QTYPES))
 def test_decode_with_long_rows(fmt):

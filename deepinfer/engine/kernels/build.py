@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -48,6 +49,7 @@ __all__ = [
     "flag_fallbacks",
     "kernel_cache_dir",
     "lib_name",
+    "source_bytes",
 ]
 
 # The SIMD features the paged attention kernel uses; others ask for more (e.g. "f16c").
@@ -155,10 +157,25 @@ def find_compiler() -> str | None:
     return None
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"/]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path) -> bytes:
+    """The source and, after it, every header it includes with `#include "name.h"` from its own directory (the
+    kernels share register tiles that way), so that editing a header also changes the build's key."""
+    text = source.read_bytes()
+    parts = [text]
+    for name in dict.fromkeys(_LOCAL_INCLUDE.findall(text)):
+        header = source.parent / name.decode()
+        if header.is_file():
+            parts += [b"\0" + name, header.read_bytes()]
+    return b"".join(parts)
+
+
 def lib_name(source: Path, stem: str, compiler: str, flags: list[str]) -> str:
-    """File name of the build: keyed by source, flags, compiler and machine."""
+    """File name of the build: keyed by source (with its local headers), flags, compiler and machine."""
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join(flags).encode(), os.path.basename(compiler).encode(),
+        b"\0".join([source_bytes(source), " ".join(flags).encode(), os.path.basename(compiler).encode(),
                     platform.machine().encode()])
     ).hexdigest()[:20]
     return f"{stem}-{key}.so"

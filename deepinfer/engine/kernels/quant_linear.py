@@ -5,7 +5,9 @@ row is in_features / 32 blocks of 32 weights along the input dimension (layouts 
 `quant_linear(x, packed, num_threads)` computes x @ W^T on CPU with the C kernel (`quant_linear.c`, built
 on first use by build.py):
 * fewer than GEMM_MIN_ROWS rows (decode batches): the kernel proper, which dequantises the blocks in
-  registers; the fp32 matrix is never made;
+  registers; the fp32 matrix is never made. On a CPU with AVX-512F, from 4 rows up to the kernel's
+  `ql_group_max_m()` (256) it dequantises 16 weight rows at a time into a cache-resident buffer and runs
+  the fp32 kernel's register tiles (`dense_tiles.h`), which beats the GEMM below up to that many rows;
 * more rows (prefill): the kernel dequantises W, or chunks of it, into a reused per-thread buffer (at
   most GEMM_CHUNK_FLOATS floats) and torch's GEMM multiplies them. At that size the product is
   compute-bound and dequantising costs a few percent of it, so this runs at torch's fp32 speed, which
@@ -165,6 +167,9 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
     fn.argtypes = [vp, vp, i64, i64, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     fns["dequantize"] = fn
+    lib.ql_group_max_m.restype = ctypes.c_int
+    # With the AVX-512 group path, the kernel beats dequantise + GEMM up to its row limit (quant_linear.c).
+    fns["gemm_min_rows"] = max(GEMM_MIN_ROWS, lib.ql_group_max_m() + 1)
     lib.ql_block_bytes.argtypes = [ctypes.c_int]
     for name, (code, bsz) in FORMATS.items():
         if lib.ql_block_bytes(code) != bsz:
@@ -237,8 +242,8 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
         m, k = x.shape
         ldx, unit = x.stride()
         blocks = packed.blocks
-        if (0 < m < GEMM_MIN_ROWS and k == packed.in_features and unit == 1 and (ldx >= k or m == 1) and x.is_cpu
-                and blocks.is_cpu):
+        if (0 < m < _fns.get("gemm_min_rows", GEMM_MIN_ROWS) and k == packed.in_features and unit == 1
+                and (ldx >= k or m == 1) and x.is_cpu and blocks.is_cpu):
             n = packed.out_features
             y = torch.empty((m, n), dtype=torch.float32)
             rc = fn(x.data_ptr(), ldx, blocks.data_ptr(), y.data_ptr(), n, m, n, k, FORMATS[packed.format][0],
@@ -267,7 +272,7 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
     if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
     code = FORMATS[packed.format][0]
-    if impl == "gemm" or (impl == "auto" and m >= GEMM_MIN_ROWS):
+    if impl == "gemm" or (impl == "auto" and m >= _fns.get("gemm_min_rows", GEMM_MIN_ROWS)):
         y = _dequantize_gemm(x2, packed, code, num_threads)
     else:
         y = torch.empty((m, n), dtype=torch.float32)
