@@ -222,6 +222,30 @@ def test_proposer_finished_learns_and_drops_state() -> None:
     assert prop.propose([ctx("b", [0, 1, 2, 3])], [4])[0].token_ids == [7, 8]
 
 
+def test_proposer_learns_which_source_serves_a_request() -> None:
+    """The index proposes an earlier answer's continuation, the request's own text another; while the index's
+    proposals keep failing for this request (and only for it), its own text wins, and the reverse."""
+    prop = SuffixProposer(SuffixIndex())
+    prop.finished(ctx("old", [1, 2, 3, 4, 5, 6, 7], 3))  # an earlier answer: 1 2 3 -> 4 5 6 7
+    tokens = [2, 3, 8, 1, 2, 3]  # prompt lookup: "2 3" -> 8 1 2 3; the index: "1 2 3" -> 4 5 6 7
+    assert prop.propose([ctx("a", tokens)], [4])[0].token_ids == [4, 5, 6, 7]
+    for _ in range(3):  # the index's proposals are rejected at once
+        prop.observe("a", 4, 0)
+    assert prop.propose([ctx("a", tokens)], [4])[0].token_ids == [8, 1, 2, 3]
+    # Another request is not affected, and the local source failing in turn brings the index back.
+    assert prop.propose([ctx("b", tokens)], [4])[0].token_ids == [4, 5, 6, 7]
+    for _ in range(12):
+        prop.observe("a", 4, 0)
+    assert prop.propose([ctx("a", tokens)], [4])[0].token_ids == [4, 5, 6, 7]
+    # Observations of unknown requests or empty steps are ignored; finishing drops the request's state.
+    prop.observe("nobody", 4, 0)
+    prop.observe("a", 0, 0)
+    assert prop.num_tracked == 2
+    for rid in ("a", "b"):
+        prop.finished(ctx(rid, tokens, len(tokens)))
+    assert prop.num_tracked == 0
+
+
 def test_proposer_k_zero_gives_empty_proposals() -> None:
     prop = SuffixProposer(SuffixIndex())
     prop.finished(ctx("a", [1, 2, 3, 7, 8], 3))

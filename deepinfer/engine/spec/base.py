@@ -110,6 +110,9 @@ class Proposer(ABC):
     * `finished(ctx)` tells it a request has ended with `ctx.token_ids` final (an aborted or failed
       request too); per-request state is dropped, and a proposer that learns from earlier requests
       may learn from this one.
+    * `observe(request_id, proposed, accepted)` reports each verified step: of the `proposed` tokens of
+      its proposal that were verified (a cheap proposal may have been trimmed), the first `accepted`
+      agreed with the target. A proposer with several sources may learn which one serves a request.
     * `cheap` tells the engine whether to ask for the cap and trim afterwards (True) or to choose k
       first (False); see the module docstring.
     """
@@ -121,3 +124,6 @@ class Proposer(ABC):
 
     def finished(self, ctx: SpecContext) -> None:  # noqa: B027 - optional hook
         """A request ended; drop its state (default: nothing kept)."""
+
+    def observe(self, request_id: str, proposed: int, accepted: int) -> None:  # noqa: B027 - optional hook
+        """A verified step of the request (default: ignored)."""

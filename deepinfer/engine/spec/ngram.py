@@ -134,3 +134,7 @@ class NgramProposer(Proposer):
     def num_tracked(self) -> int:
         """How many requests have an index (for tests and leak checks)."""
         return len(self._indexes)
+
+    def tracked_ids(self) -> set[str]:
+        """The request ids that have an index."""
+        return set(self._indexes)

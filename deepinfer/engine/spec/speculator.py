@@ -103,6 +103,7 @@ class Speculator:
         (fewer when a stop ended the request inside the run)."""
         req = chunk.request
         self.controller.record_acceptance(req.request_id, chunk.num_spec, accepted)
+        self.proposer.observe(req.request_id, chunk.num_spec, accepted)
         req.spec_proposed_tokens += chunk.num_spec
         req.spec_accepted_tokens += committed
 

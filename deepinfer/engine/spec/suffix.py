@@ -194,21 +194,36 @@ def expected_accepted(confidence: Sequence[float]) -> float:
     return total
 
 
+SOURCE_PRIOR, SOURCE_PRIOR_WEIGHT, SOURCE_DECAY = 0.5, 2.0, 0.9
+
+
 class SuffixProposer(Proposer):
     """Prompt lookup within the request plus the cross-request `SuffixIndex`; a cheap proposer.
 
-    Rule: each candidate is scored by its expected accepted length (`expected_accepted`). The suffix
-    index's confidences are used as they are; a prompt-lookup proposal, one occurrence, is scored as a
-    suffix match with a single occurrence would be: (L + i)/(L + i + 1) for its i-th token, L its match
-    length. So a longer or better-supported proposal wins; a tie goes to the request's own text. The
-    winner keeps its confidence; a prompt-lookup proposal reports none (see `ngram`), the score above
-    being only a common footing for the choice."""
+    Rule: each candidate is scored by its expected accepted length (`expected_accepted`) under per-token
+    probabilities that blend what the match says with what the source has done for this request:
+    p_i = (s_i + alpha) / 2, where s_i is the suffix index's confidence, or for a prompt-lookup proposal
+    (one occurrence) (L + i)/(L + i + 1) as a single suffix match of length L would get, and alpha is the
+    request's measured per-token acceptance of that source's proposals (discounted counts over its
+    verified steps, as the controller keeps them, starting at SOURCE_PRIOR with SOURCE_PRIOR_WEIGHT
+    pseudo-trials; reported through `observe`). So a longer or better-supported proposal wins, but a
+    source whose proposals keep failing for this request (earlier answers to other documents, while this
+    one quotes its own prompt) loses to the other. A tie goes to the request's own text. The winner keeps
+    its confidence; a prompt-lookup proposal reports none (see `ngram`)."""
 
     cheap = True
 
     def __init__(self, index: SuffixIndex | None = None, ngram_min_n: int = 1, ngram_max_n: int = 4) -> None:
         self.index = SuffixIndex() if index is None else index
         self._local = NgramProposer(ngram_min_n, ngram_max_n)
+        # request id -> [local successes, local trials, cross successes, cross trials]; and which source
+        # the request's last non-empty proposal came from (0 local, 2 cross: the offset in that list).
+        self._stats: dict[str, list[float]] = {}
+        self._last: dict[str, int] = {}
+
+    def _alpha(self, request_id: str, source: int) -> float:
+        st = self._stats.get(request_id)
+        return SOURCE_PRIOR if st is None else st[source] / st[source + 1]
 
     def propose(self, batch: Sequence[SpecContext], ks: Sequence[int]) -> list[Proposal]:
         out = []
@@ -216,20 +231,39 @@ class SuffixProposer(Proposer):
             if k <= 0:
                 out.append(Proposal())
                 continue
+            rid = ctx.request_id
             local, m = self._local.index_for(ctx).lookup(k)
             cross, conf, _ = self.index.lookup(ctx.tenant, ctx.token_ids, k)
-            local_score = expected_accepted([(m + i) / (m + i + 1) for i in range(len(local))])
-            if cross and expected_accepted(conf) > local_score:
+            a_local, a_cross = self._alpha(rid, 0), self._alpha(rid, 2)
+            local_score = expected_accepted([((m + i) / (m + i + 1) + a_local) / 2 for i in range(len(local))])
+            if cross and expected_accepted([(c + a_cross) / 2 for c in conf]) > local_score:
                 out.append(Proposal(token_ids=cross, confidence=conf))
+                self._last[rid] = 2
             else:
                 out.append(Proposal(token_ids=local))
+                if local:
+                    self._last[rid] = 0
         return out
+
+    def observe(self, request_id: str, proposed: int, accepted: int) -> None:
+        source = self._last.get(request_id)
+        if source is None or proposed <= 0:
+            return
+        st = self._stats.get(request_id)
+        if st is None:
+            w = SOURCE_PRIOR_WEIGHT
+            st = self._stats[request_id] = [SOURCE_PRIOR * w, w, SOURCE_PRIOR * w, w]
+        accepted = min(max(accepted, 0), proposed)
+        st[source] = SOURCE_DECAY * st[source] + accepted
+        st[source + 1] = SOURCE_DECAY * st[source + 1] + accepted + (accepted < proposed)
 
     def finished(self, ctx: SpecContext) -> None:
         self._local.finished(ctx)
+        self._stats.pop(ctx.request_id, None)
+        self._last.pop(ctx.request_id, None)
         self.index.add(ctx.tenant, ctx.token_ids, ctx.num_prompt_tokens)
 
     @property
     def num_tracked(self) -> int:
         """How many requests have per-request state (for tests and leak checks)."""
-        return self._local.num_tracked
+        return len(self._local.tracked_ids() | self._stats.keys() | self._last.keys())
