@@ -41,10 +41,11 @@ COUNTS: dict[str, dict[int, int]] = {
     "agentic": {1: 16, 8: 32, 32: 64},
 }
 QUICK_COUNTS: dict[str, dict[int, int]] = {w: {1: 1, 4: 4} for w in WORKLOADS} | {"agentic": {1: 2, 4: 4}}
-# Greedy new tokens per request (EOS still ends a request earlier). A code edit's answer is the whole file (the
-# snapshots are 830-1,150 tokens), so its budget covers that: with the 160 used before 2026-12-02 the answer was cut
-# at a sixth, and at 8 concurrent the run was mostly the prompts' prefill, not the decode speculation speeds up.
-MAX_TOKENS = {"code": 1280, "summary": 128, "chat": 128, "agentic": 128}
+# Greedy new tokens per request (EOS still ends a request earlier). A code edit's real answer is the whole file
+# (830-1,150 tokens), but SmolLM2-135M does not copy one that far: asked for 1,280 tokens it falls into a loop (one
+# import line or one sentence repeated) after a few hundred, which any lookup predicts (2026-12-02: 2.84-2.96x at
+# c = 1, 1.51-1.57x at 8, on repetition, not copying). 160 keeps the measured part mostly the model's attempt.
+MAX_TOKENS = {"code": 160, "summary": 128, "chat": 128, "agentic": 128}
 QUICK_MAX_TOKENS = 24
 
 
