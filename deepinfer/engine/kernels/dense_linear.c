@@ -104,7 +104,7 @@ static void range_portable(const float *x, int64_t ldx, const float *w, float *y
 typedef void (*range_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, int64_t, int64_t,
                          int64_t);
 
-/* 2 = AVX-512, 1 = AVX2, 0 = portable: what dl_linear_f32 uses on this CPU (force_portable aside). */
+/* 2 = AVX-512, 1 = AVX2, 0 = portable: the path dl_linear_f32 takes on this CPU (its one dispatch rule). */
 int dl_path(void) {
 #if DL_X86
     if (__builtin_cpu_supports("avx512f")) return 2;
@@ -138,14 +138,15 @@ static int run(range_fn fn, int64_t group, const float *x, int64_t ldx, const fl
 /* y[M,N] (row stride ldy) = x[M,K] (row stride ldx) @ W^T, W [N,K] contiguous. 0, or DL_ERR_SHAPE. */
 int dl_linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                   int num_threads) {
+    switch (dl_path()) {
 #if DL_X86
-    if (__builtin_cpu_supports("avx512f")) return run(range512, 16, x, ldx, w, y, ldy, M, N, K, num_threads);
+    case 2: return run(range512, 16, x, ldx, w, y, ldy, M, N, K, num_threads);
 #endif
 #if DL_AVX2
-    return run(range256, 8, x, ldx, w, y, ldy, M, N, K, num_threads);
-#else
-    return run(range_portable, 1, x, ldx, w, y, ldy, M, N, K, num_threads);
+    case 1: return run(range256, 8, x, ldx, w, y, ldy, M, N, K, num_threads);
 #endif
+    default: return run(range_portable, 1, x, ldx, w, y, ldy, M, N, K, num_threads);
+    }
 }
 
 /* The portable path on any build (for tests). */

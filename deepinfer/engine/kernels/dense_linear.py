@@ -24,7 +24,7 @@ import torch
 
 from deepinfer.engine.kernels import build
 
-__all__ = ["MAX_ROWS", "dense_linear", "native_available", "native_info", "path_name"]
+__all__ = ["MAX_ROWS", "dense_linear", "native_available", "native_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,6 @@ def native_info() -> dict[str, object] | None:
     """How the loaded kernel was built and which path it runs here (None when not loaded)."""
     info = _loader.info()
     return None if info is None else {**info, "simd": _fns["path"]}
-
-
-def path_name() -> str | None:
-    """"avx512", "avx2" or "portable": the kernel's path on this CPU (None when not loaded)."""
-    return _fns.get("path") if _fns or _loader.available() else None  # type: ignore[return-value]
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, num_threads: int, *, impl: str = "native") -> torch.Tensor | None:
