@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from deepinfer.engine.spec.controller import MIN_GAIN, STALE_STEPS, CostCurve, SpecController
+from deepinfer.engine.spec.controller import MIN_GAIN, SAMPLES, STALE_STEPS, CostCurve, SpecController
 
 BUCKET_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
 
@@ -148,14 +148,43 @@ def test_cost_curve_interpolates_extrapolates_and_stays_monotone():
     assert c.costs(2, 15) == pytest.approx([c(t) for t in range(2, 17)])
     c.record(16, 0.02)  # noise below an earlier point must not make more rows look cheaper
     assert c(16) == pytest.approx(0.03) and c(14) == pytest.approx(0.03)
-    c.record(5, 0.02)  # bucket [4, 6): an EWMA of rows and seconds, weight 1/4
-    assert c.points[3][:2] == pytest.approx([4.25, 0.0125])
+    c.record(5, 0.02)  # bucket [4, 6): mean rows, lower median seconds
+    assert c.points[3][:2] == pytest.approx([4.5, 0.01])
+    c.record(5, 0.015)
+    assert c.points[3][:2] == pytest.approx([14 / 3, 0.015])
     c.record(0, 1.0)
     c.record(3, float("nan"))
     c.record(3, -1.0)
-    assert c.records == 4
+    assert c.records == 5
     with pytest.raises(ValueError):
         CostCurve(0.0, 0.0)
+
+
+def test_a_bucket_shrugs_off_a_slow_step_and_follows_a_lasting_change():
+    c = CostCurve(0.02, 0.0005)
+    for _ in range(SAMPLES):
+        c.record(4, 0.010)
+    c.record(4, 0.200)  # one step descheduled for 190 ms
+    assert c(4) == pytest.approx(0.010)
+    for _ in range(SAMPLES // 2 - 1):
+        c.record(4, 0.200)
+    assert c(4) == pytest.approx(0.010)  # half the window slow: still the typical step
+    c.record(4, 0.020)  # a majority of steps now cost more: the curve follows
+    assert c(4) == pytest.approx(0.020)
+
+
+def test_one_slow_verification_step_does_not_turn_speculation_off():
+    # Rows nearly free, acceptance high: speculate to the cap. One step that took 20x longer (a VM
+    # pause) used to lift its bucket's cost by 5x for the next steps and switch speculation off until
+    # exploration re-measured the bucket; it must leave the choice as it was.
+    sc = SpecController(4, explore_every=0)
+    for r in BUCKET_ROWS:
+        for _ in range(3):
+            sc.record_step(r, 0.010 + 1e-5 * r)
+    accept_all(sc, "r0")
+    assert sc.choose(offers(1, 4), base_rows=1) == [4]
+    sc.record_step(5, 0.200)
+    assert sc.choose(offers(1, 4), base_rows=1) == [4]
 
 
 def test_exploration_learns_that_larger_steps_are_cheap():

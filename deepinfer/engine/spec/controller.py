@@ -10,10 +10,14 @@ Model:
   acceptance p_j is alpha_i, or, when the proposal carries confidences, w * c_j + (1 - w) * alpha_i
   (w = confidence_weight: 1 trusts the proposer, 0 ignores it). Drafting k tokens then commits
   E_i(k) = 1 + p_1 + p_1 p_2 + ... + p_1...p_k tokens in expectation ((1 - a^(k+1)) / (1 - a) if i.i.d.).
-* Step cost. c(T) is the seconds of a step with T query rows (decode + draft + prefill): an EWMA of
-  (rows, seconds) per row-count bucket (1, 2, 3, 4, 6, 8, 12, ...), joined by straight lines and made
-  non-decreasing; outside the measured range it follows the prior c(T) = step_seconds + row_seconds * T,
-  scaled to meet the nearest measurement (above it, the steeper of that and the last measured slope).
+* Step cost. c(T) is the seconds of a step with T query rows (decode + draft + prefill): per row-count
+  bucket (1, 2, 3, 4, 6, 8, 12, ...) the lower median of its last SAMPLES steps' seconds, at their mean
+  rows, joined by straight lines and made non-decreasing. A median, because step times on a shared
+  machine have one-sided outliers (a descheduled thread makes a step several times slower, never
+  faster): one such step must not move the curve, since a bucket that looks too dear is left alone and
+  only re-measured once stale (below), which would hold speculation off for a hundred steps. Outside
+  the measured range c follows the prior c(T) = step_seconds + row_seconds * T, scaled to meet the
+  nearest measurement (above it, the steeper of that and the last measured slope).
   A costly proposer adds max_k * d(n_spec): max_k sequential draft forwards over the n_spec requests
   that speculate, d learned the same way from `record_draft`.
 * Objective. Maximise (base_tokens + sum_i (E_i(k_i) - 1)) / (c(T_base + sum_i k_i) + draft) — useful
@@ -48,6 +52,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior: a couple of verified steps out
 MIN_GAIN = 1e-3  # a draft token expected to commit less than this never pays for its row
 EXPLORE_MIN_GAIN = 0.05  # exploration spends rows on plausible tokens only
 STALE_STEPS = 128  # a bucket not measured in this many records is worth measuring again
+SAMPLES = 8  # a bucket's cost is the lower median of its last this many steps
 _BUCKETS = [1] + [b for p in range(1, 21) for b in (1 << p, 3 << (p - 1))]
 
 Offer = tuple[str, int, list[float] | None]
@@ -56,11 +61,13 @@ Offer = tuple[str, int, list[float] | None]
 class CostCurve:
     """Seconds of one forward as a function of its rows; see the module docstring."""
 
-    def __init__(self, base: float, per_row: float, weight: float = 0.25) -> None:
-        if base <= 0 or per_row < 0:
-            raise ValueError("cost prior needs base > 0 and per_row >= 0")
-        self.base, self.per_row, self.weight = base, per_row, weight
-        self.points: dict[int, list[float]] = {}  # bucket -> [mean rows, mean seconds, record number]
+    def __init__(self, base: float, per_row: float, samples: int = SAMPLES) -> None:
+        if base <= 0 or per_row < 0 or samples < 1:
+            raise ValueError("cost prior needs base > 0, per_row >= 0 and samples >= 1")
+        self.base, self.per_row = base, per_row
+        self.points: dict[int, list[float]] = {}  # bucket -> [knot rows, knot seconds, record number]
+        self._samples: dict[int, deque[tuple[int, float]]] = {}  # bucket -> its last (rows, seconds)
+        self._window = samples
         self.records = 0
         self._knots: tuple[list[float], list[float]] | None = None
 
@@ -69,13 +76,11 @@ class CostCurve:
             return
         self.records += 1
         b = _bucket(rows)
-        pt = self.points.get(b)
-        if pt is None:
-            self.points[b] = [float(rows), float(seconds), self.records]
-        else:  # mean rows too: a bucket's knot sits where it was measured, not at its edge
-            pt[0] += self.weight * (rows - pt[0])
-            pt[1] += self.weight * (seconds - pt[1])
-            pt[2] = self.records
+        window = self._samples.setdefault(b, deque(maxlen=self._window))
+        window.append((rows, float(seconds)))
+        ordered = sorted(s for _, s in window)
+        # The knot sits at the rows measured, not at the bucket's edge.
+        self.points[b] = [sum(r for r, _ in window) / len(window), ordered[(len(ordered) - 1) // 2], self.records]
         self._knots = None
 
     def fresh(self, bucket: int) -> bool:
