@@ -457,6 +457,17 @@ def parse_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def median_round(rounds: list[dict[str, RunResult]], name: str) -> dict[str, Any]:
+    """`figures` of `name`'s run in the round where its speedup over that round's baseline is the (lower)
+    median, with every round's speedup; for the baseline, its round of median tokens/s."""
+    rows = [figures(rd[name], None if name == BASELINE else rd[BASELINE]) for rd in rounds]
+    key = "tok_s" if name == BASELINE else "speedup"
+    ranked = sorted(range(len(rows)), key=lambda i: rows[i][key] if rows[i][key] is not None else -1.0)
+    pick = ranked[(len(ranked) - 1) // 2]
+    return rows[pick] | {"round": pick, "round_speedups": [x["speedup"] for x in rows],
+                         "round_tok_s": [x["tok_s"] for x in rows]}
+
+
 def command_line(args: argparse.Namespace) -> str:
     parts = ["--quick"] if args.quick else []
     parts += ["--concurrency", ",".join(map(str, args.concurrency)), "--methods", ",".join(args.methods),
@@ -468,6 +479,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--max-tokens", str(args.max_tokens)]
     if args.requests:
         parts += ["--requests", str(args.requests)]
+    if args.repeats > 1:
+        parts += ["--repeats", str(args.repeats)]
     parts += ["--out", str(args.out)]
     return "python -m bench.bench_spec " + " ".join(shlex.quote(p) for p in parts)
 
@@ -500,8 +513,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, help="override the number of requests per run")
     ap.add_argument("--mesh", action="store_true", help="also time every run through an in-process mesh (router, "
                     "tokenizer, co-located worker; a fresh mesh per run, so ~15 s more per run)")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds per workload and concurrency, each running the "
+                    "baseline and every method in a rotated order; a method's row is its round with the median "
+                    "speedup over the same round's baseline (a shared VM moves single runs by +-8%%)")
     ap.add_argument("--out", type=Path, help="JSON report (default bench/results/spec.json, quick: spec-quick.json)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     args.concurrency = ([int(c) for c in parse_list(args.concurrency)] if args.concurrency
                         else (QUICK_CONCURRENCY if args.quick else FULL_CONCURRENCY))
     args.methods = parse_list(args.methods)
@@ -548,34 +566,44 @@ def main(argv: list[str] | None = None) -> int:
                 "requests": n, "prompt_tokens": {"min": min(lens), "mean": statistics.mean(lens), "max": max(lens),
                                                  "total": sum(lens)},
                 "items": [it.key for it in items]}
-            bases: dict[str, RunResult] = {}
+            engine_bases: list[RunResult] = []
             for where in r["timed_paths"]:
-                for method in [None, *args.methods]:
-                    name = method or BASELINE
-                    print(f"[{time.perf_counter() - started:6.0f} s] {where}: {w} c={c} n={n} {name} ...",
-                          file=sys.stderr, flush=True)
-                    gc.collect()
-                    if where == "engine":
-                        engine = LLMEngine(loaded, tok, engine_config(args, method, prompts, max_tokens, c))
-                        warm_up(engine, tok)
-                        res = run_closed_loop(engine, prompts, max_tokens, c)
-                        del engine
-                    else:
-                        res = run_mesh(str(path), args, method, prompts, warm, max_tokens, c,
-                                       loaded.config)
-                    base = bases.get(where)
+                order = [None, *args.methods]
+                rounds: list[dict[str, RunResult]] = []
+                for k in range(args.repeats):
+                    done: dict[str, RunResult] = {}
+                    for method in order[k % len(order):] + order[: k % len(order)]:  # nobody always runs first
+                        name = method or BASELINE
+                        print(f"[{time.perf_counter() - started:6.0f} s] {where}: {w} c={c} n={n} {name} "
+                              f"(round {k + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)
+                        gc.collect()
+                        if where == "engine":
+                            engine = LLMEngine(loaded, tok, engine_config(args, method, prompts, max_tokens, c))
+                            warm_up(engine, tok)
+                            done[name] = run_closed_loop(engine, prompts, max_tokens, c)
+                            del engine
+                        else:
+                            done[name] = run_mesh(str(path), args, method, prompts, warm, max_tokens, c,
+                                                  loaded.config)
+                    rounds.append(done)
+                    base = done[BASELINE]
+                    for name, res in done.items():
+                        tag = {"path": where, "workload": w, "concurrency": c, "method": name}
+                        if name != BASELINE:
+                            r["mismatches"] += [tag | x for x in mismatches(tok, items, base, res)]
+                        elif where == "engine":
+                            engine_bases.append(res)
+                        else:
+                            r["path_mismatches"] += [tag | x for b in engine_bases[:1]
+                                                     for x in mismatches(tok, items, b, res)]
+                for name in map(lambda m: m or BASELINE, order):
                     row = {"path": where, "workload": w, "concurrency": c, "requests": n, "method": name,
-                           "max_tokens": max_tokens} | figures(res, base)
+                           "max_tokens": max_tokens} | median_round(rounds, name)
                     r["runs"].append(row)
-                    tag = {"path": where, "workload": w, "concurrency": c, "method": name}
-                    if base is None:
-                        bases[where] = res
-                        if where != "engine" and "engine" in bases:
-                            r["path_mismatches"] += [tag | x for x in mismatches(tok, items, bases["engine"], res)]
-                    else:
-                        r["mismatches"] += [tag | x for x in mismatches(tok, items, base, res)]
+                    each = " ".join(fmt(x) for x in row["round_speedups"])
                     print(f"  {where}: {w} c={c} {name}: {row['output_tokens']} tokens in {row['wall_s']:.2f} s = "
-                          f"{fmt(row['tok_s'], '.1f')} tok/s, {fmt(row['speedup'])}x", file=sys.stderr, flush=True)
+                          f"{fmt(row['tok_s'], '.1f')} tok/s, {fmt(row['speedup'])}x"
+                          + (f" (rounds: {each})" if len(rounds) > 1 else ""), file=sys.stderr, flush=True)
     r["targets"] = [t for where in r["timed_paths"] for t in targets(r["runs"], args.methods, where)]
     r["env"]["loadavg_end"] = os.getloadavg()
     r["elapsed_s"] = time.perf_counter() - started
