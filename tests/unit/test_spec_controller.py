@@ -23,7 +23,7 @@ def accept_all(sc: SpecController, rid: str, k: int = 4, times: int = 30) -> Non
 
 
 def objective(sc: SpecController, alphas: list[float], ks: list[int], base_rows: int) -> float:
-    tokens = base_rows + sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks))
+    tokens = base_rows + sc.draft_value * sum(sum(a ** j for j in range(1, k + 1)) for a, k in zip(alphas, ks))
     return tokens / sc.step_cost(base_rows + sum(ks))
 
 
@@ -49,6 +49,27 @@ def test_steep_cost_turns_speculation_off():
     assert sc.choose(offers(1, 4), base_rows=1) == [0]
     assert sc.choose(offers(8, 4), base_rows=8) == [0] * 8
     assert sc.choose(offers(8, 4), base_rows=40) == [0] * 8  # a step with prefill rows too
+
+
+def test_drafts_near_break_even_are_left_unspent():
+    # 32 requests, a row costs 1% of the step, each request's first draft token is expected to commit 0.4
+    # (1.25% of the step's 32 tokens): worth it on the estimates, not by the margin the estimates need.
+    def choose(draft_value: float) -> list[int]:
+        sc = SpecController(4, explore_every=0, prior_acceptance=0.4, draft_value=draft_value)
+        for r in BUCKET_ROWS:
+            sc.record_step(r, 0.090 * (1 + 0.01 * (r - 32)) if r >= 32 else 0.090 * r / 32)
+        return sc.choose(offers(32, 4), base_rows=32)
+
+    assert sum(choose(1.0)) > 0
+    assert choose(0.75) == [0] * 32
+    # A single request whose drafts return many times their row still speculates to the cap.
+    sc = SpecController(4, explore_every=0)
+    for r in BUCKET_ROWS:
+        sc.record_step(r, 0.010 + 5e-4 * r)
+    accept_all(sc, "r0")
+    assert sc.choose(offers(1, 4), base_rows=1) == [4]
+    with pytest.raises(ValueError):
+        SpecController(4, draft_value=0.0)
 
 
 def test_acceptance_near_zero_turns_speculation_off():
