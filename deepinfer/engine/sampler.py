@@ -111,7 +111,7 @@ class Sampler:
             return []
         if all(_is_plain_greedy(row.params) for row in rows):
             # Fast path, taken every decode step of a greedy batch: one kernel and one sync.
-            return [(token, None) for token in logits.argmax(dim=-1).tolist()]
+            return [(token, None) for token in first_max(logits).tolist()]
 
         params = [row.params for row in rows]
         raw = self.raw_logprobs(logits, rows)  # before penalise writes into `logits`
@@ -121,13 +121,13 @@ class Sampler:
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
-            tokens = logits.argmax(dim=-1)  # argmax breaks ties towards the lowest id
+            tokens = first_max(logits)
         elif len(sampled) == n:
             tokens = _sample(logits, rows)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             greedy_idx = _index([i for i, p in enumerate(params) if p.greedy], logits.device)
-            tokens[greedy_idx] = logits.index_select(0, greedy_idx).argmax(dim=-1)
+            tokens[greedy_idx] = first_max(logits.index_select(0, greedy_idx))
             sampled_idx = _index(sampled, logits.device)
             tokens[sampled_idx] = _sample(logits.index_select(0, sampled_idx), [rows[i] for i in sampled])
 
@@ -167,7 +167,7 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
             idx = _index(greedy, penalised.device)
-            top = penalised.index_select(0, idx).argmax(dim=-1)
+            top = first_max(penalised.index_select(0, idx))
             out[idx, top] = 1.0
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if sampled:
@@ -283,10 +283,18 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], positions: l
         logits.index_copy_(0, idx, x)
 
 
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """Per row of x [n, vocab] the index of its largest value, the lowest on a tie (a NaN counts as the
+    largest). What `argmax(dim=-1)` returns, but torch 2.13's CPU argmax over a 49152-token vocabulary
+    takes 2-3x as long as `max(dim=-1)` (65 against 30 us for one row, 1.0 against 0.41 ms for 32),
+    every greedy step."""
+    return x.max(dim=-1).indices
+
+
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Sampled token ids [len(rows)] for rows with temperature > 0. Never writes to `logits`."""
     probs = _filtered_probs(logits, rows)
-    return probs.div_(exponential_noise(rows, logits.shape[1], logits.device)).argmax(dim=-1)
+    return first_max(probs.div_(exponential_noise(rows, logits.shape[1], logits.device)))
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.sampler import Sampler, SamplingRow, make_generator
+from deepinfer.engine.sampler import Sampler, SamplingRow, first_max, make_generator
 
 sampler = Sampler()
 
@@ -108,6 +108,28 @@ def test_greedy_ties_pick_lowest_id() -> None:
     # Same through the slow path (a logprobs row forces it).
     rows = [make_row(logprobs=0), make_row()]
     assert tokens_of(sampler(logits.clone(), rows)) == [1, 0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_first_max_is_argmax_on_a_real_vocabulary(threads: int) -> None:
+    # A 49152-token vocabulary (SmolLM2's), where the reduction runs vectorised and, for many rows, on
+    # several threads: ties far apart, ties in one SIMD chunk, infinities and NaNs pick what argmax does.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 49152, generator=g)
+    x[0, [7, 40000]] = 9.0
+    x[1, [30001, 30000]] = 9.0
+    x[2, [5, 6, 7, 8]] = float("inf")
+    x[3, [9000, 100]] = float("nan")
+    x[4] = -float("inf")
+    x[5, 49151] = 9.0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (x[:1], x[:2], x[:8], x):
+            assert first_max(rows).tolist() == rows.argmax(dim=-1).tolist()
+    finally:
+        torch.set_num_threads(before)
+    assert first_max(x[:6]).tolist() == [7, 30000, 5, 100, 0, 49151]
 
 
 def test_greedy_rows_among_sampled_rows_stay_argmax() -> None:
