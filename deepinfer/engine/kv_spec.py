@@ -148,9 +148,10 @@ class KvSpec:
         """A zero-filled pool [num_blocks, *block_shape]. Zeros, not empty: the torch decode fallback
         multiplies masked (beyond-context) slots by zero weights, and 0 * NaN would poison the row.
         On the CPU the pool is in huge pages (huge_pages.py): decode reads every live row each step,
-        and with 4 KiB pages one layer's rows of a block already span several pages."""
+        and with 4 KiB pages one layer's rows of a block already span several pages. Its pages are
+        faulted in here, at startup, not by the first step that reaches a block (see huge_page_zeros)."""
         if torch.device(device).type == "cpu":
-            return huge_page_zeros(self.pool_shape(num_blocks), self.dtype)
+            return huge_page_zeros(self.pool_shape(num_blocks), self.dtype, prefault=True)
         return torch.zeros(self.pool_shape(num_blocks), dtype=self.dtype, device=device)
 
     def layer_views(self, pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:

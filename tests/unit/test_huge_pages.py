@@ -37,3 +37,34 @@ def test_kv_pool_on_cpu_is_zeroed_in_huge_pages() -> None:
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
     pool = KvSpec.for_model(config, 16).allocate(5)
     assert pool.data_ptr() % HUGE_PAGE == 0 and not pool.any() and pool.shape[0] == 5
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_prefault_makes_every_page_resident_up_front() -> None:
+    # The lazy buffer costs no memory until touched; the prefaulted one is resident at once, so no later
+    # step takes the (on a fragmented VM, compacting) page faults. Linux only (/proc/self/statm).
+    size = 64 << 20
+    before = _resident_bytes()
+    lazy = huge_page_zeros((size // 4,), torch.float32)
+    assert _resident_bytes() - before < size // 4
+    before = _resident_bytes()
+    eager = huge_page_zeros((size // 4,), torch.float32, prefault=True)
+    assert _resident_bytes() - before >= size * 9 // 10
+    assert not eager.any() and not lazy.any()
+
+
+def test_kv_pool_is_resident_when_allocated() -> None:
+    from deepinfer.engine.config import ModelConfig
+    from deepinfer.engine.kv_spec import KvSpec
+
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=256, intermediate_size=64,
+                         num_layers=8, num_heads=4, num_kv_heads=4, head_dim=64)
+    spec = KvSpec.for_model(config, 16)
+    before = _resident_bytes()
+    pool = spec.allocate(256)  # 256 blocks x 8 layers x K/V x 16 tokens x 256 floats = 64 MiB
+    assert pool.numel() * 4 == 64 << 20
+    assert _resident_bytes() - before >= pool.numel() * 4 * 9 // 10
