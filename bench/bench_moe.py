@@ -128,6 +128,8 @@ def run_rank(rank: int, size: int, master: str, model: str, concurrency: int, ma
     result = ArmResult(size, concurrency)
     engine.expert_counts(), engine.ep_stats()  # start the counters here
     flag = torch.zeros(1, dtype=torch.int64)
+    if group is not None:  # the ranks finish loading at different times: the clock starts when all have
+        dist.barrier(group=group.cpu_group)
     began = time.perf_counter()
     while True:
         if group is not None:  # lockstep: the group steps while any rank has work
