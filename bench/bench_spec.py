@@ -457,6 +457,17 @@ def parse_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def run_once(where: str, method: str | None, args: argparse.Namespace, loaded: LoadedModel, tok: Tokenizer,
+             path: str, prompts: list[list[int]], warm: list[int], max_tokens: int, c: int) -> RunResult:
+    """One closed-loop run of `prompts` with `method` (None: no speculation) on a fresh engine or mesh."""
+    gc.collect()
+    if where != "engine":
+        return run_mesh(path, args, method, prompts, warm, max_tokens, c, loaded.config)
+    engine = LLMEngine(loaded, tok, engine_config(args, method, prompts, max_tokens, c))
+    warm_up(engine, tok)
+    return run_closed_loop(engine, prompts, max_tokens, c)
+
+
 def median_round(rounds: list[dict[str, RunResult]], name: str) -> dict[str, Any]:
     """`figures` of `name`'s run in the round where its speedup over that round's baseline is the (lower)
     median, with every round's speedup; for the baseline, its round of median tokens/s."""
@@ -566,37 +577,27 @@ def main(argv: list[str] | None = None) -> int:
                 "requests": n, "prompt_tokens": {"min": min(lens), "mean": statistics.mean(lens), "max": max(lens),
                                                  "total": sum(lens)},
                 "items": [it.key for it in items]}
-            engine_bases: list[RunResult] = []
+            engine_base: RunResult | None = None  # the first engine baseline: what the mesh's must equal
             for where in r["timed_paths"]:
                 order = [None, *args.methods]
                 rounds: list[dict[str, RunResult]] = []
                 for k in range(args.repeats):
                     done: dict[str, RunResult] = {}
                     for method in order[k % len(order):] + order[: k % len(order)]:  # nobody always runs first
-                        name = method or BASELINE
-                        print(f"[{time.perf_counter() - started:6.0f} s] {where}: {w} c={c} n={n} {name} "
-                              f"(round {k + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)
-                        gc.collect()
-                        if where == "engine":
-                            engine = LLMEngine(loaded, tok, engine_config(args, method, prompts, max_tokens, c))
-                            warm_up(engine, tok)
-                            done[name] = run_closed_loop(engine, prompts, max_tokens, c)
-                            del engine
-                        else:
-                            done[name] = run_mesh(str(path), args, method, prompts, warm, max_tokens, c,
-                                                  loaded.config)
+                        print(f"[{time.perf_counter() - started:6.0f} s] {where}: {w} c={c} n={n} "
+                              f"{method or BASELINE} (round {k + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)
+                        done[method or BASELINE] = run_once(where, method, args, loaded, tok, str(path), prompts,
+                                                            warm, max_tokens, c)
                     rounds.append(done)
                     base = done[BASELINE]
+                    engine_base = engine_base or (base if where == "engine" else None)
                     for name, res in done.items():
                         tag = {"path": where, "workload": w, "concurrency": c, "method": name}
                         if name != BASELINE:
                             r["mismatches"] += [tag | x for x in mismatches(tok, items, base, res)]
-                        elif where == "engine":
-                            engine_bases.append(res)
-                        else:
-                            r["path_mismatches"] += [tag | x for b in engine_bases[:1]
-                                                     for x in mismatches(tok, items, b, res)]
-                for name in map(lambda m: m or BASELINE, order):
+                        elif where != "engine" and engine_base is not None:
+                            r["path_mismatches"] += [tag | x for x in mismatches(tok, items, engine_base, res)]
+                for name in [m or BASELINE for m in order]:
                     row = {"path": where, "workload": w, "concurrency": c, "requests": n, "method": name,
                            "max_tokens": max_tokens} | median_round(rounds, name)
                     r["runs"].append(row)
