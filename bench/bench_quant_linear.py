@@ -1,7 +1,7 @@
 """Micro-benchmark: the GGUF-block linear kernel (deepinfer/engine/kernels/quant_linear.c) vs torch's fp32
 matmul on the same weights dequantised, at SmolLM2-135M's projection shapes.
 
-    python -m bench.bench_quant_linear                         # 2 threads, M = 1, 8, 32, 256, 30 layers
+    python -m bench.bench_quant_linear                         # 2 threads, M = 1, 8, 32, 256, 1024, 30 layers
     python -m bench.bench_quant_linear --layers 1              # one layer again and again: hot in cache
     python -m bench.bench_quant_linear --threads 1 --rows 1 8 --json /tmp/ql.json
 
@@ -13,7 +13,9 @@ timed call is one sweep over the layers (each its own weights, as in a forward p
 is the model's and not one layer's L2-resident copy), reported per layer. Both arms run with `--threads`
 threads (the kernel's `num_threads`, `torch.set_num_threads` for torch), on the same x.
 
-Per shape and row count M: µs per call (best of `--samples` samples, each enough calls for ~`--sample-ms`),
+Per shape and row count M: the kernel's path for that many rows (`path`: "kernel" for its register paths,
+"amx" for the AMX tiles that compute exact fp32 products from bf16 pieces, "gemm" for dequantised chunks +
+torch), µs per call (best of `--samples` samples, each enough calls for ~`--sample-ms`),
 the baseline / native ratio (>1: the kernel is faster), the GB/s of packed weights read (for torch at M=1,
 of its fp32 weights), and that as a fraction ("of stream") of a streaming read of as many bytes as one
 timed sweep reads (torch summing an fp32 buffer; one of `--stream-mib` MiB is printed first, for the
@@ -132,7 +134,7 @@ def _interleave(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 1024])
     p.add_argument("--samples", type=int, default=5)
     p.add_argument("--sample-ms", type=float, default=30.0)
     p.add_argument("--layers", type=int, default=30, help="layers swept per timed call (1: hot in cache)")
@@ -151,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}; streaming read of {args.stream_mib} MiB: {stream:.1f} GB/s")
     print("native GB/s: packed bytes per call / time; 'of stream': that over a streaming read of the same bytes "
           "as one timed sweep")
-    print(f"{'shape':22} {'fmt':5} {'src':6} {'M':>4} {'native us':>10} {'torch us':>10} {'torch/native':>12} "
-          f"{'native GB/s':>11} {'stream GB/s':>11} {'of stream':>9} {'torch GB/s':>10}")
+    print(f"{'shape':22} {'fmt':5} {'src':6} {'M':>4} {'path':>6} {'native us':>10} {'torch us':>10} "
+          f"{'torch/native':>12} {'native GB/s':>11} {'stream GB/s':>11} {'of stream':>9} {'torch GB/s':>10}")
     if args.interleave:
         return _interleave(args)
     rows = []
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             t_torch = _time(lambda x=x: fp32(x), args.sample_ms / 1e3, args.samples) / nl
             native_gbs = packed.nbytes / t_native / 1e9
             row = {"shape": label, "format": packed.format, "source": src, "layers": nl, "rows": m,
+                   "path": ql.auto_route(m),
                    "native_us": t_native * 1e6, "torch_us": t_torch * 1e6, "ratio": t_torch / t_native,
                    "max_rel_diff": rel, "native_gbs": native_gbs, "stream_gbs": sweep_stream,
                    "of_stream": native_gbs / sweep_stream, "stream_probe_gbs": stream}
@@ -189,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["torch_gbs"] = ws[0].numel() * 4 / t_torch / 1e9
                 gbs += f" {row['torch_gbs']:10.1f}"
             rows.append(row)
-            print(f"{label:22} {packed.format:5} {src:6} {m:4d} {t_native * 1e6:10.1f} {t_torch * 1e6:10.1f} "
-                  f"{t_torch / t_native:12.2f} {gbs}", flush=True)
+            print(f"{label:22} {packed.format:5} {src:6} {m:4d} {row['path']:>6} {t_native * 1e6:10.1f} "
+                  f"{t_torch * 1e6:10.1f} {t_torch / t_native:12.2f} {gbs}", flush=True)
     if args.json:
         report = {"threads": args.threads, "layers": args.layers, "kernel": info, "rows": rows}
         args.json.write_text(json.dumps(report, indent=1, default=str))

@@ -74,10 +74,12 @@ def test_chat_answer_is_sensible(smollm2):
     assert "Paris" in out.text
 
 
-def test_native_weights_match_transformers(smollm2, smollm2_path):
+@pytest.mark.parametrize("mode", ["chunked", "ample"])
+def test_native_weights_match_transformers(smollm2, smollm2_path, mode):
     """The GGUF's Q4_1/Q8_0 blocks kept packed (`weights="native"`, what a CPU engine uses by default):
     they dequantise bit for bit to the fp32 load's weights, and the engine computing from the blocks
-    gives transformers' greedy tokens on those weights and logits within the same tolerance."""
+    gives transformers' greedy tokens on those weights and logits within the same tolerance. Chunks of
+    40 rows take the register kernels; "ample" batches whole prompts, which on an AMX CPU take the tiles."""
     from deepinfer.engine.packed_weights import PackedWeight, dequantized
     from deepinfer.engine.weights import load_model_weights
 
@@ -88,7 +90,7 @@ def test_native_weights_match_transformers(smollm2, smollm2_path):
         {"embed_tokens": "Q8_0", "layers.0.up_proj": "Q4_1"}
     for name, w in dequantized(native.state_dict).items():
         assert torch.equal(w, loaded.state_dict[name]), name
-    engine = LLMEngine(native, tok, EngineConfig(**MODES["chunked"]))
+    engine = LLMEngine(native, tok, EngineConfig(**MODES[mode]))
     ours = run_staggered(engine, prompts)
     for i, p in enumerate(prompts):
         assert_same_greedy(hf, p, ours[i], refs[i])

@@ -127,7 +127,7 @@ def test_group_path_is_the_fp32_kernel_on_the_loaders_weights(fmt):
     """From 4 rows to ql_group_max_m() (AVX-512F), the kernel dequantises 16 weight rows at a time and runs
     dense_linear's tiles: every output equals dense_linear on the loader's fp32 weights, to the bit, for every
     row count in that range (N not a multiple of 16, K a multiple of 32 but not of 64) and thread count; and
-    the auto path takes it instead of dequantise + GEMM up to that limit."""
+    the auto path takes it instead of dequantise + GEMM up to that limit (or to the AMX tiles' first row)."""
     from deepinfer.engine.kernels import dense_linear as dl
 
     packed, w = _packed(fmt, 1000, 608, seed=21)
@@ -141,8 +141,10 @@ def test_group_path_is_the_fp32_kernel_on_the_loaders_weights(fmt):
         ref = torch.cat([dl.dense_linear(x[i:min(i + 64, m)], w, 2) for i in range(0, m, 64)])
         assert torch.equal(y, ref), m
     assert ql._fns["gemm_min_rows"] == limit + 1
-    assert torch.equal(quant_linear(x[:limit], packed, 2), full)
-    _assert_product(quant_linear(x, packed, 2), x, w)  # one more row: dequantise + GEMM
+    # The auto path takes it up to that limit, or below AMX_MIN_ROWS where the AMX tiles take over.
+    top = min(limit, ql._fns["many_rows"] - 1)
+    assert torch.equal(quant_linear(x[:top], packed, 2), full[:top])
+    _assert_product(quant_linear(x[:top + 1], packed, 2), x[:top + 1], w)  # AMX tiles, or dequantise + GEMM
 
 
 @needs_native

@@ -19,8 +19,10 @@
  *     multiplied against it in registers.
  *   larger M: a tile of QL_NR rows x QL_KC columns of W is dequantised into a per-thread fp32 buffer
  *     (L1-sized), then a 3x4 register-blocked dot-product kernel runs every row of x against it.
- * ql_dequantize_f32 writes fp32 rows for a caller that multiplies them with its own GEMM (the Python
- * wrapper does so for many rows, where torch's AVX-512 GEMM outruns the AVX2 tile kernel).
+ * ql_linear_amx (quant_amx.h, included at the end) runs many rows on AMX tiles with exact fp32 products,
+ * where the CPU has AMX-BF16. ql_dequantize_f32 writes fp32 rows for a caller that multiplies them with its
+ * own GEMM (the Python wrapper does so for many rows without AMX, where torch's AVX-512 GEMM outruns the
+ * AVX2 tile kernel).
  * OpenMP over N with an explicit thread count; problems under QL_MIN_PARALLEL_WORK multiply-adds run
  * on one thread, because waking and joining the team costs ~1 us. The decode paths (M <= QL_SMALL_M)
  * give each thread one contiguous run of whole weight-row groups, so every output is summed in the
@@ -55,6 +57,7 @@
 #define QL_ERR_FORMAT -2 /* unknown format code */
 #define QL_ERR_SHAPE -3  /* M or N negative, ldx < K or ldy < N */
 #define QL_ERR_NOMEM -4
+#define QL_ERR_AMX -5     /* no AMX tiles on this CPU, or the OS refused them */
 
 /* Below this many multiply-adds per call stay on one thread: waking the team and joining it costs
  * ~1 us (libgomp, threads still spinning from the previous parallel region), which one-row decode
@@ -666,3 +669,5 @@ int ql_linear_f32_portable(const float *x, int64_t ldx, const uint8_t *w, float 
     if (rc != QL_OK || M == 0 || N == 0) return rc;
     return linear_portable(fmt, x, ldx, w, y, ldy, M, N, K, num_threads);
 }
+
+#include "quant_amx.h"

@@ -8,11 +8,15 @@ on first use by build.py):
   registers; the fp32 matrix is never made. On a CPU with AVX-512F, from 4 rows up to the kernel's
   `ql_group_max_m()` (256) it dequantises 16 weight rows at a time into a cache-resident buffer and runs
   the fp32 kernel's register tiles (`dense_tiles.h`), which beats the GEMM below up to that many rows;
-* more rows (prefill): the kernel dequantises W, or chunks of it, into a reused per-thread buffer (at
+* from AMX_MIN_ROWS rows on a CPU with AMX-BF16 (prefill chunks, large batches): the kernel's tile path
+  (`quant_amx.h`), which splits activations and weights into bf16 pieces whose products are exact, so it
+  computes the fp32 layer's products at 1.3-1.6x torch's fp32 GEMM speed on the dequantised weights;
+* more rows elsewhere: the kernel dequantises W, or chunks of it, into a reused per-thread buffer (at
   most GEMM_CHUNK_FLOATS floats) and torch's GEMM multiplies them. At that size the product is
   compute-bound and dequantising costs a few percent of it, so this runs at torch's fp32 speed, which
   on a CPU with AVX-512 is about twice what the kernel's AVX2 micro-kernel reaches
   (bench/bench_quant_linear.py).
+`auto_route(rows)` says which of these a call takes; DEEPINFER_AMX=0 keeps the tiles out.
 When the kernel cannot be built, or x lives on another device (CUDA), W is dequantised with torch
 (`quant_linear_reference`).
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +42,8 @@ from deepinfer.engine.kernels import build
 
 __all__ = [
     "FORMATS",
+    "amx_available",
+    "auto_route",
     "PackedWeight",
     "native_available",
     "native_info",
@@ -52,7 +59,7 @@ QK = 32
 FORMATS: dict[str, tuple[int, int]] = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}
 _GGML_TYPES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}  # GGMLQuantizationType values
 _ERRORS = {-1: "K is not a positive multiple of 32", -2: "unknown format", -3: "bad shape or strides",
-           -4: "out of memory"}
+           -4: "out of memory", -5: "no AMX tiles on this CPU"}
 
 _SOURCE = Path(__file__).with_name("quant_linear.c")
 _LIB_STEM = "quant_linear"
@@ -62,6 +69,7 @@ GEMM_MIN_ROWS = 32  # from this many rows of x, dequantise chunks + torch GEMM (
 # head) in chunks of GEMM_SPLIT_FLOATS (2 MiB: measured 10-20% faster at 32 rows than 8 MiB chunks,
 # ~7% slower at 256).
 GEMM_CHUNK_FLOATS = 1 << 21
+AMX_MIN_ROWS = 64  # from this many rows, the AMX tile path where the CPU has it (measured crossover: 48-64)
 GEMM_SPLIT_FLOATS = 1 << 19
 _scratch = threading.local()  # per-thread fp32 chunk buffer for the GEMM path
 
@@ -163,6 +171,12 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
         fn.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         fns[key] = fn
+    fn = lib.ql_linear_amx  # same arguments; -5 when the CPU or the OS has no AMX tiles
+    fn.argtypes = fns["native"].argtypes
+    fn.restype = ctypes.c_int
+    lib.ql_amx_ready.restype = ctypes.c_int
+    if os.environ.get("DEEPINFER_AMX", "1") != "0" and lib.ql_amx_ready():
+        fns["amx"] = fn
     fn = lib.ql_dequantize_f32  # w, out, N, K, format, num_threads
     fn.argtypes = [vp, vp, i64, i64, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
@@ -170,6 +184,9 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
     lib.ql_group_max_m.restype = ctypes.c_int
     # With the AVX-512 group path, the kernel beats dequantise + GEMM up to its row limit (quant_linear.c).
     fns["gemm_min_rows"] = max(GEMM_MIN_ROWS, lib.ql_group_max_m() + 1)
+    # From AMX_MIN_ROWS rows, the tile path beats both (it packs W afresh each call, which fewer rows do
+    # not pay back).
+    fns["many_rows"] = AMX_MIN_ROWS if "amx" in fns else fns["gemm_min_rows"]
     lib.ql_block_bytes.argtypes = [ctypes.c_int]
     for name, (code, bsz) in FORMATS.items():
         if lib.ql_block_bytes(code) != bsz:
@@ -195,6 +212,22 @@ def native_available() -> bool:
 def native_info() -> dict[str, object] | None:
     """Where the loaded kernel came from and how it was built (None when not loaded)."""
     return _loader.info() if _fns else None
+
+
+def amx_available() -> bool:
+    """True when the kernel is loaded with its AMX tile path (the CPU has AMX-BF16, Linux granted the tile
+    state, and DEEPINFER_AMX is not "0")."""
+    return native_available() and "amx" in _fns
+
+
+def auto_route(rows: int) -> str:
+    """The path `quant_linear(..., impl="auto")` takes for `rows` rows of CPU fp32 x: "kernel" (registers),
+    "amx" (tiles), "gemm" (dequantised chunks + torch) or "torch" (no kernel)."""
+    if not native_available():
+        return "torch"
+    if rows < _fns.get("many_rows", GEMM_MIN_ROWS):
+        return "kernel"
+    return "amx" if "amx" in _fns else "gemm"
 
 
 def native_unavailable_reason() -> str | None:
@@ -242,7 +275,7 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
         m, k = x.shape
         ldx, unit = x.stride()
         blocks = packed.blocks
-        if (0 < m < _fns.get("gemm_min_rows", GEMM_MIN_ROWS) and k == packed.in_features and unit == 1
+        if (0 < m < _fns.get("many_rows", GEMM_MIN_ROWS) and k == packed.in_features and unit == 1
                 and (ldx >= k or m == 1) and x.is_cpu and blocks.is_cpu):
             n = packed.out_features
             y = torch.empty((m, n), dtype=torch.float32)
@@ -272,18 +305,23 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
     if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
     code = FORMATS[packed.format][0]
-    if impl == "gemm" or (impl == "auto" and m >= _fns.get("gemm_min_rows", GEMM_MIN_ROWS)):
+    if impl == "auto" and m >= _fns.get("many_rows", GEMM_MIN_ROWS):
+        impl = "amx" if "amx" in _fns else "gemm"
+    if impl == "amx" and "amx" not in _fns:
+        raise RuntimeError("the AMX tile path is unavailable: this CPU has no AMX-BF16, the OS refused the tile "
+                           "state, or DEEPINFER_AMX=0")
+    if impl == "gemm":
         y = _dequantize_gemm(x2, packed, code, num_threads)
     else:
         y = torch.empty((m, n), dtype=torch.float32)
         if m and n:
-            fn = _fns["portable" if impl == "portable" else "native"]
+            fn = _fns[impl if impl in ("portable", "amx") else "native"]
             _raise_on(fn(x2.data_ptr(), x2.stride(0), packed.blocks.data_ptr(), y.data_ptr(), n, m, n, k, code,
                          num_threads))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
-_IMPLS = ("auto", "native", "portable", "gemm", "torch")
+_IMPLS = ("auto", "native", "portable", "amx", "gemm", "torch")
 
 
 def _raise_on(rc: int) -> None:
