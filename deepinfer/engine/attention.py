@@ -8,8 +8,10 @@ block table straight from the KV tensor; nothing is concatenated per step.
   rotates their q and k, stores their K/V and runs the decode attention kernel, which reads K/V in
   place (bit-identical to `apply_rotary`, `write_kv` and `paged_decode_attention` in turn; a
   pure-torch gather is the fallback when the kernel cannot be built).
-* Each multi-token chunk gathers its own context blocks once and runs one causal SDPA; a chunk with
-  no earlier context attends to its fresh K/V directly.
+* The multi-token rows go through one native call per layer too, `rope_write_prefill`: it rotates their
+  q and k, stores their K/V and lays q, k, v out head-major (bit-identical to `apply_rotary` and
+  `write_kv`). Each chunk then gathers its own context blocks once and runs one causal SDPA; a chunk
+  with no earlier context attends to its fresh K/V directly.
 
 The cache may hold K/V in a narrower dtype than the step computes in (an fp16 KV cache, fp32
 activations): `write_kv` rounds on the way in, every reader widens what it reads, and all
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine import kernels
+from deepinfer.engine.kernels.rope_write import rope_write_prefill, rope_write_prefill_reference
 
 if TYPE_CHECKING:
     from deepinfer.engine.models.rope import RotaryTable
@@ -128,8 +131,9 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTab
     [T, (heads + 2 * kv_heads) * head_dim] projections (q and k of the decode rows are rotated in
     place); positions: [T] int64; k_cache, v_cache: the layer's cache views. Returns [T, heads, head_dim].
 
-    Decode rows take the one native call; prefill chunks (and every row when not `meta.use_native`)
-    take the torch path: apply_rotary, write_kv, `paged_attention`."""
+    Decode rows take the one native call; prefill rows one call that rotates, stores and lays out their
+    q, k, v head-major (`rope_write_prefill`), then `paged_attention`'s SDPA per chunk. When not
+    `meta.use_native`, every row takes the torch versions of those steps."""
     if qkv.stride(-1) != 1:  # the kernel reads rows; a projection with a bias may come column-major
         qkv = qkv.contiguous()
     T, D, kvh = qkv.shape[0], rotary.cos.shape[1], k_cache.shape[2]
@@ -141,14 +145,11 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTab
                                             meta.slot_offsets, k_cache, v_cache, meta.decode_block_tables,
                                             meta.decode_context_lens, scale, out=out)
     if nd < T:
-        from deepinfer.engine.models.rope import apply_rotary  # not at the top: models imports this module
-
-        rest = qkv[nd:].view(T - nd, heads + 2 * kvh, D)
-        cos, sin = rotary.lookup(positions[nd:])
-        qk = apply_rotary(rest[:, : heads + kvh], cos, sin)
-        k, v = qk[:, heads:], rest[:, heads + kvh :]
-        write_kv(k_cache, v_cache, k, v, meta, start=nd)
-        paged_attention(qk[:, :heads].contiguous(), k, v, k_cache, v_cache, meta, scale, out=out[nd:], start=nd)
+        rope_write = rope_write_prefill if meta.use_native else rope_write_prefill_reference
+        q, k, v = rope_write(qkv[nd:], rotary.cos, rotary.sin, positions[nd:], meta.slot_blocks[nd:],
+                             meta.slot_offsets[nd:], k_cache, v_cache)  # head-major, k and v as cached
+        paged_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), k_cache, v_cache, meta, scale,
+                        out=out[nd:], start=nd, fresh_as_cached=True)
     return out
 
 
@@ -170,9 +171,10 @@ def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                    start: int = 0) -> torch.Tensor:
+                    start: int = 0, fresh_as_cached: bool = False) -> torch.Tensor:
     """Attention of the step's rows from `start` on. q: [T - start, heads, head_dim]; k, v: their
-    fresh [T - start, kv_heads, head_dim] (already written to the cache). Returns `out`
+    fresh [T - start, kv_heads, head_dim] (already written to the cache; `fresh_as_cached`: already
+    rounded through the cache's dtype, as `rope_write_prefill` returns them). Returns `out`
     ([T - start, heads, head_dim], allocated when None)."""
     out = torch.empty_like(q) if out is None else out
     nd = meta.num_decode - start
@@ -187,8 +189,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # path, which materialises every score and ran ~7x slower on a 1k-token prefill.
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if chunk.context_len == chunk.q_len:
-            kh = as_cached(k[rows], k_cache.dtype).transpose(0, 1).unsqueeze(0)
-            vh = as_cached(v[rows], v_cache.dtype).transpose(0, 1).unsqueeze(0)
+            kh, vh = (k[rows], v[rows]) if fresh_as_cached else (as_cached(k[rows], k_cache.dtype),
+                                                                  as_cached(v[rows], v_cache.dtype))
+            kh, vh = kh.transpose(0, 1).unsqueeze(0), vh.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
             kh = _gather(k_cache, chunk, block_size, q.dtype).unsqueeze(0)

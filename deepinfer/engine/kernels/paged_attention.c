@@ -1068,6 +1068,94 @@ static int rope_write_decode_attention(float *qkv, const float *cos, const float
                        total_blocks, total_tokens);
 }
 
+/*
+ * Prefill rows: rotate each row's q and k heads as rope_rows does, store k and v at (slot_blocks[t],
+ * slot_offsets[t]) of the caches, and write q, k, v head-major for the attention that follows:
+ * q_out [num_heads][T][D], k_out and v_out [num_kv_heads][T][D], contiguous, with k and v as the cache holds
+ * them (rounded to fp16 and widened back for an fp16 cache). qkv is read, not changed. params: T, num_heads,
+ * num_kv_heads, D, block_size, num_blocks, qkv_stride (floats between rows), k_block_stride, k_tok_stride,
+ * v_block_stride, v_tok_stride, max_positions. Everything is validated before anything is written.
+ */
+#define PA_NUM_PREFILL_PARAMS 12
+
+int pa_num_prefill_params(void) { return PA_NUM_PREFILL_PARAMS; }
+
+/* dst = src as a cache of that precision holds it (fp16: rounded to nearest even, widened back). */
+static void cached_row(float *dst, const float *src, int64_t n, int half) {
+    if (!half) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    int64_t i = 0;
+#if PA_F16C
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)));
+    for (; i < n; ++i) dst[i] = _cvtsh_ss(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (; i < n; ++i) dst[i] = half_to_float(float_to_half(src[i]));
+#endif
+}
+
+static int rope_write_prefill(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                              const int64_t *slot_blocks, const int64_t *slot_offsets, void *k_cache, void *v_cache,
+                              float *q_out, float *k_out, float *v_out, const int64_t *params, int num_threads,
+                              int half) {
+    const int64_t T = params[0], H = params[1], KVH = params[2], D = params[3], block_size = params[4],
+                  num_blocks = params[5], stride = params[6], k_block_stride = params[7], k_tok_stride = params[8],
+                  v_block_stride = params[9], v_tok_stride = params[10], max_positions = params[11];
+    for (int64_t t = 0; t < T; ++t) {
+        if (positions[t] < 0 || positions[t] >= max_positions) return PA_ERR_POSITION;
+        if (slot_blocks[t] < 0 || slot_blocks[t] >= num_blocks || slot_offsets[t] < 0 || slot_offsets[t] >= block_size)
+            return PA_ERR_SLOT;
+    }
+    const int64_t width = (H + KVH) * D, kv_row = KVH * D, esize = half ? 2 : 4;
+    int nt = num_threads > 1 && T * width >= (1 << 15) ? num_threads : 1, failed = 0;
+    (void)nt;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *row = malloc(sizeof(float) * (size_t)(width + kv_row));
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            if (!row) continue;
+            const float *src = qkv + t * stride;
+            memcpy(row, src, sizeof(float) * (size_t)width);
+            rope_rows(row, H + KVH, (int)D, cos + positions[t] * D, sin + positions[t] * D);
+            for (int64_t h = 0; h < H; ++h) memcpy(q_out + (h * T + t) * D, row + h * D, sizeof(float) * (size_t)D);
+            char *kd = (char *)k_cache + (slot_blocks[t] * k_block_stride + slot_offsets[t] * k_tok_stride) * esize;
+            char *vd = (char *)v_cache + (slot_blocks[t] * v_block_stride + slot_offsets[t] * v_tok_stride) * esize;
+            store_row(kd, row + H * D, kv_row, half);
+            store_row(vd, src + width, kv_row, half);
+            float *kc = row + width; /* k as cached, then v as cached */
+            cached_row(kc, row + H * D, kv_row, half);
+            for (int64_t g = 0; g < KVH; ++g) memcpy(k_out + (g * T + t) * D, kc + g * D, sizeof(float) * (size_t)D);
+            cached_row(kc, src + width, kv_row, half);
+            for (int64_t g = 0; g < KVH; ++g) memcpy(v_out + (g * T + t) * D, kc + g * D, sizeof(float) * (size_t)D);
+        }
+        free(row);
+    }
+    return failed ? PA_ERR_NOMEM : PA_OK;
+}
+
+int pa_rope_write_prefill_f32(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                              const int64_t *slot_blocks, const int64_t *slot_offsets, float *k_cache, float *v_cache,
+                              float *q_out, float *k_out, float *v_out, const int64_t *params, int num_threads) {
+    return rope_write_prefill(qkv, cos, sin, positions, slot_blocks, slot_offsets, k_cache, v_cache, q_out, k_out,
+                              v_out, params, num_threads, 0);
+}
+
+/* k_cache, v_cache: IEEE binary16 bit patterns (torch.float16's storage). */
+int pa_rope_write_prefill_f16(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                              const int64_t *slot_blocks, const int64_t *slot_offsets, uint16_t *k_cache,
+                              uint16_t *v_cache, float *q_out, float *k_out, float *v_out, const int64_t *params,
+                              int num_threads) {
+    return rope_write_prefill(qkv, cos, sin, positions, slot_blocks, slot_offsets, k_cache, v_cache, q_out, k_out,
+                              v_out, params, num_threads, 1);
+}
+
 int pa_paged_decode_attention_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
                                   const int32_t *context_lens, float *out, const int64_t *params, float scale,
                                   int num_threads) {
