@@ -117,3 +117,17 @@ def test_amx_can_be_switched_off():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DEEPINFER_AMX": "0"}, check=True,
                          capture_output=True, text=True).stdout.split()
     assert out == ["True", "False"]
+
+
+@needs_amx
+def test_amx_from_several_threads_at_once():
+    """Each call packs into its own buffers and each OS thread configures its own tiles: concurrent calls from
+    Python threads (a worker's engine thread beside a draft model's, say) give the single-threaded bits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    packed, _ = _packed("Q4_1", 300, 576, seed=12)
+    xs = [torch.randn(100, 576, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    want = [quant_linear(x, packed, 2, impl="amx") for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: quant_linear(x, packed, 2, impl="amx"), xs * 4))
+    assert all(torch.equal(g, want[i % 8]) for i, g in enumerate(got))
