@@ -6,15 +6,15 @@ block table straight from the KV tensor; nothing is concatenated per step.
 
 * Single-token rows go through one native call per layer, `rope_write_decode_attention`: it
   rotates their q and k, stores their K/V and runs the decode attention kernel, which reads K/V in
-  place (bit-identical to `apply_rotary`, `write_kv` and `paged_decode_attention` in turn; a
-  pure-torch gather is the fallback when the kernel cannot be built).
-* The multi-token rows go through one native call per layer too, `rope_write_prefill`: it rotates their
-  q and k, stores their K/V and lays q, k, v out head-major (bit-identical to `apply_rotary` and
-  `write_kv`). Each chunk then gathers its own context blocks once and runs one causal SDPA; a chunk
-  with no earlier context attends to its fresh K/V directly.
+  place (bit-identical to `apply_rotary`, `rope_write.write_kv` and `paged_decode_attention` in
+  turn; a pure-torch gather is the fallback when the kernel cannot be built).
+* The multi-token rows go through one native call per layer too, `rope_write_prefill`: it rotates
+  their q and k, stores their K/V and lays q, k, v out head-major (bit-identical to `apply_rotary`,
+  `rope_write.write_kv` and `rope_write.as_cached`). Each chunk then gathers its own context blocks
+  once and runs one causal SDPA; a chunk with no earlier context attends to its fresh K/V directly.
 
 The cache may hold K/V in a narrower dtype than the step computes in (an fp16 KV cache, fp32
-activations): `write_kv` rounds on the way in, every reader widens what it reads, and all
+activations): the store rounds on the way in, every reader widens what it reads, and all
 arithmetic is in the query's dtype. A chunk attending to its fresh K/V uses them rounded through the
 cache dtype, so a token's attention sees the same values whether its context was just computed,
 read back from the pool, or imported from a cache tier (outputs do not depend on chunking or on
@@ -149,32 +149,16 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTab
         q, k, v = rope_write(qkv[nd:], rotary.cos, rotary.sin, positions[nd:], meta.slot_blocks[nd:],
                              meta.slot_offsets[nd:], k_cache, v_cache)  # head-major, k and v as cached
         paged_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), k_cache, v_cache, meta, scale,
-                        out=out[nd:], start=nd, fresh_as_cached=True)
+                        out=out[nd:], start=nd)
     return out
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata, start: int = 0) -> None:
-    """Store the new K/V ([T - start, kv_heads, head_dim], the step's rows from `start` on) into the
-    layer's cache views ([num_blocks, block_size, kv_heads, head_dim], strided in dim 0), converted
-    to the cache's dtype (round to nearest for an fp16 cache)."""
-    index = (meta.slot_blocks[start:], meta.slot_offsets[start:])
-    k_cache.index_put_(index, k.to(k_cache.dtype))
-    v_cache.index_put_(index, v.to(v_cache.dtype))
-
-
-def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """`x` as attention reads it back from a cache of `cache_dtype`: rounded to that dtype and widened
-    to x's again (x itself when the dtypes agree)."""
-    return x if x.dtype == cache_dtype else x.to(cache_dtype).to(x.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                    start: int = 0, fresh_as_cached: bool = False) -> torch.Tensor:
+                    start: int = 0) -> torch.Tensor:
     """Attention of the step's rows from `start` on. q: [T - start, heads, head_dim]; k, v: their
-    fresh [T - start, kv_heads, head_dim] (already written to the cache; `fresh_as_cached`: already
-    rounded through the cache's dtype, as `rope_write_prefill` returns them). Returns `out`
+    fresh [T - start, kv_heads, head_dim], already written to the cache and as it holds them (rounded
+    through its dtype, as `rope_write_prefill` returns them). Returns `out`
     ([T - start, heads, head_dim], allocated when None)."""
     out = torch.empty_like(q) if out is None else out
     nd = meta.num_decode - start
@@ -189,9 +173,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         # path, which materialises every score and ran ~7x slower on a 1k-token prefill.
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if chunk.context_len == chunk.q_len:
-            kh, vh = (k[rows], v[rows]) if fresh_as_cached else (as_cached(k[rows], k_cache.dtype),
-                                                                  as_cached(v[rows], v_cache.dtype))
-            kh, vh = kh.transpose(0, 1).unsqueeze(0), vh.transpose(0, 1).unsqueeze(0)
+            kh, vh = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
             kh = _gather(k_cache, chunk, block_size, q.dtype).unsqueeze(0)

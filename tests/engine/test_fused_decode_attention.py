@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.engine import kernels
-from deepinfer.engine.attention import Segment, layout, paged_attention, rope_attention, write_kv
+from deepinfer.engine.attention import Segment, layout, paged_attention, rope_attention
 from deepinfer.engine.config import EngineConfig, ModelConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.kernels import (
@@ -18,6 +18,7 @@ from deepinfer.engine.kernels import (
     rope_write_decode_attention_reference,
 )
 from deepinfer.engine.kernels import paged_attention as pa
+from deepinfer.engine.kernels.rope_write import as_cached, write_kv
 from deepinfer.engine.models.rope import RotaryTable, apply_rotary
 from deepinfer.engine.request import SamplingParams
 
@@ -82,7 +83,7 @@ def _torch_steps(qkv, step, kv, rotary, heads, kv_heads, head_dim, scale):
     cos, sin = rotary.lookup(step.positions[:B])
     qk = apply_rotary(qkv[:B, : (heads + kv_heads) * head_dim].view(B, -1, head_dim), cos, sin)
     v = qkv[:B, (heads + kv_heads) * head_dim :].view(B, kv_heads, head_dim)
-    write_kv(kv[:, LAYER, 0], kv[:, LAYER, 1], qk[:, heads:], v, step.meta)
+    write_kv(kv[:, LAYER, 0], kv[:, LAYER, 1], qk[:, heads:], v, step.meta.slot_blocks[:B], step.meta.slot_offsets[:B])
     out = paged_decode_attention(qk[:, :heads].contiguous(), kv[:, LAYER, 0], kv[:, LAYER, 1],
                                  step.meta.decode_block_tables, step.meta.decode_context_lens, scale)
     return qk, out
@@ -161,9 +162,9 @@ def test_rope_attention_mixed_step_matches_torch_path(kv_dtype):
     cos, sin = rotary.lookup(step.positions)
     qk = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(T, -1, head_dim), cos, sin)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(T, kv_heads, head_dim)
-    write_kv(kv_old[:, LAYER, 0], kv_old[:, LAYER, 1], qk[:, heads:], v, step.meta)
-    o_old = paged_attention(qk[:, :heads].contiguous(), qk[:, heads:], v, kv_old[:, LAYER, 0], kv_old[:, LAYER, 1],
-                            step.meta, scale)
+    write_kv(kv_old[:, LAYER, 0], kv_old[:, LAYER, 1], qk[:, heads:], v, step.meta.slot_blocks, step.meta.slot_offsets)
+    o_old = paged_attention(qk[:, :heads].contiguous(), as_cached(qk[:, heads:], kv_dtype), as_cached(v, kv_dtype),
+                            kv_old[:, LAYER, 0], kv_old[:, LAYER, 1], step.meta, scale)
     _assert_bits_equal(kv_old, kv_torch)
     _assert_bits_equal(o_old, o_torch)
 

@@ -1,5 +1,5 @@
 """`rope_write_prefill`: the prefill rows' rotation, KV store and head-major layout in one native call,
-bit for bit the torch ops it replaces (`rope.apply_rotary`, `attention.write_kv`, `attention.as_cached`)."""
+bit for bit the torch ops it replaces (`rope.apply_rotary`, `rope_write.write_kv`, `rope_write.as_cached`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from deepinfer.engine import kernels
-from deepinfer.engine.attention import as_cached, write_kv
-from deepinfer.engine.kernels.rope_write import rope_write_prefill, rope_write_prefill_reference
+from deepinfer.engine.kernels.rope_write import as_cached, rope_write_prefill, rope_write_prefill_reference, write_kv
 from deepinfer.engine.models.rope import apply_rotary
 
 needs_native = pytest.mark.skipif(not kernels.native_available(), reason="paged attention kernel not built")
@@ -39,10 +38,7 @@ def test_native_equals_the_torch_ops(dtype, t):
     rows = qkv.reshape(t, H + 2 * KVH, D)
     qk = apply_rotary(rows[:, : H + KVH], cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
 
-    class Meta:
-        slot_blocks, slot_offsets = blocks, offsets
-
-    write_kv(theirs_pool[:, 1, 0], theirs_pool[:, 1, 1], qk[:, H:], rows[:, H + KVH:], Meta)  # type: ignore[arg-type]
+    write_kv(theirs_pool[:, 1, 0], theirs_pool[:, 1, 1], qk[:, H:], rows[:, H + KVH:], blocks, offsets)
     assert torch.equal(pool, theirs_pool)
     assert torch.equal(q, qk[:, :H].transpose(0, 1).contiguous())
     assert torch.equal(k, as_cached(qk[:, H:], dtype).transpose(0, 1).contiguous())
@@ -57,8 +53,8 @@ def test_bad_positions_and_slots_write_nothing(fn):
     qkv, cos, sin, pos, blocks, offsets, pool = _case(9, torch.float32, seed=1)
     before = pool.clone()
     for p, b, o, what in ((pos.clone().index_fill_(0, torch.tensor([4]), 300), blocks, offsets, "positions"),
-                          (pos, blocks.clone().index_fill_(0, torch.tensor([8]), NB), offsets, "slots"),
-                          (pos, blocks, offsets.clone().index_fill_(0, torch.tensor([0]), -1), "slots")):
+                          (pos, blocks.clone().index_fill_(0, torch.tensor([8]), NB), offsets, "slot"),
+                          (pos, blocks, offsets.clone().index_fill_(0, torch.tensor([0]), -1), "slot")):
         with pytest.raises(ValueError, match=what):
             fn(qkv, cos, sin, p, b, o, pool[:, 0, 0], pool[:, 0, 1])
         assert torch.equal(pool, before)

@@ -10,7 +10,7 @@ tests, and what `paged_decode_attention` falls back to when the kernel cannot be
 
 `rope_write_decode_attention` is one layer's whole decode step in one call: it rotates the rows' q
 and k in place (rotary embedding), stores k and v into the paged cache, then runs the same decode
-attention. Its rotation and store are bit-identical to `rope.apply_rotary` and `attention.write_kv`,
+attention. Its rotation and store are bit-identical to `rope.apply_rotary` and `rope_write.write_kv`,
 so its output is bit-identical to those followed by `paged_decode_attention`;
 `rope_write_decode_attention_reference` is those steps in torch (the fallback, and the oracle).
 
@@ -500,7 +500,7 @@ def rope_write_decode_attention_reference(qkv: torch.Tensor, cos: torch.Tensor, 
                                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                           out: torch.Tensor | None = None) -> torch.Tensor:
     """`rope_write_decode_attention` in torch, on any one device: the ops of `rope.apply_rotary`,
-    those of `attention.write_kv`, then `paged_decode_attention_reference`. Same contract."""
+    those of `rope_write.write_kv`, then `paged_decode_attention_reference`. Same contract."""
     B, H, D, kvh, bs, max_blocks = _check_fused(qkv, cos, sin, positions, slot_blocks, slot_offsets, k, v,
                                                 block_tables, context_lens, out, cpu=False)
     if out is None:

@@ -69,8 +69,8 @@ GEMM_MIN_ROWS = 32  # from this many rows of x, dequantise chunks + torch GEMM (
 # head) in chunks of GEMM_SPLIT_FLOATS (2 MiB: measured 10-20% faster at 32 rows than 8 MiB chunks,
 # ~7% slower at 256).
 GEMM_CHUNK_FLOATS = 1 << 21
-AMX_MIN_ROWS = 64  # from this many rows, the AMX tile path where the CPU has it (measured crossover: 48-64)
 GEMM_SPLIT_FLOATS = 1 << 19
+AMX_MIN_ROWS = 64  # from this many rows, the AMX tile path where the CPU has it (measured crossover: 48-64)
 _scratch = threading.local()  # per-thread fp32 chunk buffer for the GEMM path
 
 

@@ -1,7 +1,7 @@
 """Prefill rows' rotary embedding and KV store in one native call, with q, k, v laid out for SDPA.
 
 `rope_write_prefill(qkv, cos, sin, positions, slot_blocks, slot_offsets, k_cache, v_cache)` does for a step's
-prefill rows what `rope.apply_rotary`, `attention.write_kv` and `attention.as_cached` do in torch, in one
+prefill rows what `rope.apply_rotary`, `write_kv` and `as_cached` (below) do in torch, in one
 pass of `paged_attention.c` (`pa_rope_write_prefill_*`): it rotates each row's q and k, stores k and v at
 the rows' slots in the cache views, and returns q [heads, T, head_dim], k and v [kv_heads, T, head_dim],
 contiguous: head-major, the layout SDPA's fused CPU kernel reads fastest (strided inputs cost it ~8% on a
@@ -25,7 +25,7 @@ import torch
 
 from deepinfer.engine.kernels import paged_attention as pa
 
-__all__ = ["rope_write_prefill", "rope_write_prefill_reference"]
+__all__ = ["as_cached", "rope_write_prefill", "rope_write_prefill_reference", "write_kv"]
 
 _NUM_PARAMS = 12
 _pack_params = struct.Struct(f"<{_NUM_PARAMS}q").pack
@@ -74,16 +74,6 @@ def _check(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     return t, heads, kvh, d
 
 
-def _check_values(positions: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
-                  max_positions: int, k: torch.Tensor) -> None:
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_positions):
-        raise ValueError(f"positions must lie in [0, {max_positions})")
-    nb, bs = k.shape[0], k.shape[1]
-    if slot_blocks.numel() and (int(slot_blocks.min()) < 0 or int(slot_blocks.max()) >= nb
-                                or int(slot_offsets.min()) < 0 or int(slot_offsets.max()) >= bs):
-        raise ValueError(f"slots must lie in blocks [0, {nb}) at offsets [0, {bs})")
-
-
 def rope_write_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                        slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,7 +97,7 @@ def rope_write_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     if rc == pa._ERR_NOMEM:
         raise MemoryError("rope_write_prefill: out of memory for a row buffer")
     if rc != 0:
-        _check_values(positions, slot_blocks, slot_offsets, cos.shape[0], k_cache)
+        pa._check_fused_values(positions, slot_blocks, slot_offsets, cos.shape[0], *k_cache.shape[:2])
         raise ValueError(f"rope_write_prefill: invalid arguments (code {rc})")
     return q, k, v
 
@@ -115,18 +105,33 @@ def rope_write_prefill(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 def rope_write_prefill_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                                  slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, k_cache: torch.Tensor,
                                  v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`rope_write_prefill` in torch on any one device: the ops of `rope.apply_rotary`, `attention.write_kv`
-    and `attention.as_cached`. Same contract."""
+    """`rope_write_prefill` in torch on any one device: the ops of `rope.apply_rotary`, `write_kv` and
+    `as_cached`. Same contract."""
     t, heads, kvh, d = _check(qkv, cos, sin, positions, slot_blocks, slot_offsets, k_cache, v_cache)
-    _check_values(positions, slot_blocks, slot_offsets, cos.shape[0], k_cache)
+    pa._check_fused_values(positions, slot_blocks, slot_offsets, cos.shape[0], *k_cache.shape[:2])
     rows = qkv.unflatten(1, (heads + 2 * kvh, d))
     qk = rows[:, : heads + kvh]
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     half = d // 2
     qk = qk * c + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * s
-    k_new, v_new = qk[:, heads:].to(k_cache.dtype), rows[:, heads + kvh :].to(v_cache.dtype)
-    index = (slot_blocks, slot_offsets)
-    k_cache.index_put_(index, k_new)
-    v_cache.index_put_(index, v_new)
+    k, v = qk[:, heads:], rows[:, heads + kvh :]
+    write_kv(k_cache, v_cache, k, v, slot_blocks, slot_offsets)
     q = qk[:, :heads].transpose(0, 1).contiguous()
-    return q, k_new.float().transpose(0, 1).contiguous(), v_new.float().transpose(0, 1).contiguous()
+    return (q, as_cached(k, k_cache.dtype).transpose(0, 1).contiguous(),
+            as_cached(v, v_cache.dtype).transpose(0, 1).contiguous())
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """Store new K/V ([T, kv_heads, head_dim]) at the rows' slots of the layer's cache views ([num_blocks,
+    block_size, kv_heads, head_dim], strided in dim 0), converted to the cache's dtype (round to nearest
+    for an fp16 cache)."""
+    index = (slot_blocks, slot_offsets)
+    k_cache.index_put_(index, k.to(k_cache.dtype))
+    v_cache.index_put_(index, v.to(v_cache.dtype))
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`x` as attention reads it back from a cache of `cache_dtype`: rounded to that dtype and widened
+    to x's again (x itself when the dtypes agree)."""
+    return x if x.dtype == cache_dtype else x.to(cache_dtype).to(x.dtype)
