@@ -251,7 +251,11 @@ static inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
  * shifts, 4 int -> fp32 conversions, 4 multiply/FMAs and the scale FMA: ~11 ops for the two vector
  * ALU ports that do conversions, shifts and FMAs, so ~5.5 cycles per 20-byte block: measured ~12 GB/s
  * of packed weights per core here, about 23 on 2 threads against a ~28 GB/s streaming read from
- * memory. 8 fp32 lanes are the limit of AVX2; 16-lane conversions and FMAs would halve those ops. */
+ * memory. A 16-lane AVX-512 version (nibbles looked up as floats with vpermps, which reads only an
+ * index's low 4 bits; scales gathered 16 blocks at a time and fed to the FMAs as memory broadcasts) was
+ * bound by the shuffle port at ~3.5 cycles per block and weight row: 10-27% faster than this on the
+ * Q4_1 layers alone and 1.2x on the Q8_0 LM head, but batch-1 decode in the engine ran 4% slower
+ * (100-104 against 107-109 tok/s, alternated), the rest of each step slowing under 512-bit FMAs. */
 QL_INLINE void dot_rows(const int fmt, const int MR, const int R, const uint8_t *w, int64_t row_bytes, int64_t nb,
                         const float *x, int64_t ldx, const float *xs, int64_t ldxs, float *y, int64_t ldy) {
     const int bsz = fmt == QL_Q8_0 ? 34 : fmt == QL_Q4_0 ? 18 : 20;
