@@ -11,7 +11,9 @@ block table straight from the KV tensor; nothing is concatenated per step.
 * The multi-token rows go through one native call per layer too, `rope_write_prefill`: it rotates
   their q and k, stores their K/V and lays q, k, v out head-major (bit-identical to `apply_rotary`,
   `rope_write.write_kv` and `rope_write.as_cached`). Each chunk then gathers its own context blocks
-  once and runs one causal SDPA; a chunk with no earlier context attends to its fresh K/V directly.
+  once (a chunk with no earlier context attends to its fresh K/V directly) and attends causally: on AMX
+  tiles where the CPU has them (`kernels/attention_amx.py`, fp32-accurate products, ~1.8x SDPA on a
+  1,024-token chunk here), else with SDPA.
 
 The cache may hold K/V in a narrower dtype than the step computes in (an fp16 KV cache, fp32
 activations): the store rounds on the way in, every reader widens what it reads, and all
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine import kernels
+from deepinfer.engine.kernels import attention_amx
 from deepinfer.engine.kernels.rope_write import rope_write_prefill, rope_write_prefill_reference
 
 if TYPE_CHECKING:
@@ -132,7 +135,8 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTab
     place); positions: [T] int64; k_cache, v_cache: the layer's cache views. Returns [T, heads, head_dim].
 
     Decode rows take the one native call; prefill rows one call that rotates, stores and lays out their
-    q, k, v head-major (`rope_write_prefill`), then `paged_attention`'s SDPA per chunk. When not
+    q, k, v head-major (`rope_write_prefill`), then `paged_attention`'s causal attention per chunk (AMX
+    tiles or SDPA). When not
     `meta.use_native`, every row takes the torch versions of those steps."""
     if qkv.stride(-1) != 1:  # the kernel reads rows; a projection with a bias may come column-major
         qkv = qkv.contiguous()
@@ -167,22 +171,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         decode(q[:nd], k_cache, v_cache, meta.decode_block_tables[start:], meta.decode_context_lens[start:], scale,
                out=out[:nd])
     block_size = k_cache.shape[1]
+    tiles = bool(meta.prefills) and meta.use_native and q.dtype == torch.float32 and q.is_cpu and \
+        attention_amx.supports(q.shape[2], q.shape[1], k.shape[1])
     for chunk in meta.prefills:
         rows = slice(chunk.q_start - start, chunk.q_start - start + chunk.q_len)
+        qh = q[rows].transpose(0, 1)  # [heads, q_len, D]
+        if chunk.context_len == chunk.q_len:
+            kh, vh = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        else:
+            kh = _gather(k_cache, chunk, block_size, q.dtype)
+            vh = _gather(v_cache, chunk, block_size, q.dtype)
+        if tiles:  # query i at position context_len - q_len + i sees the keys up to there
+            attention_amx.prefill_attention(qh, kh, vh, scale, out=out[rows])
+            continue
         # SDPA takes its fused (flash) CPU path only for 4-D inputs; 3-D falls back to the math
         # path, which materialises every score and ran ~7x slower on a 1k-token prefill.
-        qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if chunk.context_len == chunk.q_len:
-            kh, vh = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), is_causal=True,
+                                               scale=scale, enable_gqa=True)
         else:
-            kh = _gather(k_cache, chunk, block_size, q.dtype).unsqueeze(0)
-            vh = _gather(v_cache, chunk, block_size, q.dtype).unsqueeze(0)
-            # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
             mask = torch.ones(chunk.q_len, chunk.context_len, dtype=torch.bool).tril(
                 chunk.context_len - chunk.q_len
             )
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out
 

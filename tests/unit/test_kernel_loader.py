@@ -118,3 +118,20 @@ def test_the_build_key_covers_local_headers(tmp_path: Path) -> None:
     kernels = Path(build.__file__).parent
     for name in ("dense_linear.c", "quant_linear.c"):
         assert (kernels / "dense_tiles.h").read_bytes() in build.source_bytes(kernels / name)
+
+
+def test_the_build_key_covers_headers_included_by_headers(tmp_path: Path) -> None:
+    """quant_linear.c includes quant_amx.h, which includes amx_common.h: an edit two levels down rebuilds too;
+    a header included twice, or a cycle, is read once."""
+    src = tmp_path / "k.c"
+    src.write_text('#include "outer.h"\n#include "inner.h"\nint tl_answer(void) { return INNER; }\n')
+    (tmp_path / "outer.h").write_text('#include "inner.h"\n')
+    (tmp_path / "inner.h").write_text('#include "outer.h"\n#define INNER 1\n')
+    first = build.lib_name(src, "k", "gcc", ["-O3"])
+    (tmp_path / "inner.h").write_text('#include "outer.h"\n#define INNER 2\n')
+    assert build.lib_name(src, "k", "gcc", ["-O3"]) != first
+    assert build.source_bytes(src).count(b"#define INNER 2") == 1
+    kernels = Path(build.__file__).parent
+    common = (kernels / "amx_common.h").read_bytes()
+    for name in ("quant_linear.c", "attention_amx.c"):
+        assert common in build.source_bytes(kernels / name)

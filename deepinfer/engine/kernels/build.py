@@ -161,14 +161,21 @@ _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"/]+)"', re.MULTILINE)
 
 
 def source_bytes(source: Path) -> bytes:
-    """The source and, after it, every header it includes with `#include "name.h"` from its own directory (the
-    kernels share register tiles that way), so that editing a header also changes the build's key."""
-    text = source.read_bytes()
-    parts = [text]
-    for name in dict.fromkeys(_LOCAL_INCLUDE.findall(text)):
+    """The source and, after it, every header it includes with `#include "name.h"` from its own directory,
+    and the headers those include, each once (the kernels share register tiles and AMX helpers that way),
+    so that editing any of them also changes the build's key."""
+    parts = [source.read_bytes()]
+    seen: set[bytes] = set()
+    pending = list(_LOCAL_INCLUDE.findall(parts[0]))
+    while pending:
+        name = pending.pop(0)
         header = source.parent / name.decode()
-        if header.is_file():
-            parts += [b"\0" + name, header.read_bytes()]
+        if name in seen or not header.is_file():
+            continue
+        seen.add(name)
+        text = header.read_bytes()
+        parts += [b"\0" + name, text]
+        pending += _LOCAL_INCLUDE.findall(text)
     return b"".join(parts)
 
 

@@ -33,60 +33,14 @@
 
 #if QL_AVX2 && defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #define QL_AMX_BUILD 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_common.h"
 
-#define QL_AMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")))
+#define QL_AMX AMX_TARGET
 #define QL_AMX_NJ 9  /* feature tiles (16 each) per work item */
 #define QL_AMX_MG 16 /* row tiles (16 each) per work item at most */
-#define QL_TILE_BYTES 1024
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) ql_tilecfg_t;
-
-static int ql_amx_state = -1; /* -1 not asked yet, 0 unusable, 1 usable */
 
 /* 1 when this CPU has AMX-BF16 and AVX512-BF16 and the kernel gave this process the tile data state. */
-int ql_amx_ready(void) {
-    int s = __atomic_load_n(&ql_amx_state, __ATOMIC_ACQUIRE);
-    if (s >= 0) return s;
-    unsigned a, b, c, d;
-    int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 22)) /* tile, bf16 */
-             && (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 17));                    /* avx512 f, bw, dq */
-    ok = ok && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));                  /* avx512_bf16 */
-    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): process-wide, idempotent. */
-    ok = ok && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    __atomic_store_n(&ql_amx_state, ok, __ATOMIC_RELEASE);
-    return ok;
-}
-
-/* v (16 finite or not) split into `n` bf16-exact pieces, high first: each piece but the last is the
- * remainder so far with its low 16 bits cleared; the last is what remains (exact in bf16 when v has at most
- * 8 * n significant bits, as every caller's values do). A non-finite lane keeps its value (a NaN stays a
- * NaN) in the first piece and is zero in the others. */
-QL_AMX static inline void amx_split(__m512 v, int n, __m512i out[3]) {
-    const __m512i hi_half = _mm512_set1_epi32((int)0xffff0000u), quiet = _mm512_set1_epi32(0x00400000);
-    const __mmask16 finite = (__mmask16)~_mm512_fpclass_ps_mask(v, 0x99), nan = _mm512_fpclass_ps_mask(v, 0x81);
-    __m512i p = _mm512_and_si512(_mm512_castps_si512(v), hi_half);
-    out[0] = _mm512_mask_or_epi32(p, nan, p, quiet); /* a NaN whose payload was in the low bits */
-    __m512 rem = _mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(p));
-    for (int i = 1; i < n; i++) {
-        p = i == n - 1 ? _mm512_castps_si512(rem) : _mm512_and_si512(_mm512_castps_si512(rem), hi_half);
-        out[i] = p;
-        rem = _mm512_sub_ps(rem, _mm512_castsi512_ps(p)); /* exact */
-    }
-}
-
-/* The bf16 (high) words of 32 floats, lo = elements 0-15, hi = 16-31, in element order. */
-QL_AMX static inline __m512i amx_bf16_words(__m512i lo, __m512i hi) {
-    const __m512i idx = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
-                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    return _mm512_permutex2var_epi16(lo, idx, hi);
-}
+int ql_amx_ready(void) { return amx_request_tiles(); }
 
 /* Rows t*16 .. t*16+15 of x' = [x, block sums of x (Q4_1)]: kt tiles of 32 inputs, three pieces each. */
 QL_AMX static void amx_pack_x(const float *x, int64_t ldx, int64_t M, int64_t nb, int64_t kt, int sums, int64_t t,
@@ -116,31 +70,6 @@ QL_AMX static void amx_pack_x(const float *x, int64_t ldx, int64_t M, int64_t nb
             amx_split(_mm512_loadu_ps(v + 16), 3, hi);
             for (int p = 0; p < 3; p++) _mm512_storeu_si512(dst + p * 512, amx_bf16_words(lo[p], hi[p]));
         }
-    }
-}
-
-/* tile[i][r] = rows[r][i] for a 16 x 16 matrix of 32-bit values (two unpack stages within 128-bit lanes,
- * then two lane shuffles: 64 shuffles instead of 256 scalar moves). */
-QL_AMX static inline void amx_transpose16(const __m512i r[16], uint32_t *tile) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* u[i + c], lane l: rows i..i+3 of column 4 l + c */
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
-        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
-        _mm512_store_si512(tile + 16 * c, _mm512_shuffle_i32x4(v0, w0, 0x88));
-        _mm512_store_si512(tile + 16 * (8 + c), _mm512_shuffle_i32x4(v0, w0, 0xdd));
-        _mm512_store_si512(tile + 16 * (4 + c), _mm512_shuffle_i32x4(v1, w1, 0x88));
-        _mm512_store_si512(tile + 16 * (12 + c), _mm512_shuffle_i32x4(v1, w1, 0xdd));
     }
 }
 
@@ -256,7 +185,7 @@ QL_AMX static int linear_amx(int fmt, const float *x, int64_t ldx, const uint8_t
     const int64_t nb = K / QK, kt = nb + (sums ? (nb + QK - 1) / QK : 0), row_bytes = nb * ql_block_bytes(fmt);
     const int64_t mt = (M + 15) / 16, nt = (N + 47) / 48 * 3; /* feature tiles rounded up to a multiple of 3 */
     const int64_t runs = (nt + QL_AMX_NJ - 1) / QL_AMX_NJ, groups = (mt + QL_AMX_MG - 1) / QL_AMX_MG;
-    uint16_t *xp = aligned_alloc(64, (size_t)(mt * kt * 3 * QL_TILE_BYTES));
+    uint16_t *xp = aligned_alloc(64, (size_t)(mt * kt * 3 * AMX_TILE_BYTES));
     if (!xp) return QL_ERR_NOMEM;
     int nthr = work_threads(num_threads, M, N, K, runs * groups), failed = 0;
     (void)nthr;
@@ -264,7 +193,7 @@ QL_AMX static int linear_amx(int fmt, const float *x, int64_t ldx, const uint8_t
     {
         /* This thread's weights for one run of feature tiles, packed when its items move to another run
          * (items are run-major, so once per run per thread): they stay in its L2 and never go to memory. */
-        uint16_t *wp = aligned_alloc(64, (size_t)(QL_AMX_NJ * kt * np * QL_TILE_BYTES));
+        uint16_t *wp = aligned_alloc(64, (size_t)(QL_AMX_NJ * kt * np * AMX_TILE_BYTES));
         int64_t packed = -1;
         if (!wp) {
 #pragma omp atomic write
@@ -272,11 +201,7 @@ QL_AMX static int linear_amx(int fmt, const float *x, int64_t ldx, const uint8_t
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < mt; t++) amx_pack_x(x, ldx, M, nb, kt, sums, t, xp);
-        ql_tilecfg_t cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette_id = 1;
-        for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-        _tile_loadconfig(&cfg);
+        amx_configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < runs * groups; item++) {
             if (!wp) continue;
