@@ -64,6 +64,28 @@ def test_logits_within_tolerance(smollm2):
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
 
 
+def test_logits_within_tolerance_on_amx_tiles(smollm2, monkeypatch):
+    """A prompt of 128+ tokens in one chunk: on an AMX CPU its fp32 projections run on the tiles
+    (dense_amx.h, six bf16 piece products per fp32 product) and the logits still agree to 1e-3."""
+    from deepinfer.engine.kernels import dense_linear
+    from deepinfer.engine.models import linear as linear_mod
+
+    if not dense_linear.amx_available():
+        pytest.skip("no AMX-BF16 tiles here")
+    loaded, tok, hf, prompts, refs = smollm2
+    tokens = [t for i in (-1, -2, -3) for t in prompts[i] + refs[i]]
+    assert len(tokens) >= dense_linear.AMX_MIN_ROWS
+    rows = []
+    real = linear_mod.dense_linear_amx
+    monkeypatch.setattr(linear_mod, "dense_linear_amx", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    engine = LLMEngine(loaded, tok, EngineConfig(kv_cache_bytes=64 * 1024 * 1024))
+    ours = engine.prompt_logits(tokens)
+    assert rows and max(rows) == len(tokens)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
+
+
 def test_chat_answer_is_sensible(smollm2):
     loaded, tok, hf, prompts, refs = smollm2
     engine = LLMEngine(loaded, tok, EngineConfig(kv_cache_bytes=64 * 1024 * 1024))

@@ -165,3 +165,5 @@ int dl_linear_f32_avx2(const float *x, int64_t ldx, const float *w, float *y, in
     return DL_ERR_SHAPE - 1;
 #endif
 }
+
+#include "dense_amx.h"

@@ -11,15 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine.huge_pages import huge_page_bytes
+from deepinfer.engine.kernels.dense_linear import AMX_MIN_ROWS as DENSE_AMX_MIN_ROWS
 from deepinfer.engine.kernels.dense_linear import MAX_ROWS as DENSE_MAX_ROWS
-from deepinfer.engine.kernels.dense_linear import dense_linear
+from deepinfer.engine.kernels.dense_linear import dense_linear, dense_linear_amx
 from deepinfer.engine.kernels.quant_linear import PackedWeight, quant_linear
 from deepinfer.engine.packed_weights import Weight
 
 __all__ = ["SMALL_BATCH_ROWS", "Weight", "embed_rows", "fuse_rows", "in_one_arena", "linear", "to_device"]
 
 # fp32 weights on CPU: up to dense_linear.MAX_ROWS rows the C kernel (kernels/dense_linear.c) streams W once
-# for all rows, batch-invariantly; above it F.linear (the BLAS GEMM). Without the kernel (no compiler), up to
+# for all rows, batch-invariantly; from dense_linear.AMX_MIN_ROWS, on a CPU with AMX-BF16, its tile path
+# (dense_amx.h); otherwise F.linear (the BLAS GEMM). Without the kernel (no compiler), up to
 # SMALL_BATCH_ROWS rows compute (W @ x.T).T instead of x @ W.T: on an AVX2 VM's MKL that took a multi-threaded
 # GEMM where F.linear took a single-threaded GEMV (2.3x/4x/1.07x/1.15x faster at 1/2/32/128 rows of SmolLM2),
 # though on the AVX-512 VM of 2026-12-02 it was 2.5x slower at one row: which BLAS path wins is machine-
@@ -36,6 +38,10 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     rows = x.shape[0]
     if rows <= DENSE_MAX_ROWS and x.is_cpu:
         y = dense_linear(x, w, torch.get_num_threads())
+        if y is not None:
+            return y + bias if bias is not None else y
+    if rows >= DENSE_AMX_MIN_ROWS and x.is_cpu:
+        y = dense_linear_amx(x, w, torch.get_num_threads())
         if y is not None:
             return y + bias if bias is not None else y
     if rows > SMALL_BATCH_ROWS:
