@@ -832,11 +832,59 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
     const float qmul = scale * PA_LOG2E;
     int err = PA_OK;
 
-    /* A thread takes all kv heads of one (sequence, part) at a time: their slices share the K/V
-     * rows, so the lines the first head pulls from memory (with their neighbours) serve the others
-     * from cache. SmolLM2 c=128, 400 tokens, fp16 K/V: 2.09 -> 1.99 ms a layer (fp32 3.09 -> 2.82).
-     * Which thread runs an item never changes its result. */
-    const int pa_chunk = (int)num_kv_heads;
+    /* Bundles: (group of rows, part, kv head); a thread runs a bundle's rows one after another. A group is a
+     * run of consecutive rows whose block tables start with the same block: the 1 + k verification rows of
+     * a speculating sequence (each with a context one longer than the last), or sequences sharing a cached
+     * prefix. Their slices share K/V rows, so the lines the first row pulls from memory serve the others
+     * from the thread's cache: a verification step reads each context from memory about once instead of
+     * 1 + k times. Where bundles are plentiful a thread takes all kv heads of one (group, part) at a time
+     * (the lines the first head pulls, with their neighbours, serve the others: SmolLM2 c=128, 400 tokens,
+     * fp16 K/V, 2.09 -> 1.99 ms a layer, fp32 3.09 -> 2.82); where they are few, one kv head at a time, so
+     * one speculating sequence's few parts still spread over the threads. Which thread runs an item, and
+     * in which order, never changes its result. */
+    int64_t *group_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first row of each group */
+    if (!group_start) {
+        free(partials);
+        free(item_start);
+        return PA_ERR_NOMEM;
+    }
+    int64_t n_groups = 0, n_bundles = 0; /* n_bundles: (group, part) pairs */
+    {
+        int64_t np_max = 0; /* most parts of any row of the current group */
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t np = (item_start[b + 1] - item_start[b]) / num_kv_heads;
+            const int same = b > 0 && context_lens[b] > 0 && context_lens[b - 1] > 0 &&
+                             block_tables[b * bt_stride] == block_tables[(b - 1) * bt_stride];
+            if (!same) {
+                n_bundles += np_max;
+                group_start[n_groups++] = b;
+                np_max = 0;
+            }
+            if (np > np_max) np_max = np;
+        }
+        n_bundles += np_max;
+        group_start[n_groups] = B;
+    }
+    int64_t *bundles = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * (n_bundles > 0 ? n_bundles : 1)));
+    if (!bundles) {
+        free(group_start);
+        free(partials);
+        free(item_start);
+        return PA_ERR_NOMEM;
+    }
+    for (int64_t g = 0, n = 0; g < n_groups; ++g) {
+        int64_t np_max = 0;
+        for (int64_t b = group_start[g]; b < group_start[g + 1]; ++b) {
+            const int64_t np = (item_start[b + 1] - item_start[b]) / num_kv_heads;
+            if (np > np_max) np_max = np;
+        }
+        for (int64_t p = 0; p < np_max; ++p, ++n) {
+            bundles[2 * n] = g;
+            bundles[2 * n + 1] = p;
+        }
+    }
+    const int64_t n_work = n_bundles * num_kv_heads;
+    const int chunk = n_work >= 8 * (int64_t)num_threads * num_kv_heads ? (int)num_kv_heads : 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n_items > 1)
     {
         /* per-thread scratch: scaled q [G*D], acc [G*D], m [G], l [G], scores [G*bs] */
@@ -848,59 +896,49 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
         float *qs = buf, *acc = buf ? buf + (size_t)G * D : NULL;
         float *m = acc ? acc + (size_t)G * D : NULL, *l = m ? m + G : NULL, *sc = l ? l + G : NULL;
         pa_geom gl = geom;
-        int64_t b = 0; /* sequence of the current item (each thread sees increasing item numbers) */
 
-#pragma omp for schedule(dynamic, pa_chunk)
-        for (int64_t it = 0; it < n_items; ++it) {
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t wk = 0; wk < n_work; ++wk) {
             if (!buf) continue;
-            if (it < item_start[b] || it >= item_start[b + 1]) {
-                /* binary search; item_start is strictly increasing (>= num_kv_heads items per row) */
-                int64_t lo = 0, hi = B - 1;
-                while (lo < hi) {
-                    const int64_t mid = (lo + hi + 1) / 2;
-                    if (item_start[mid] <= it)
-                        lo = mid;
-                    else
-                        hi = mid - 1;
-                }
-                b = lo;
-            }
-            const int64_t local = it - item_start[b];
-            const int64_t kvh = local % num_kv_heads;
-            const int64_t part = local / num_kv_heads;
-            const int64_t nparts = (item_start[b + 1] - item_start[b]) / num_kv_heads;
-            const int64_t c = context_lens[b];
-            const int64_t t_begin = part * part_tokens;
-            const int64_t t_end = (t_begin + part_tokens) < c ? (t_begin + part_tokens) : c;
+            const int64_t bu = wk / num_kv_heads, kvh = wk % num_kv_heads;
+            const int64_t grp = bundles[2 * bu], part = bundles[2 * bu + 1];
+            for (int64_t b = group_start[grp]; b < group_start[grp + 1]; ++b) {
+                const int64_t nparts = (item_start[b + 1] - item_start[b]) / num_kv_heads;
+                if (part >= nparts) continue;
+                const int64_t it = item_start[b] + part * num_kv_heads + kvh;
+                const int64_t c = context_lens[b];
+                const int64_t t_begin = part * part_tokens;
+                const int64_t t_end = (t_begin + part_tokens) < c ? (t_begin + part_tokens) : c;
 
-            for (int h = 0; h < G; ++h) {
-                const float *qh = q + b * q_stride_b + (kvh * G + h) * q_stride_h;
-                float *qsh = qs + (size_t)h * D;
-                for (int d = 0; d < D; ++d) qsh[d] = qh[d] * qmul;
-            }
-            gl.k = kv_at(k, kvh * D, half);
-            gl.v = kv_at(v, kvh * D, half);
-
-            float *orow = out + b * out_stride_b + kvh * G * out_stride_h;
-            if (c == 0) {
-                for (int h = 0; h < G; ++h) memset(orow + h * out_stride_h, 0, sizeof(float) * (size_t)D);
-                continue;
-            }
-            (half ? attend_range_f16 : attend_range_f32)(&gl, qs, block_tables + b * bt_stride, (int)t_begin,
-                                                         (int)t_end, m, l, acc, sc);
-
-            if (nparts == 1) {
                 for (int h = 0; h < G; ++h) {
-                    const float inv = 1.0f / l[h];
-                    const float *ah = acc + (size_t)h * D;
-                    float *oh = orow + h * out_stride_h;
-                    for (int d = 0; d < D; ++d) oh[d] = ah[d] * inv;
+                    const float *qh = q + b * q_stride_b + (kvh * G + h) * q_stride_h;
+                    float *qsh = qs + (size_t)h * D;
+                    for (int d = 0; d < D; ++d) qsh[d] = qh[d] * qmul;
                 }
-            } else {
-                float *pp = partials + it * pstride;
-                memcpy(pp, m, sizeof(float) * G);
-                memcpy(pp + G, l, sizeof(float) * G);
-                memcpy(pp + 2 * G, acc, sizeof(float) * (size_t)G * D);
+                gl.k = kv_at(k, kvh * D, half);
+                gl.v = kv_at(v, kvh * D, half);
+
+                float *orow = out + b * out_stride_b + kvh * G * out_stride_h;
+                if (c == 0) {
+                    for (int h = 0; h < G; ++h) memset(orow + h * out_stride_h, 0, sizeof(float) * (size_t)D);
+                    continue;
+                }
+                (half ? attend_range_f16 : attend_range_f32)(&gl, qs, block_tables + b * bt_stride, (int)t_begin,
+                                                             (int)t_end, m, l, acc, sc);
+
+                if (nparts == 1) {
+                    for (int h = 0; h < G; ++h) {
+                        const float inv = 1.0f / l[h];
+                        const float *ah = acc + (size_t)h * D;
+                        float *oh = orow + h * out_stride_h;
+                        for (int d = 0; d < D; ++d) oh[d] = ah[d] * inv;
+                    }
+                } else {
+                    float *pp = partials + it * pstride;
+                    memcpy(pp, m, sizeof(float) * G);
+                    memcpy(pp + G, l, sizeof(float) * G);
+                    memcpy(pp + 2 * G, acc, sizeof(float) * (size_t)G * D);
+                }
             }
         }
 
@@ -936,6 +974,8 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
         free(buf);
     }
 
+    free(bundles);
+    free(group_start);
     free(partials);
     free(item_start);
     return err;
