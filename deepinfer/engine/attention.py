@@ -12,7 +12,7 @@ block table straight from the KV tensor; nothing is concatenated per step.
   their q and k, stores their K/V and lays q, k, v out head-major (bit-identical to `apply_rotary`,
   `rope_write.write_kv` and `rope_write.as_cached`). Each chunk then gathers its own context blocks
   once (a chunk with no earlier context attends to its fresh K/V directly) and attends causally: on AMX
-  tiles where the CPU has them (`kernels/attention_amx.py`, fp32-accurate products, ~1.8x SDPA on a
+  tiles where the CPU has them (`kernels/attention_amx.py`, fp32's accuracy, ~1.8x SDPA on a
   1,024-token chunk here), else with SDPA.
 
 The cache may hold K/V in a narrower dtype than the step computes in (an fp16 KV cache, fp32

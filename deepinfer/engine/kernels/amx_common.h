@@ -1,11 +1,12 @@
 /*
- * What the AMX kernels share (quant_amx.h's linear layers, attention_amx.c's prefill attention): asking Linux for
- * the tile state, the tile configuration they all run (8 tiles of 16 rows x 64 bytes), and the bf16 packing
- * helpers: splitting fp32 values into bf16 pieces that sum to them exactly, gathering the pieces' bf16 words,
- * and the 16 x 16 transpose of 32-bit units that puts pairs in the layout TDPBF16PS reads for its B tile.
+ * What the AMX kernels share (quant_amx.h's and dense_amx.h's linear layers, attention_amx.c's prefill attention):
+ * asking Linux for the tile state, the tile configuration they all run (8 tiles of 16 rows x 64 bytes), the
+ * bf16 packing helpers (splitting fp32 values into bf16 pieces that sum to them exactly, gathering the pieces'
+ * bf16 words, the 16 x 16 transpose of 32-bit units that puts pairs in the layout TDPBF16PS reads for its B
+ * tile) and AMX_SIX, the product step of the two kernels that work at fp32's accuracy rather than exactly.
  *
- * A includer defines nothing beforehand; it compiles the functions it calls for AMX_TARGET and calls
- * `amx_request_tiles()` (once per process is enough; each library keeps its own answer) before any tile op.
+ * An includer compiles the functions it calls for AMX_TARGET and calls `amx_request_tiles()` (once per process
+ * is enough; each library keeps its own answer) before any tile op.
  */
 #ifndef DEEPINFER_AMX_COMMON_H
 #define DEEPINFER_AMX_COMMON_H
@@ -100,5 +101,22 @@ AMX_TARGET static inline void amx_transpose16(const __m512i r[16], uint32_t *til
         _mm512_store_si512(tile + 16 * (12 + c), _mm512_shuffle_i32x4(v1, w1, 0xdd));
     }
 }
+
+/* C tile c += the six piece products of A pieces in tiles 0-2 (a1, a2, a3) and the three B pieces at b, b + 512
+ * and b + 1024 (bf16 elements): a1 b1, a2 b1, a3 b1, a1 b2, a2 b2, a1 b3. With pieces from amx_split
+ * (|a2| < 2^-7 |a|, |a3| < 2^-15 |a|) the three left out are below 2^-21 |a b| together at worst. B pieces go
+ * through tiles 3 and 4. */
+#define AMX_SIX(c, b)                                                                                          \
+    do {                                                                                                       \
+        _tile_loadd(3, (b), 64);                                                                               \
+        _tile_dpbf16ps(c, 0, 3);                                                                               \
+        _tile_dpbf16ps(c, 1, 3);                                                                               \
+        _tile_dpbf16ps(c, 2, 3);                                                                               \
+        _tile_loadd(4, (b) + 512, 64);                                                                         \
+        _tile_dpbf16ps(c, 0, 4);                                                                               \
+        _tile_dpbf16ps(c, 1, 4);                                                                               \
+        _tile_loadd(3, (b) + 1024, 64);                                                                        \
+        _tile_dpbf16ps(c, 0, 3);                                                                               \
+    } while (0)
 
 #endif /* DEEPINFER_AMX_COMMON_H */

@@ -1,15 +1,15 @@
 /*
- * Causal prefill attention on AMX tiles, with products as accurate as fp32's (attention_amx.py wraps it).
+ * Causal prefill attention on AMX tiles at fp32's accuracy (attention_amx.py wraps it).
  *
  * out[i, h] = softmax_j(scale * q[h, i] . k[g, j]) v[g, j] over keys j <= (Tk - Tq) + i, g = h / (H / Hkv):
  * a chunk's Tq queries are the last Tq of its Tk positions (Tq == Tk for a prompt with no earlier context).
  *
  * Accuracy. TDPBF16PS multiplies bf16 pairs exactly and accumulates in fp32. Every fp32 input (q, k, the
  * probabilities p, v) is split into three bf16 pieces that sum to it exactly (amx_common.h), a = a1 + a2 + a3,
- * with a2 below a1 by 2^-8 or more and a3 by 2^-16. A product a b is taken as the six piece products whose
- * orders sum to at most 2^-16 (a1 b1, a1 b2, a2 b1, a1 b3, a2 b2, a3 b1); the three left out are below
- * 2^-24 |a b| together, under half an fp32 ulp of the product, so each score and output is within the
- * rounding of an fp32 dot product of the exact values (the tests hold it to float64 at fp32 tolerances). A
+ * |a2| < 2^-7 |a| and |a3| < 2^-15 |a|. A product a b is taken as the six piece products a1 b1, a1 b2, a2 b1,
+ * a1 b3, a2 b2, a3 b1 (AMX_SIX); the three left out are below 2^-21 |a b| together at worst (a few fp32 ulps of
+ * the product; far less on average), the size of the rounding an fp32 dot product's sums add anyway: against
+ * float64 the outputs' errors are SDPA's or smaller (tests/unit/test_attention_amx.py). A
  * bf16 subnormal reads as zero, so pieces below 2^-126 are lost (inputs under ~2^-110, far from any real
  * activation).
  *
@@ -131,21 +131,8 @@ AMX_TARGET static void fa_pack_kv(const float *k, const float *v, int64_t rs, in
     }
 }
 
-/* C tile c += the six piece products of A pieces in tiles 0-2 and B pieces at b (b + 512 the second, + 1024
- * the third), loaded through tiles 3 and 4 in turn (FA_SIX) or through tile 3 alone (FA_SIX1, where the
- * other tiles hold accumulators). */
-#define FA_SIX(c, b)                                                                                           \
-    do {                                                                                                       \
-        _tile_loadd(3, (b), 64);                                                                               \
-        _tile_dpbf16ps(c, 0, 3);                                                                               \
-        _tile_dpbf16ps(c, 1, 3);                                                                               \
-        _tile_dpbf16ps(c, 2, 3);                                                                               \
-        _tile_loadd(4, (b) + 512, 64);                                                                         \
-        _tile_dpbf16ps(c, 0, 4);                                                                               \
-        _tile_dpbf16ps(c, 1, 4);                                                                               \
-        _tile_loadd(3, (b) + 1024, 64);                                                                        \
-        _tile_dpbf16ps(c, 0, 3);                                                                               \
-    } while (0)
+/* C tile c += the six piece products (AMX_SIX in amx_common.h), with the B pieces loaded through tile 3 alone,
+ * where tiles 4-7 hold accumulators. */
 #define FA_SIX1(c, b)                                                                                          \
     do {                                                                                                       \
         _tile_loadd(3, (b), 64);                                                                               \
@@ -217,8 +204,8 @@ AMX_TARGET static void fa_item(const fa_args *a, const uint16_t *kp, const uint1
             _tile_loadd(0, w->qp + c * 3 * 512, 64);
             _tile_loadd(1, w->qp + (c * 3 + 1) * 512, 64);
             _tile_loadd(2, w->qp + (c * 3 + 2) * 512, 64);
-            FA_SIX(5, kph + ((2 * kb) * dh + c) * 3 * 512);
-            FA_SIX(6, kph + ((2 * kb + 1) * dh + c) * 3 * 512);
+            AMX_SIX(5, kph + ((2 * kb) * dh + c) * 3 * 512);
+            AMX_SIX(6, kph + ((2 * kb + 1) * dh + c) * 3 * 512);
         }
         _tile_stored(5, w->sp + 32 * kb, W * 4);
         _tile_stored(6, w->sp + 32 * kb + 16, W * 4);

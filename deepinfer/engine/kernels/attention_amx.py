@@ -4,8 +4,8 @@
 (float32, last dim contiguous, any head and row strides), the Tq queries being the last Tq of the Tk
 positions; out [Tq, heads, D] (a view is fine). Each query attends to the keys at or before its position:
 what SDPA computes with `is_causal=True` when Tq == Tk, and with a bottom-right-aligned causal mask when a
-chunk follows earlier context. Products are as accurate as fp32's (the C file says how bf16 tiles get
-there), so outputs agree with SDPA's to fp32 rounding, not bit for bit.
+chunk follows earlier context. Accuracy is fp32's (the C file says how bf16 tiles get there): outputs
+agree with SDPA's to fp32 rounding, not bit for bit, and are as close to float64 attention as SDPA's.
 
 `available()` is False (and the caller keeps SDPA) where the CPU has no AMX-BF16, Linux refuses the tile
 state, the kernel cannot be built, or `DEEPINFER_AMX=0`.

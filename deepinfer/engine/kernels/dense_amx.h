@@ -4,10 +4,10 @@
  * quant_amx.h's for GGUF blocks.
  *
  * Accuracy. x and W are each split into three bf16 pieces that sum to them exactly (amx_common.h); a product
- * x w is taken as the six piece products whose orders sum to at most 2^-16 (x1 w1, x1 w2, x2 w1, x1 w3, x2 w2,
- * x3 w1). The three left out are below 2^-24 |x w| together, so each product is within about one fp32 ulp of
- * the exact one and each sum within the rounding of an fp32 GEMM's (an fp32 product rounds to half an ulp;
- * the piece products are exact and only their sums round). Not bit-identical to torch's GEMM, which no two
+ * x w is taken as the six piece products x1 w1, x1 w2, x2 w1, x1 w3, x2 w2, x3 w1 (AMX_SIX). The three left out
+ * are below 2^-21 |x w| together at worst (a few fp32 ulps of the product, far less on average), the size of
+ * the rounding an fp32 GEMM's sums add anyway: against float64 the outputs' errors are torch's GEMM's
+ * (tests/unit/test_dense_amx.py). Not bit-identical to torch's GEMM, which no two
  * BLAS builds are either; the layer is the decode kernel's above DL's batch-invariant row range, where torch's
  * GEMM ran before. bf16 subnormals read as zero: pieces below 2^-126 are lost (values under ~2^-110).
  *
@@ -69,20 +69,6 @@ AMX_TARGET static void dl_pack_w(const float *w, int64_t ldw, int64_t N, int64_t
     }
 }
 
-/* C tile c += the six piece products of x pieces (tiles 0-2) and the w pieces at b, through tiles 3 and 4. */
-#define DL_AMX_SIX(c, b)                                                                                        \
-    do {                                                                                                       \
-        _tile_loadd(3, (b), 64);                                                                               \
-        _tile_dpbf16ps(c, 0, 3);                                                                               \
-        _tile_dpbf16ps(c, 1, 3);                                                                               \
-        _tile_dpbf16ps(c, 2, 3);                                                                               \
-        _tile_loadd(4, (b) + 512, 64);                                                                         \
-        _tile_dpbf16ps(c, 0, 4);                                                                               \
-        _tile_dpbf16ps(c, 1, 4);                                                                               \
-        _tile_loadd(3, (b) + 1024, 64);                                                                        \
-        _tile_dpbf16ps(c, 0, 3);                                                                               \
-    } while (0)
-
 /* Output tile c (rows 16 t.., features 16 j..) into y: whole, or masked through a buffer at the edges. */
 AMX_TARGET static inline void dl_amx_store(int c, float *y, int64_t ldy, int64_t M, int64_t N, int64_t t, int64_t j) {
     const int64_t m0 = 16 * t, n0 = 16 * j;
@@ -117,9 +103,9 @@ AMX_TARGET static void dl_amx_item(const uint16_t *xp, const uint16_t *wp, float
                 _tile_loadd(0, a, 64);
                 _tile_loadd(1, a + 512, 64);
                 _tile_loadd(2, a + 1024, 64);
-                DL_AMX_SIX(5, b);
-                DL_AMX_SIX(6, b + wj);
-                DL_AMX_SIX(7, b + 2 * wj);
+                AMX_SIX(5, b);
+                AMX_SIX(6, b + wj);
+                AMX_SIX(7, b + 2 * wj);
             }
             dl_amx_store(5, y, ldy, M, N, t, j);
             dl_amx_store(6, y, ldy, M, N, t, j + 1);

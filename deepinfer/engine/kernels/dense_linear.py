@@ -101,8 +101,8 @@ def amx_available() -> bool:
 
 
 def dense_linear_amx(x: torch.Tensor, w: torch.Tensor, num_threads: int) -> torch.Tensor | None:
-    """x [rows, in] @ w.T on AMX tiles (dense_amx.h: three bf16 pieces per value, six piece products, each
-    product within about one fp32 ulp), as a new fp32 [rows, out]; None where the path does not apply (no
+    """x [rows, in] @ w.T on AMX tiles (dense_amx.h: three bf16 pieces per value, six piece products; errors
+    against float64 at torch's GEMM's level), as a new fp32 [rows, out]; None where the path does not apply (no
     tiles, another device or dtype, strides it cannot read), and the caller uses torch."""
     fn = _fns.get("amx") if _fns or _loader.available() else None
     if fn is None or x.dtype is not torch.float32 or w.dtype is not torch.float32 or x.dim() != 2 or w.dim() != 2:
