@@ -49,6 +49,9 @@ CASES = [
     (4, 2, 48, 96, 96),
     (2, 2, 17, 17, 256),
     (8, 2, 33, 64, 160),
+    # past one chunk of 1,024 keys: the running maximum and the output rescaled between chunks
+    (3, 1, 1500, 1500, 64),
+    (2, 2, 70, 2600, 64),
 ]
 
 
