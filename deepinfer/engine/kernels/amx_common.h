@@ -14,6 +14,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -100,6 +101,30 @@ AMX_TARGET static inline void amx_transpose16(const __m512i r[16], uint32_t *til
         _mm512_store_si512(tile + 16 * (4 + c), _mm512_shuffle_i32x4(v1, w1, 0x88));
         _mm512_store_si512(tile + 16 * (12 + c), _mm512_shuffle_i32x4(v1, w1, 0xdd));
     }
+}
+
+/* Buffers a thread keeps between calls (slot 0: what the calling thread packs for the whole call; slot 1: each
+ * team thread's own), so a prefill's hundreds of calls do not map, fault in and unmap fresh pages each time
+ * (a 1,024-row layer's packed x is ~3.5 MB, past malloc's mmap threshold; faulting it in cost ~0.5 ms a call).
+ * Each library that includes this file has its own. A request over AMX_KEEP_BYTES gets a buffer of its own,
+ * which amx_buffer_done frees; a kept buffer lives as long as its thread (OpenMP's team threads persist). */
+#define AMX_KEEP_BYTES ((size_t)64 << 20)
+static __thread void *amx_kept[2];
+static __thread size_t amx_kept_bytes[2];
+
+static inline void *amx_buffer(int slot, size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    if (bytes > AMX_KEEP_BYTES) return aligned_alloc(64, bytes);
+    if (bytes > amx_kept_bytes[slot]) {
+        free(amx_kept[slot]);
+        amx_kept[slot] = aligned_alloc(64, bytes);
+        amx_kept_bytes[slot] = amx_kept[slot] ? bytes : 0;
+    }
+    return amx_kept[slot];
+}
+
+static inline void amx_buffer_done(int slot, void *p) {
+    if (p != amx_kept[slot]) free(p);
 }
 
 /* C tile c += the six piece products of A pieces in tiles 0-2 (a1, a2, a3) and the three B pieces at b, b + 512

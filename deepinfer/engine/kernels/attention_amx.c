@@ -28,7 +28,7 @@
  * Tk32 is Tk rounded up to 32; keys past Tk are zero and masked. Work items are handed out dynamically,
  * longest first; each is computed by one thread in one fixed order, so results do not depend on the thread
  * count. Memory per call: the packed K and V (12 bytes per key and dim per KV head) and ~160 bytes per
- * key per thread, kept between calls up to FA_KEEP_BYTES.
+ * key per thread, kept between calls up to AMX_KEEP_BYTES (amx_common.h).
  */
 #include <math.h>
 #include <stdint.h>
@@ -302,33 +302,11 @@ AMX_TARGET static void fa_item(const fa_args *a, const uint16_t *kp, const uint1
     }
 }
 
-/* Buffers a thread keeps between calls (slot 0: the caller's packed K and V; slot 1: each team thread's
- * scratch), so a prefill's 30 layers do not map, fault in and unmap fresh pages each call (~0.5 ms a
- * 1,024-token layer here). A request over FA_KEEP_BYTES is served by a buffer freed after the call. */
-#define FA_KEEP_BYTES ((size_t)64 << 20)
-static __thread void *fa_kept[2];
-static __thread size_t fa_kept_bytes[2];
-
-static void *fa_buffer(int slot, size_t bytes) {
-    bytes = (bytes + 63) / 64 * 64;
-    if (bytes > FA_KEEP_BYTES) return aligned_alloc(64, bytes);
-    if (bytes > fa_kept_bytes[slot]) {
-        free(fa_kept[slot]);
-        fa_kept[slot] = aligned_alloc(64, bytes);
-        fa_kept_bytes[slot] = fa_kept[slot] ? bytes : 0;
-    }
-    return fa_kept[slot];
-}
-
-static void fa_done(int slot, void *p) {
-    if (p != fa_kept[slot]) free(p);
-}
-
 AMX_TARGET static int fa_run(const fa_args *a, const float *k, const float *v, int64_t kv_hs, int64_t kv_rs,
                              int num_threads) {
     const int64_t D = a->D, kblocks = (a->Tk + 31) / 32, qtiles = (a->Tq + 15) / 16;
     const size_t kv_half = (size_t)(a->Hkv * kblocks * 32 * D * 3) * sizeof(uint16_t);
-    uint16_t *kp = fa_buffer(0, 2 * kv_half), *vp = kp ? kp + kv_half / sizeof(uint16_t) : NULL;
+    uint16_t *kp = amx_buffer(0, 2 * kv_half), *vp = kp ? kp + kv_half / sizeof(uint16_t) : NULL;
     int failed = !kp;
     const int64_t items = a->H * qtiles;
     const int nthr = num_threads < 1 ? 1 : (int64_t)num_threads > items ? (int)items : num_threads;
@@ -343,7 +321,7 @@ AMX_TARGET static int fa_run(const fa_args *a, const float *k, const float *v, i
                            vp + g * kblocks * (D / 16) * 3 * 512);
             }
             const int64_t chunk = kblocks < FA_CHUNK ? kblocks : FA_CHUNK;
-            uint8_t *mem = fa_buffer(1, fa_scratch_bytes(D, chunk));
+            uint8_t *mem = amx_buffer(1, fa_scratch_bytes(D, chunk));
             if (!mem) {
 #pragma omp atomic write
                 failed = 1;
@@ -361,11 +339,11 @@ AMX_TARGET static int fa_run(const fa_args *a, const float *k, const float *v, i
                     fa_item(a, kp, vp, g * group + r % group, qtiles - 1 - r / group, &w);
                 }
                 _tile_release();
-                fa_done(1, mem);
+                amx_buffer_done(1, mem);
             }
         }
     }
-    if (kp) fa_done(0, kp);
+    if (kp) amx_buffer_done(0, kp);
     return failed ? FA_ERR_NOMEM : FA_OK;
 }
 

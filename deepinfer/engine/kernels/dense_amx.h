@@ -118,13 +118,13 @@ AMX_TARGET static int dl_amx_run(const float *x, int64_t ldx, const float *w, in
                                  int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t kt = (K + 31) / 32, mt = (M + 15) / 16, nt = (N + 47) / 48 * 3;
     const int64_t runs = (nt + DL_AMX_NJ - 1) / DL_AMX_NJ, groups = (mt + DL_AMX_MG - 1) / DL_AMX_MG;
-    uint16_t *xp = aligned_alloc(64, (size_t)(mt * kt * 3) * AMX_TILE_BYTES);
+    uint16_t *xp = amx_buffer(0, (size_t)(mt * kt * 3) * AMX_TILE_BYTES);
     if (!xp) return DL_ERR_NOMEM;
     int nthr = work_threads(num_threads, M, N, K, runs * groups), failed = 0;
     (void)nthr;
 #pragma omp parallel num_threads(nthr) if (nthr > 1)
     {
-        uint16_t *wp = aligned_alloc(64, (size_t)(DL_AMX_NJ * kt * 3) * AMX_TILE_BYTES);
+        uint16_t *wp = amx_buffer(1, (size_t)(DL_AMX_NJ * kt * 3) * AMX_TILE_BYTES);
         int64_t packed = -1;
         if (!wp) {
 #pragma omp atomic write
@@ -146,9 +146,9 @@ AMX_TARGET static int dl_amx_run(const float *x, int64_t ldx, const float *w, in
             dl_amx_item(xp, wp, y, ldy, M, N, kt, j0, j1, t0, t1);
         }
         _tile_release();
-        free(wp);
+        if (wp) amx_buffer_done(1, wp);
     }
-    free(xp);
+    amx_buffer_done(0, xp);
     return failed ? DL_ERR_NOMEM : DL_OK;
 }
 

@@ -185,7 +185,7 @@ QL_AMX static int linear_amx(int fmt, const float *x, int64_t ldx, const uint8_t
     const int64_t nb = K / QK, kt = nb + (sums ? (nb + QK - 1) / QK : 0), row_bytes = nb * ql_block_bytes(fmt);
     const int64_t mt = (M + 15) / 16, nt = (N + 47) / 48 * 3; /* feature tiles rounded up to a multiple of 3 */
     const int64_t runs = (nt + QL_AMX_NJ - 1) / QL_AMX_NJ, groups = (mt + QL_AMX_MG - 1) / QL_AMX_MG;
-    uint16_t *xp = aligned_alloc(64, (size_t)(mt * kt * 3 * AMX_TILE_BYTES));
+    uint16_t *xp = amx_buffer(0, (size_t)(mt * kt * 3 * AMX_TILE_BYTES));
     if (!xp) return QL_ERR_NOMEM;
     int nthr = work_threads(num_threads, M, N, K, runs * groups), failed = 0;
     (void)nthr;
@@ -193,7 +193,7 @@ QL_AMX static int linear_amx(int fmt, const float *x, int64_t ldx, const uint8_t
     {
         /* This thread's weights for one run of feature tiles, packed when its items move to another run
          * (items are run-major, so once per run per thread): they stay in its L2 and never go to memory. */
-        uint16_t *wp = aligned_alloc(64, (size_t)(QL_AMX_NJ * kt * np * AMX_TILE_BYTES));
+        uint16_t *wp = amx_buffer(1, (size_t)(QL_AMX_NJ * kt * np * AMX_TILE_BYTES));
         int64_t packed = -1;
         if (!wp) {
 #pragma omp atomic write
@@ -216,9 +216,9 @@ QL_AMX static int linear_amx(int fmt, const float *x, int64_t ldx, const uint8_t
             amx_item(xp, wp, y, ldy, M, N, kt, np, j0, j1, t0, t1);
         }
         _tile_release();
-        free(wp);
+        if (wp) amx_buffer_done(1, wp);
     }
-    free(xp);
+    amx_buffer_done(0, xp);
     return failed ? QL_ERR_NOMEM : QL_OK;
 }
 
