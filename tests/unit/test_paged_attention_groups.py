@@ -42,3 +42,30 @@ def test_grouped_rows_give_the_ungrouped_bits(context, threads, kv_dtype):
     a = paged_decode_attention(q, k, v, grouped, lens, d**-0.5)
     b = paged_decode_attention(q, k, v, private_t, lens, d**-0.5)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("context", [40, 300, 1300, 5000])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_row_gets_the_same_bits_in_any_batch(context, kv_dtype):
+    """Batch invariance: a row's context is split into parts by its own length, so the row decoded alone, beside
+    other requests of other lengths, or as one of its sequence's verification rows gets the same bits."""
+    torch.manual_seed(context)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    others = [7, 2000, 130, 900]
+    lens = [context] + others
+    nbs = [(c + bs - 1) // bs for c in lens]
+    width = max(nbs)
+    starts = [sum(nbs[:i]) for i in range(len(nbs))]
+    k = torch.randn(sum(nbs), bs, kv_heads, d).to(kv_dtype)
+    v = torch.randn(sum(nbs), bs, kv_heads, d).to(kv_dtype)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, (s, n) in enumerate(zip(starts, nbs)):
+        table[i, :n] = torch.arange(s, s + n, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, d)
+    alone = paged_decode_attention(q[:1], k, v, table[:1], torch.tensor(lens[:1], dtype=torch.int32), 0.125)
+    batched = paged_decode_attention(q, k, v, table, torch.tensor(lens, dtype=torch.int32), 0.125)
+    assert torch.equal(alone[0].view(torch.int32), batched[0].view(torch.int32))
+    # as the last of five verification rows of its sequence (contexts context - 4 .. context)
+    rows = torch.tensor([context - 4 + i for i in range(5)], dtype=torch.int32).clamp(min=1)
+    verify = paged_decode_attention(q[:1].repeat(5, 1, 1), k, v, table[:1].repeat(5, 1), rows, 0.125)
+    assert torch.equal(alone[0].view(torch.int32), verify[4].view(torch.int32))

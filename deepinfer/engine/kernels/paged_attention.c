@@ -22,10 +22,10 @@
  * Work is split over (sequence, kv_head[, context partition]) items with OpenMP. An item
  * handles all query heads of its GQA group together, so each K/V row is read from memory
  * once for the whole group. Single pass with an online softmax (running max and sum),
- * processed a block at a time. When there are too few (sequence, kv_head) items to keep
- * PA_TARGET_ITEMS threads busy, long contexts are split into partitions whose partial results
- * (max, sum, unnormalised accumulator) are merged in a second step. The split never depends on
- * the thread count, so neither do the results.
+ * processed a block at a time. Contexts longer than PA_PART_MIN_TOKENS are split into partitions
+ * (by the row's own length, row_part_tokens) whose partial results (max, sum, unnormalised
+ * accumulator) are merged in a second step. The split depends on neither the thread count nor the
+ * other rows of the call, so neither do the results.
  *
  * One source for both K/V element types: the functions that read K/V take `half` (0: float,
  * 1: fp16) and are forced inline, and every call chain starts from attend_range_f32 or
@@ -68,10 +68,16 @@
 #ifndef PA_MIN_PARALLEL_WORK
 #define PA_MIN_PARALLEL_WORK (64 * 1024)
 #endif
-/* Work items (sequence, kv_head, context partition) to aim for when (sequence, kv_head) pairs are
- * fewer: about 4 per thread of a 16-thread team. Partitions keep at least ~128 tokens. */
-#ifndef PA_TARGET_ITEMS
-#define PA_TARGET_ITEMS 64
+/* A row's context is split into parts of at least PA_PART_MIN_TOKENS tokens, at most PA_MAX_PARTS of them (see
+ * row_part_tokens). Smaller parts let one short sequence's kv heads spread over the threads (3 kv heads on 2
+ * threads leave one idle a third of the time); a part costs a merge even when one thread runs them all.
+ * SmolLM2 batch 1, ~300 tokens: parts of 512 / 256 / 128 / 64 tokens, 3.2 (one thread) / 2.7 / 2.4 / 2.6 ms
+ * of attention a step. */
+#ifndef PA_PART_MIN_TOKENS
+#define PA_PART_MIN_TOKENS 128
+#endif
+#ifndef PA_MAX_PARTS
+#define PA_MAX_PARTS 8
 #endif
 #ifndef PA_PREFETCH_LOCALITY
 #define PA_PREFETCH_LOCALITY 2
@@ -757,6 +763,16 @@ static int check_tables(const int64_t *params, const int32_t *block_tables, cons
     return PA_OK;
 }
 
+/* Tokens per part of a row of context length c: by c alone, never by the other rows of the call or the thread
+ * count, so a row's output depends only on its query and its context (batch invariance): a token decoded alone,
+ * beside other requests, or as one of a speculative step's verification rows gets the same bits. */
+static inline int64_t row_part_tokens(int64_t c, int64_t block_size) {
+    const int64_t nb = (c + block_size - 1) / block_size, min_pb = (PA_PART_MIN_TOKENS + block_size - 1) / block_size;
+    int64_t pb = (nb + PA_MAX_PARTS - 1) / PA_MAX_PARTS;
+    if (pb < min_pb) pb = min_pb;
+    return pb * block_size;
+}
+
 /* Decode attention over block tables that check_tables accepted (the attention both entry points
  * run). The work split depends only on the shapes and context lengths, never on num_threads, and
  * each item and each merge is computed in a fixed order: results do not depend on the thread count. */
@@ -764,7 +780,7 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
                        const int32_t *context_lens, float *out, const int64_t *params, float scale,
                        int num_threads, int half, int64_t total_blocks, int64_t total_tokens) {
     const int64_t B = params[0], num_heads = params[1], num_kv_heads = params[2], head_dim = params[3],
-                  block_size = params[4], max_blocks = params[6],
+                  block_size = params[4],
                   q_stride_b = params[7], q_stride_h = params[8], out_stride_b = params[9],
                   out_stride_h = params[10], bt_stride = params[11], k_block_stride = params[12],
                   k_tok_stride = params[13], v_block_stride = params[14], v_tok_stride = params[15];
@@ -776,31 +792,15 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
     /* Too little work to pay for waking the thread team: run on the calling thread. */
     if (total_tokens * num_heads * head_dim < PA_MIN_PARALLEL_WORK) num_threads = 1;
 
-    /* Partitioning: split long contexts only when (sequence, kv_head) pairs are too few to keep
-     * PA_TARGET_ITEMS threads busy. A constant rather than the thread count: the split decides
-     * the rounding of the merged result, which must not change with the thread count. */
+    (void)total_blocks;
     const int64_t pairs = B * num_kv_heads;
-    const int64_t target_items = PA_TARGET_ITEMS;
-    int64_t part_blocks = max_blocks > 0 ? max_blocks : 1;
-    if (pairs < target_items && total_blocks > 0) {
-        int64_t pb = (total_blocks * num_kv_heads + target_items - 1) / target_items;
-        /* At least ~128 tokens per part: a split costs a merge even when one thread runs it all.
-         * Smaller parts let one short sequence's kv heads spread over the threads (3 kv heads
-         * on 2 threads leave one idle a third of the time); SmolLM2 batch 1, ~300 tokens: parts
-         * of 512 / 256 / 128 / 64 tokens, 3.2 (one thread) / 2.7 / 2.4 / 2.6 ms of attention a step. */
-        const int64_t min_pb = (128 + block_size - 1) / block_size;
-        if (pb < min_pb) pb = min_pb;
-        if (pb < part_blocks) part_blocks = pb;
-    }
-    const int64_t part_tokens = part_blocks * block_size;
-
     /* Items: per sequence, nparts(b) partitions × num_kv_heads. */
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
     if (!item_start) return PA_ERR_NOMEM;
     int64_t n_items = 0, n_split_items = 0;
     for (int64_t b = 0; b < B; ++b) {
         item_start[b] = n_items;
-        const int64_t c = context_lens[b];
+        const int64_t c = context_lens[b], part_tokens = row_part_tokens(c, block_size);
         int64_t np = (c + part_tokens - 1) / part_tokens;
         if (np < 1) np = 1;
         n_items += np * num_kv_heads;
@@ -906,7 +906,7 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
                 const int64_t nparts = (item_start[b + 1] - item_start[b]) / num_kv_heads;
                 if (part >= nparts) continue;
                 const int64_t it = item_start[b] + part * num_kv_heads + kvh;
-                const int64_t c = context_lens[b];
+                const int64_t c = context_lens[b], part_tokens = row_part_tokens(c, block_size);
                 const int64_t t_begin = part * part_tokens;
                 const int64_t t_end = (t_begin + part_tokens) < c ? (t_begin + part_tokens) : c;
 
