@@ -311,9 +311,11 @@ AMX_TARGET static int fa_run(const fa_args *a, const float *k, const float *v, i
     const int64_t items = a->H * qtiles;
     const int nthr = num_threads < 1 ? 1 : (int64_t)num_threads > items ? (int)items : num_threads;
     (void)nthr;
-#pragma omp parallel num_threads(nthr) if (nthr > 1 && !failed)
+    /* kp is the same for every thread, so all of them meet both worksharing loops or none does; a thread whose
+     * scratch could not be allocated still takes its turn in the item loop, doing nothing. */
+#pragma omp parallel num_threads(nthr) if (nthr > 1 && kp)
     {
-        if (!failed) {
+        if (kp) {
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < a->Hkv * kblocks; it++) {
                 const int64_t g = it / kblocks, kb = it % kblocks;
@@ -325,19 +327,21 @@ AMX_TARGET static int fa_run(const fa_args *a, const float *k, const float *v, i
             if (!mem) {
 #pragma omp atomic write
                 failed = 1;
-            } else {
-                const fa_scratch w = fa_scratch_at(mem, D, chunk);
-                amx_configure_tiles();
-                /* KV head by KV head (its packed K and V, 12 bytes per key and dim, stay in the threads' L2
-                 * while its heads' items run: with the heads of all KV heads interleaved, 2,048 keys ran at 1.46x
-                 * SDPA against 1.83x at 1,024), and within one its longest items first: query tile qtiles - 1 of
-                 * each of its heads, then qtiles - 2, ... */
-                const int64_t group = a->H / a->Hkv;
+            }
+            const fa_scratch w = mem ? fa_scratch_at(mem, D, chunk) : (fa_scratch){0};
+            if (mem) amx_configure_tiles();
+            /* KV head by KV head (its packed K and V, 12 bytes per key and dim, stay in the threads' L2 while its
+             * heads' items run: with the heads of all KV heads interleaved, 2,048 keys ran at 1.46x SDPA against
+             * 1.83x at 1,024), and within one its longest items first: query tile qtiles - 1 of each of its
+             * heads, then qtiles - 2, ... */
+            const int64_t group = a->H / a->Hkv;
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t it = 0; it < items; it++) {
-                    const int64_t g = it / (qtiles * group), r = it % (qtiles * group);
-                    fa_item(a, kp, vp, g * group + r % group, qtiles - 1 - r / group, &w);
-                }
+            for (int64_t it = 0; it < items; it++) {
+                if (!mem) continue;
+                const int64_t g = it / (qtiles * group), r = it % (qtiles * group);
+                fa_item(a, kp, vp, g * group + r % group, qtiles - 1 - r / group, &w);
+            }
+            if (mem) {
                 _tile_release();
                 amx_buffer_done(1, mem);
             }
