@@ -162,6 +162,12 @@ def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[],
         try:
             await task
         finally:
+            # The service has drained (or failed): a SIGTERM from here on, while the process winds down (its
+            # threads joined, the loop closed), must not kill it with -15 instead of the drain's exit status.
+            # Removing the loop's handlers first keeps the loop's close from restoring the default action.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
             ctx.destroy(linger=0)  # never waits: a socket left open (or unsent messages) cannot hold the exit
 
     asyncio.run(main())
