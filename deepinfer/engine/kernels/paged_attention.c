@@ -741,13 +741,13 @@ static void attend_range_f16(const pa_geom *g, const float *restrict qs, const i
 
 int pa_num_params(void) { return PA_NUM_PARAMS; }
 
-/* Validate the parts of the block tables that will be read; on success sets the blocks and
- * tokens they cover (summed over rows). */
+/* Validate the parts of the block tables that will be read; on success sets the tokens they cover
+ * (summed over rows). */
 static int check_tables(const int64_t *params, const int32_t *block_tables, const int32_t *context_lens,
-                        int64_t *total_blocks, int64_t *total_tokens) {
+                        int64_t *total_tokens) {
     const int64_t B = params[0], block_size = params[4], num_blocks = params[5], max_blocks = params[6],
                   bt_stride = params[11];
-    int64_t tb = 0, tt = 0;
+    int64_t tt = 0;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t c = context_lens[b];
         if (c < 0 || c > max_blocks * block_size) return PA_ERR_CONTEXT_LEN;
@@ -755,10 +755,8 @@ static int check_tables(const int64_t *params, const int32_t *block_tables, cons
         const int32_t *row = block_tables + b * bt_stride;
         for (int64_t i = 0; i < nb; ++i)
             if (row[i] < 0 || row[i] >= num_blocks) return PA_ERR_BLOCK_ID;
-        tb += nb;
         tt += c;
     }
-    *total_blocks = tb;
     *total_tokens = tt;
     return PA_OK;
 }
@@ -778,7 +776,7 @@ static inline int64_t row_part_tokens(int64_t c, int64_t block_size) {
  * each item and each merge is computed in a fixed order: results do not depend on the thread count. */
 static int attend_rows(const float *q, const void *k, const void *v, const int32_t *block_tables,
                        const int32_t *context_lens, float *out, const int64_t *params, float scale,
-                       int num_threads, int half, int64_t total_blocks, int64_t total_tokens) {
+                       int num_threads, int half, int64_t total_tokens) {
     const int64_t B = params[0], num_heads = params[1], num_kv_heads = params[2], head_dim = params[3],
                   block_size = params[4],
                   q_stride_b = params[7], q_stride_h = params[8], out_stride_b = params[9],
@@ -792,7 +790,6 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
     /* Too little work to pay for waking the thread team: run on the calling thread. */
     if (total_tokens * num_heads * head_dim < PA_MIN_PARALLEL_WORK) num_threads = 1;
 
-    (void)total_blocks;
     const int64_t pairs = B * num_kv_heads;
     /* Items: per sequence, nparts(b) partitions × num_kv_heads. */
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
@@ -984,10 +981,10 @@ static int attend_rows(const float *q, const void *k, const void *v, const int32
 static int decode_attention(const float *q, const void *k, const void *v, const int32_t *block_tables,
                             const int32_t *context_lens, float *out, const int64_t *params, float scale,
                             int num_threads, int half) {
-    int64_t total_blocks, total_tokens;
-    const int rc = check_tables(params, block_tables, context_lens, &total_blocks, &total_tokens);
+    int64_t total_tokens;
+    const int rc = check_tables(params, block_tables, context_lens, &total_tokens);
     if (rc != PA_OK) return rc;
-    return attend_rows(q, k, v, block_tables, context_lens, out, params, scale, num_threads, half, total_blocks,
+    return attend_rows(q, k, v, block_tables, context_lens, out, params, scale, num_threads, half,
                        total_tokens);
 }
 
@@ -1087,8 +1084,8 @@ static int rope_write_decode_attention(float *qkv, const float *cos, const float
                   block_size = params[4], num_blocks = params[5], qkv_stride_b = params[7],
                   k_block_stride = params[12], k_tok_stride = params[13], v_block_stride = params[14],
                   v_tok_stride = params[15], max_positions = params[16];
-    int64_t total_blocks, total_tokens;
-    const int rc = check_tables(params, block_tables, context_lens, &total_blocks, &total_tokens);
+    int64_t total_tokens;
+    const int rc = check_tables(params, block_tables, context_lens, &total_tokens);
     if (rc != PA_OK) return rc;
     for (int64_t b = 0; b < B; ++b) {
         if (positions[b] < 0 || positions[b] >= max_positions) return PA_ERR_POSITION;
@@ -1105,7 +1102,7 @@ static int rope_write_decode_attention(float *qkv, const float *cos, const float
         store_row(vd, row + num_heads * D + kv_row, kv_row, half);
     }
     return attend_rows(qkv, k_cache, v_cache, block_tables, context_lens, out, params, scale, num_threads, half,
-                       total_blocks, total_tokens);
+                       total_tokens);
 }
 
 /*
