@@ -26,8 +26,11 @@ from deepinfer.parallel.group import init_ep_group
 from deepinfer.parallel.placement import ExpertPlacement
 
 HIDDEN, INTER, EXPERTS = 64, 24, 16
-TRIALS = 12
-ROWS = ((0, 5), (1, 0), (3, 16), (16, 2), (40, 40))  # (rank 0, rank 1) batch rows, cycled over the trials
+TRIALS = 14
+# (rank 0, rank 1) batch rows, cycled over the trials. The last two, always with top-12, give an expert
+# more rows on the rank computing it than in either rank's own batch, past 64 rows (where `linear` would
+# switch from the few-rows kernel to the GEMM, a switch of last bits these trials caught).
+ROWS = ((0, 5), (1, 0), (3, 16), (16, 2), (40, 40), (60, 60), (150, 90))
 
 
 def _placement(trial: int) -> ExpertPlacement:
@@ -44,8 +47,8 @@ def _placement(trial: int) -> ExpertPlacement:
 
 
 def _batch(trial: int, rank: int) -> tuple[torch.Tensor, Routing]:
-    top_k = random.Random(1000 + trial).choice([1, 2, 12])
     rows = ROWS[trial % len(ROWS)][rank]
+    top_k = 12 if trial % len(ROWS) >= 5 else random.Random(1000 + trial).choice([1, 2, 12])
     gen = torch.Generator().manual_seed(100 * trial + rank)
     x = torch.randn(rows, HIDDEN, generator=gen)
     weights, experts = torch.randn(rows, EXPERTS, generator=gen).softmax(-1).topk(top_k, dim=-1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine.config import MoEConfig
-from deepinfer.engine.models.moe import ExpertBank, SparseMoE, route_softmax_topk, run_experts
+from deepinfer.engine.models.moe import ExpertBank, SparseMoE, expert_linear, route_softmax_topk, run_experts
 
 H, W, S = 24, 16, 20  # hidden, expert width, shared-expert width
 
@@ -98,3 +98,22 @@ def test_bank_refuses_bad_expert_ids() -> None:
     for ids in ([0, 0], [4], [-1], []):
         with pytest.raises(ValueError, match="expert ids"):
             ExpertBank.from_state(sd, "layers.0.", 4, ids)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(192, 576), (576, 96), (48, 64), (64, 24)])  # smollm2-moe's, the tests'
+def test_an_expert_row_gets_the_same_bits_in_any_call(shape: tuple[int, int], threads: int) -> None:
+    """Expert parallelism splits an expert's rows between calls differently from one process (replicas,
+    local rows apart from received ones); the exact EP combine needs each row's product unchanged."""
+    gen = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(shape, generator=gen)
+    x = torch.randn(200, shape[1], generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = expert_linear(x, w)
+        torch.set_num_threads(threads)
+        for start, rows in [(0, 1), (5, 2), (7, 3), (0, 4), (9, 17), (3, 64), (60, 65), (11, 128), (1, 199)]:
+            assert torch.equal(expert_linear(x[start:start + rows], w), whole[start:start + rows]), (start, rows)
+    finally:
+        torch.set_num_threads(before)

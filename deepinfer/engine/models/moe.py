@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine.config import MoEConfig
+from deepinfer.engine.kernels.dense_linear import MAX_ROWS as DENSE_MAX_ROWS
+from deepinfer.engine.kernels.dense_linear import dense_linear
 from deepinfer.engine.models.linear import linear
 from deepinfer.engine.models.llama import DenseMLP, FeedForward, LlamaModel
 
@@ -182,7 +184,7 @@ def expert_outputs(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch
     terms = torch.empty((slot.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
     if slot.numel():
         order, sorted_terms = _weighted_terms(x, routing.token, slot, routing.weight, bank)
-        terms[order] = sorted_terms
+        terms.index_copy_(0, order, sorted_terms)
     return terms
 
 
@@ -192,15 +194,44 @@ def _weighted_terms(x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, we
     # Expert-major order: each expert's tokens are one contiguous run of the gathered batch.
     order = torch.argsort(slot, stable=True)
     counts = torch.bincount(slot[order], minlength=bank.slots.shape[0]).tolist()
-    xs = x[token[order]]
+    xs = x.index_select(0, token[order])
     ys = torch.empty_like(xs)
     start = 0
     for s, n in enumerate(counts):
         if n:
-            gate, up = linear(xs[start : start + n], bank.gate_up[s]).chunk(2, dim=-1)
-            ys[start : start + n] = linear(F.silu(gate) * up, bank.down[s])
+            gate, up = expert_linear(xs[start : start + n], bank.gate_up[s]).chunk(2, dim=-1)
+            ys[start : start + n] = expert_linear(F.silu(gate) * up, bank.down[s])
             start += n
-    return order, ys * weight[order].unsqueeze(1)
+    return order, ys.mul_(weight[order].unsqueeze(1))
+
+
+# Rows below which torch's CPU GEMM takes another path (a GEMV) whose bits differ from the GEMM's.
+EXPERT_GEMM_MIN_ROWS = 4
+
+
+def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for one expert's rows, each row's bits independent of the other rows in the call.
+
+    An expert's rows are grouped differently under expert parallelism than in one process (the rows of a
+    replicated expert split between its replicas, a rank's own rows computed apart from those it
+    received), so a row's product must not follow its call's row count. `linear` does follow it (the
+    few-rows kernel up to 64 rows, the GEMM or AMX tiles above, which differ in the last bits), so on
+    CPU every call takes the few-rows kernel, 64 rows at a time: batch-invariant by construction, on any
+    machine. Against torch's GEMM for smollm2-moe's experts on the 2-core AVX2 VM: about 2x faster at
+    one row, 1.6-2.7x slower from 512 rows (bench/bench_moe.py: EP=1 0.91x at concurrency 1 and 32 against
+    `linear`, whose bits were not invariant). Without the kernel (no compiler) every call takes torch's
+    GEMM, padded to EXPERT_GEMM_MIN_ROWS rows, invariant from there on the BLAS builds seen here. On CUDA,
+    cuBLAS may choose its algorithm by shape; equality there is not claimed."""
+    rows = x.shape[0]
+    if x.is_cpu and x.dtype == torch.float32 and w.dtype == torch.float32:
+        threads = torch.get_num_threads()
+        parts = [dense_linear(x[i:i + DENSE_MAX_ROWS], w, threads) for i in range(0, rows, DENSE_MAX_ROWS)]
+        if parts and all(p is not None for p in parts):
+            return parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
+    if x.is_cpu and rows < EXPERT_GEMM_MIN_ROWS:
+        padded = torch.cat([x, x.new_zeros(EXPERT_GEMM_MIN_ROWS - rows, x.shape[1])])
+        return F.linear(padded, w)[:rows]
+    return F.linear(x, w)
 
 
 # The two points a sparse block is pluggable at. A router maps the normed hidden states [T, hidden] to a
