@@ -50,6 +50,7 @@ from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import load_model_weights
+from deepinfer.launch.tuning import tune_malloc
 from deepinfer.parallel.group import init_ep_group
 
 PROMPT_TOKENS = 96  # each prompt: a window of this many tokens of the text, windows starting 37 tokens apart
@@ -111,6 +112,7 @@ def engine_config(threads: int, concurrency: int) -> EngineConfig:
 def run_rank(rank: int, size: int, master: str, model: str, concurrency: int, max_tokens: int,
              threads: int, queue: Any) -> None:
     """One arm's rank (size 1: the whole EP=1 arm). Puts its partial ArmResult on `queue`."""
+    tune_malloc()  # as every service does at start
     torch.set_num_threads(threads)
     loaded = load_model_weights(model)
     tokenizer = Tokenizer.load(model)

@@ -44,6 +44,7 @@ timings are kept for the benchmark and a balancer.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -193,12 +194,22 @@ class ExpertParallelExperts:
         self.counts += count_assignments(routing, self.num_experts)
         n, hidden = self.group.size, x.shape[1]
         dest = self._dest(routing)
+        here = dest == self.group.rank
+        far, far_dest = _subset(routing, ~here), dest[~here]
+        # This rank's own assignments to its own experts never travel. They are computed while the
+        # all-to-alls are in flight: the first half of its slots' during the dispatch, the rest during
+        # the combine (split by expert, so no expert's local rows are split between two calls).
+        near = _subset(routing, here)
+        early = self.bank.slot_of[near.expert] < self.bank.slots.shape[0] // 2
         if self.sizes is not None:
-            sent_at, got, recv_rows = self._dispatch_dense(x, routing, dest)
+            sent_at, arriving = self._dispatch_dense(x, far, far_dest)
         else:
-            sent_at, got, recv_rows = self._dispatch_sparse(x, routing, dest)
-        recv_x, recv_routing, recv_terms = got
-        self.computed += recv_routing.expert.numel()
+            sent_at, arriving = self._dispatch_sparse(x, far, far_dest)
+        posted = self._now()
+        near_early = expert_outputs(x, _subset(near, early), self.bank)
+        computed_early = self._now()
+        (recv_x, recv_routing, recv_terms), recv_rows = arriving()
+        self.computed += recv_routing.expert.numel() + near.expert.numel()
         dispatched = self._now()
 
         terms = expert_outputs(recv_x, recv_routing, self.bank)
@@ -207,58 +218,80 @@ class ExpertParallelExperts:
         # Combine: every term back to its sender, in the order it came; the sender adds a token's terms in
         # ascending expert id from zero, as `run_experts` over one bank of every expert does. So the output
         # does not depend on which rank computed which expert: not on the placement, not on a move.
-        sent_terms = torch.bincount(dest, minlength=n).tolist()
-        back = torch.empty((dest.numel(), hidden), dtype=self.dtype, device=x.device)
-        dist.all_to_all_single(back, terms.contiguous(), output_split_sizes=sent_terms,
-                               input_split_sizes=recv_terms, group=self.group.data)
+        sent_terms = torch.bincount(far_dest, minlength=n).tolist()
+        back = torch.empty((far_dest.numel(), hidden), dtype=self.dtype, device=x.device)
+        returning = dist.all_to_all_single(back, terms.contiguous(), output_split_sizes=sent_terms,
+                                           input_split_sizes=recv_terms, group=self.group.data, async_op=True)
+        posted_back = self._now()
+        near_late = expert_outputs(x, _subset(near, ~early), self.bank)
+        computed_late = self._now()
+        returning.wait()
         out = torch.zeros_like(x)
         if dest.numel():
+            # Every term into its place in the canonical order (expert-major, stable), then one ordered sum.
+            # index_copy_ rather than indexed assignment: at a 1,536-token prefill the assignment form
+            # spent more time than the all-to-alls.
             canonical = torch.argsort(routing.expert, stable=True)
-            out.index_add_(0, routing.token[canonical], back[sent_at[canonical]].to(x.dtype))
+            position = _inverse(canonical)
+            where_near = here.nonzero().squeeze(1)
+            every = torch.empty((dest.numel(), hidden), dtype=self.dtype, device=x.device)
+            every.index_copy_(0, position[where_near[early]], near_early.to(self.dtype))
+            every.index_copy_(0, position[where_near[~early]], near_late.to(self.dtype))
+            back_position = torch.empty_like(sent_at)
+            back_position[sent_at] = position[(~here).nonzero().squeeze(1)]
+            every.index_copy_(0, back_position, back)
+            out.index_add_(0, routing.token[canonical], every.to(x.dtype))
         combined = self._now()
 
         st, others = self.stats, [r for r in range(n) if r != self.group.rank]
         st.exchanges += 1
-        st.dispatch_s += dispatched - started
-        st.compute_s += computed - dispatched
-        st.combine_s += combined - computed
+        st.dispatch_s += (posted - started) + (dispatched - computed_early)
+        st.compute_s += (computed_early - posted) + (computed - dispatched) + (computed_late - posted_back)
+        st.combine_s += (posted_back - computed) + (combined - computed_late)
         st.combine_bytes += sum(recv_terms[r] for r in others) * hidden * _itemsize(self.dtype)
         st.rows_received += sum(recv_rows[r] for r in others)
         return out
 
-    def _dispatch_dense(self, x: torch.Tensor, routing: Routing,
-                        dest: torch.Tensor) -> tuple[torch.Tensor, _Received, list[int]]:
+    def _dispatch_dense(self, x: torch.Tensor, far: Routing, dest: torch.Tensor) -> tuple[torch.Tensor, _Arriving]:
         """Every peer gets one row per token of this batch, `width` = slots per rank, padded with -1 experts;
-        the batch sizes, gathered at MoE layer 0, size the receive. Returns (each assignment's position in
-        the send order, what was received, rows received per rank)."""
-        n, (t, hidden), w = self.group.size, x.shape, self.width
+        the batch sizes, gathered at MoE layer 0, size the receive. `far` holds the assignments to other
+        ranks, `dest` their ranks. Returns (each assignment's position in the return order, the posted
+        dispatch's wait-and-unpack)."""
+        n, (t, hidden), w, me = self.group.size, x.shape, self.width, self.group.rank
         if self.layer == 0:
             self.sizes.gather(t, self.group)  # type: ignore[union-attr]
-        sizes = self.sizes.of(self.group.rank, t)  # type: ignore[union-attr]
-        key = dest * t + routing.token  # the row: destination-major, then token
+        sizes = self.sizes.of(me, t)  # type: ignore[union-attr]
+        peers = [r for r in range(n) if r != me]
+        recv_sizes = [0 if r == me else s for r, s in enumerate(sizes)]
+        key = dest * t + far.token  # the row: destination-major, then token
         place, per_row = _columns(key, n * t)
         cell = key * w + place
         ids = torch.full((n * t * w,), -1, dtype=_ID, device=x.device)
-        ids[cell] = routing.expert.to(_ID)
+        ids[cell] = far.expert.to(_ID)
         weights = torch.zeros((n * t * w,), dtype=_WEIGHT, device=x.device)
-        weights[cell] = routing.weight.to(_WEIGHT)
-        states = x.to(self.dtype).expand(n, t, hidden).reshape(n * t, hidden)
-        send = torch.cat([_bytes(states), _bytes(ids.view(n * t, w)), _bytes(weights.view(n * t, w))], dim=1)
-        got = torch.empty((sum(sizes), send.shape[1]), dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(got, send, output_split_sizes=sizes, input_split_sizes=[t] * n,
-                               group=self.group.data)
-        others = [r for r in range(n) if r != self.group.rank]
+        weights[cell] = far.weight.to(_WEIGHT)
+        states = x.to(self.dtype).expand(n - 1, t, hidden).reshape(-1, hidden)
+        send = torch.cat([_bytes(states), _bytes(ids.view(n, t, w)[peers].reshape(-1, w)),
+                          _bytes(weights.view(n, t, w)[peers].reshape(-1, w))], dim=1)
+        got = torch.empty((sum(recv_sizes), send.shape[1]), dtype=torch.uint8, device=x.device)
+        work = dist.all_to_all_single(got, send, output_split_sizes=recv_sizes,
+                                      input_split_sizes=[0 if r == me else t for r in range(n)],
+                                      group=self.group.data, async_op=True)
         sent = (per_row.view(n, t) > 0).sum(dim=1).tolist() if t else [0] * n
-        self.stats.dispatch_bytes += t * send.shape[1] * len(others)
-        self.stats.rows_sent += sum(sent[r] for r in others)
-        return _order_of(cell), _unpack_uniform(got, sizes, hidden, self.dtype, w), sizes
+        self.stats.dispatch_bytes += t * send.shape[1] * len(peers)
+        self.stats.rows_sent += sum(sent[r] for r in peers)
 
-    def _dispatch_sparse(self, x: torch.Tensor, routing: Routing,
-                         dest: torch.Tensor) -> tuple[torch.Tensor, _Received, list[int]]:
+        def arriving() -> tuple[_Received, list[int]]:
+            work.wait()
+            return _unpack_uniform(got, recv_sizes, hidden, self.dtype, w), recv_sizes
+
+        return _order_of(cell), arriving
+
+    def _dispatch_sparse(self, x: torch.Tensor, far: Routing, dest: torch.Tensor) -> tuple[torch.Tensor, _Arriving]:
         """Rows only where a token has assignments, this batch's own width; a header all-to-all first tells
         each rank its sizes. Returns as `_dispatch_dense`."""
         n, hidden = self.group.size, x.shape[1]
-        rows = self._rows(routing, dest, x.shape[0])
+        rows = self._rows(far, dest, x.shape[0])
 
         # Header: rows and width per destination; what comes back sizes the dispatch (one host sync).
         header = torch.stack([rows.per_dest, rows.width.expand(n)], dim=1)  # [n, 2]
@@ -270,12 +303,17 @@ class ExpertParallelExperts:
         send_bytes = [r * _row_bytes(hidden, self.dtype, w) for r in send_rows]
         recv_bytes = [r * _row_bytes(hidden, self.dtype, rw) for r, rw in zip(recv_rows, recv_widths)]
         got = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(got, self._pack(x, routing, rows, w), output_split_sizes=recv_bytes,
-                               input_split_sizes=send_bytes, group=self.group.data)
+        work = dist.all_to_all_single(got, self._pack(x, far, rows, w), output_split_sizes=recv_bytes,
+                                      input_split_sizes=send_bytes, group=self.group.data, async_op=True)
         others = [r for r in range(n) if r != self.group.rank]
         self.stats.dispatch_bytes += sum(header[r].numel() * header.element_size() + send_bytes[r] for r in others)
         self.stats.rows_sent += sum(send_rows[r] for r in others)
-        return (_order_of(rows.of * w + rows.place), self._unpack(got, recv_rows, recv_widths, hidden), recv_rows)
+
+        def arriving() -> tuple[_Received, list[int]]:
+            work.wait()
+            return self._unpack(got, recv_rows, recv_widths, hidden), recv_rows
+
+        return _order_of(rows.of * w + rows.place), arriving
 
     def _dest(self, routing: Routing) -> torch.Tensor:
         """Each assignment's destination rank, per the replica rule."""
@@ -335,6 +373,8 @@ def _columns(row_of: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.T
 # What a rank received: ([R, hidden] row states, their assignments with token = received row in row
 # order, assignments received from each rank).
 _Received = tuple[torch.Tensor, Routing, list[int]]
+# A posted dispatch: waits for it, then returns (what was received, rows received from each rank).
+_Arriving = Callable[[], tuple[_Received, list[int]]]
 
 
 def _unpack_uniform(got: torch.Tensor, rows: list[int], hidden: int, dtype: torch.dtype, width: int) -> _Received:
@@ -348,12 +388,21 @@ def _unpack_uniform(got: torch.Tensor, rows: list[int], hidden: int, dtype: torc
     return got[:, :xb].contiguous().view(dtype), Routing(row[real], ids[real], weights[real]), per_rank
 
 
+def _subset(routing: Routing, keep: torch.Tensor) -> Routing:
+    """The assignments where `keep` holds, in their order."""
+    return Routing(routing.token[keep], routing.expert[keep], routing.weight[keep])
+
+
 def _order_of(position: torch.Tensor) -> torch.Tensor:
     """Each element's rank among `position`'s (distinct) values: where it sits in ascending order."""
-    order = torch.argsort(position)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    return rank
+    return _inverse(torch.argsort(position))
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    """p⁻¹: where each index sits in `permutation`."""
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse
 
 
 def dense_rows(num_ranks: int, top_k: int | None) -> bool:
