@@ -43,6 +43,7 @@ timings are kept for the benchmark and a balancer.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -51,16 +52,34 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.engine.config import ConfigError
+from deepinfer.engine.kernels.ordered_add import ordered_add
 from deepinfer.engine.models.moe import (
     ExpertBank,
     LocalExperts,
     Routing,
     count_assignments,
     expert_outputs,
+    expert_outputs_sorted,
     moe_blocks,
 )
 from deepinfer.parallel.group import EpGroup
 from deepinfer.parallel.placement import EMPTY, ExpertPlacement
+
+# How long `finish` polls a posted collective before blocking on it.
+POLL_S = 0.002
+
+
+def finish(work: dist.Work) -> None:
+    """Wait for a posted collective, polling it (yielding the core between polls) for up to POLL_S before
+    blocking. On the 2-core VMs measured, a blocked wait's wake-up cost more than the exchange itself: a
+    74 KB all-to-all between two ranks took 0.18 ms back to back but ~0.9 ms after 1 ms of compute, and
+    compute overlapped with it 1.45 ms blocking against 1.25 ms polling (/tmp-style micro-benchmark in
+    bench/README.md). A peer that is far behind (its prefill) is waited for blocking, not spun on."""
+    deadline = time.perf_counter() + POLL_S
+    while not work.is_completed() and time.perf_counter() < deadline:
+        os.sched_yield()
+    work.wait()
+
 
 _ID = torch.int32  # expert ids on the wire
 _WEIGHT = torch.float32  # routing weights on the wire
@@ -114,7 +133,7 @@ class BatchSizes:
     def gather(self, rows: int, group: EpGroup) -> None:
         mine = torch.tensor([rows], dtype=torch.int64, device=group.device)
         every = torch.empty(group.size, dtype=torch.int64, device=group.device)
-        dist.all_gather_single(every, mine, group=group.data)
+        finish(dist.all_gather_single(every, mine, group=group.data, async_op=True))
         self.rows = every.tolist()
 
     def of(self, rank: int, rows: int) -> list[int]:
@@ -206,7 +225,7 @@ class ExpertParallelExperts:
         else:
             sent_at, arriving = self._dispatch_sparse(x, far, far_dest)
         posted = self._now()
-        near_early = expert_outputs(x, _subset(near, early), self.bank)
+        early_order, near_early = expert_outputs_sorted(x, _subset(near, early), self.bank)
         computed_early = self._now()
         (recv_x, recv_routing, recv_terms), recv_rows = arriving()
         self.computed += recv_routing.expert.numel() + near.expert.numel()
@@ -223,24 +242,21 @@ class ExpertParallelExperts:
         returning = dist.all_to_all_single(back, terms.contiguous(), output_split_sizes=sent_terms,
                                            input_split_sizes=recv_terms, group=self.group.data, async_op=True)
         posted_back = self._now()
-        near_late = expert_outputs(x, _subset(near, ~early), self.bank)
+        late_order, near_late = expert_outputs_sorted(x, _subset(near, ~early), self.bank)
         computed_late = self._now()
-        returning.wait()
+        finish(returning)
         out = torch.zeros_like(x)
         if dest.numel():
-            # Every term into its place in the canonical order (expert-major, stable), then one ordered sum.
-            # index_copy_ rather than indexed assignment: at a 1,536-token prefill the assignment form
-            # spent more time than the all-to-alls.
-            canonical = torch.argsort(routing.expert, stable=True)
-            position = _inverse(canonical)
+            # Each assignment's row among (near_early, near_late, back) end to end, then one pass adding
+            # them in the canonical order (ascending expert id, stable), without gathering them first.
             where_near = here.nonzero().squeeze(1)
-            every = torch.empty((dest.numel(), hidden), dtype=self.dtype, device=x.device)
-            every.index_copy_(0, position[where_near[early]], near_early.to(self.dtype))
-            every.index_copy_(0, position[where_near[~early]], near_late.to(self.dtype))
-            back_position = torch.empty_like(sent_at)
-            back_position[sent_at] = position[(~here).nonzero().squeeze(1)]
-            every.index_copy_(0, back_position, back)
-            out.index_add_(0, routing.token[canonical], every.to(x.dtype))
+            row = torch.empty_like(dest)
+            e, late = near_early.shape[0], near_late.shape[0]
+            row[where_near[early][early_order]] = torch.arange(e, device=x.device)
+            row[where_near[~early][late_order]] = torch.arange(e, e + late, device=x.device)
+            row[(~here).nonzero().squeeze(1)] = sent_at + (e + late)
+            canonical = torch.argsort(routing.expert, stable=True)
+            ordered_add(out, routing.token[canonical], row[canonical], (near_early, near_late, back))
         combined = self._now()
 
         st, others = self.stats, [r for r in range(n) if r != self.group.rank]
@@ -282,7 +298,7 @@ class ExpertParallelExperts:
         self.stats.rows_sent += sum(sent[r] for r in peers)
 
         def arriving() -> tuple[_Received, list[int]]:
-            work.wait()
+            finish(work)
             return _unpack_uniform(got, recv_sizes, hidden, self.dtype, w), recv_sizes
 
         return _order_of(cell), arriving
@@ -296,7 +312,7 @@ class ExpertParallelExperts:
         # Header: rows and width per destination; what comes back sizes the dispatch (one host sync).
         header = torch.stack([rows.per_dest, rows.width.expand(n)], dim=1)  # [n, 2]
         header_in = torch.empty_like(header)
-        dist.all_to_all_single(header_in, header, group=self.group.data)
+        finish(dist.all_to_all_single(header_in, header, group=self.group.data, async_op=True))
         (send_rows, widths), (recv_rows, recv_widths) = torch.stack([header, header_in]).transpose(1, 2).tolist()
         w = widths[0]
 
@@ -310,7 +326,7 @@ class ExpertParallelExperts:
         self.stats.rows_sent += sum(send_rows[r] for r in others)
 
         def arriving() -> tuple[_Received, list[int]]:
-            work.wait()
+            finish(work)
             return self._unpack(got, recv_rows, recv_widths, hidden), recv_rows
 
         return _order_of(rows.of * w + rows.place), arriving

@@ -178,14 +178,20 @@ def expert_outputs(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> torch
     """weight · expert(x[token]) of every assignment, in `routing`'s order: [A, hidden]. Every assignment
     must name an expert `bank` holds. Each term has the bits `run_experts` adds for it, so whoever adds
     a token's terms in ascending expert id from zero gets `run_experts` of a bank of every expert."""
+    order, sorted_terms = expert_outputs_sorted(x, routing, bank)
+    terms = torch.empty_like(sorted_terms)
+    return terms.index_copy_(0, order, sorted_terms)
+
+
+def expert_outputs_sorted(x: torch.Tensor, routing: Routing, bank: ExpertBank) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_outputs` in the order they are computed: (order [A], terms [A, hidden]) with terms[j] the
+    output of assignment order[j]; each expert's terms are one run (the bank's slot order)."""
     slot = bank.slot_of[routing.expert]
     if bool((slot < 0).any()):
         raise ValueError("an assignment names an expert this bank does not hold")
-    terms = torch.empty((slot.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    if slot.numel():
-        order, sorted_terms = _weighted_terms(x, routing.token, slot, routing.weight, bank)
-        terms.index_copy_(0, order, sorted_terms)
-    return terms
+    if not slot.numel():
+        return slot.clone(), torch.empty((0, x.shape[1]), dtype=x.dtype, device=x.device)
+    return _weighted_terms(x, routing.token, slot, routing.weight, bank)
 
 
 def _weighted_terms(x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
