@@ -7,17 +7,20 @@ batch. At a sparse block, `ExpertParallelExperts(x, routing)` does, on every ran
    `replica_index(t, rank, n_e)` of e. Assignments of one token to the same rank share one *row*: the
    token's hidden state is sent once per destination rank, not once per expert (top-k picks often land
    on one rank). A row carries the hidden state and `width` (expert id, weight) pairs, padded with
-   expert -1.
+   expert -1. Assignments to this rank's own experts stay home.
 2. **dispatch**: all_to_all_single of the packed rows as raw bytes (hidden state in its own dtype, int32
-   ids, fp32 weights: exact whatever the activations' dtype), split by destination.
+   ids, fp32 weights: exact whatever the activations' dtype), split by destination, posted without
+   waiting; while it is in flight the rank computes its own tokens on the first half of its slots.
 3. **compute**: `expert_outputs` over the received assignments with this rank's bank: weight · expert(x)
    for each (row, expert).
-4. **combine**: all_to_all_single of those outputs back to their senders (in the order they came); the
-   sender adds each token's outputs in ascending expert id from zero — exactly what `run_experts` over one
-   bank of every expert computes (transformers' order too), so the result does not depend on which rank
-   computed which expert: not on the placement, nor on a move between two steps (given that a row's result
-   of an expert's GEMM does not depend on which other rows share the call, as holds for the fp32 GEMMs
-   here; tests/engine/test_ep_exact.py checks the bits over shuffled placements). (Returning one partial
+4. **combine**: all_to_all_single of those outputs back to their senders (in the order they came),
+   posted, and while it is in flight the rank's own tokens on the rest of its slots. The sender then adds
+   each token's outputs in ascending expert id from zero (`ordered_add`, straight from the three tensors
+   holding them) — exactly what `run_experts` over one bank of every expert computes (transformers' order
+   too), so the result does not depend on which rank computed which expert: not on the placement, nor on
+   a move between two steps, nor on how the rows of an expert were split between calls (`expert_linear`
+   gives a row the same bits in any call; tests/engine/test_ep_exact.py checks the bits over shuffled
+   placements, with experts past 64 rows). (Returning one partial
    sum per rank would move fewer bytes when a token has several experts on a rank, but its rounding would
    follow the placement, and a near-tie in a later layer's routing could then change a greedy output.)
 
@@ -38,7 +41,8 @@ shape (`dense_rows`), so every rank uses the same one:
 Both layouts carry the same assignments and return the same outputs, so the result is bit-identical
 whichever a group uses. An idle rank joins with zero rows, and a rank
 with nothing to receive still takes part. Counts (per-expert assignments of this rank's own tokens) and
-timings are kept for the benchmark and a balancer.
+timings are kept for the benchmark and a balancer: dispatch and combine time what the rank did not hide
+behind its own experts (routing, packing, waiting, adding), compute all its expert work.
 """
 
 from __future__ import annotations
@@ -71,10 +75,11 @@ POLL_S = 0.002
 
 def finish(work: dist.Work) -> None:
     """Wait for a posted collective, polling it (yielding the core between polls) for up to POLL_S before
-    blocking. On the 2-core VMs measured, a blocked wait's wake-up cost more than the exchange itself: a
-    74 KB all-to-all between two ranks took 0.18 ms back to back but ~0.9 ms after 1 ms of compute, and
-    compute overlapped with it 1.45 ms blocking against 1.25 ms polling (/tmp-style micro-benchmark in
-    bench/README.md). A peer that is far behind (its prefill) is waited for blocking, not spun on."""
+    blocking. On the 2-core VM measured, a blocked wait's wake-up cost more than the exchange itself: a
+    74 KB gloo all-to-all between two ranks took 0.18 ms back to back but ~0.9 ms when each rank had
+    computed for 1 ms first, and 1 ms of compute overlapped with it took 1.45 ms blocking against 1.25 ms
+    polling (two spawned ranks, 200 rounds each). A peer far behind (in its prefill) is waited for
+    blocking, not spun on."""
     deadline = time.perf_counter() + POLL_S
     while not work.is_completed() and time.perf_counter() < deadline:
         os.sched_yield()
@@ -92,9 +97,11 @@ class EpStats:
     phase wait for the device: exact, and slower)."""
 
     exchanges: int = 0  # MoE layer calls (two collectives each in the dense layout, three in the sparse)
-    dispatch_s: float = 0.0  # routing to ranks, the batch-size gather or the header, the dispatch all-to-all
-    compute_s: float = 0.0  # this rank's experts on the rows it received
-    combine_s: float = 0.0  # the return all-to-all and the per-token sums
+    # routing to ranks, the batch-size gather or the header, posting the dispatch and waiting for what the
+    # rank's own first experts did not cover, unpacking
+    dispatch_s: float = 0.0
+    compute_s: float = 0.0  # this rank's experts: on its own tokens and on the rows it received
+    combine_s: float = 0.0  # posting the return, waiting for what the rest of its own experts did not cover, the sums
     dispatch_bytes: int = 0  # header and rows (padding rows included) this rank sent to other ranks
     combine_bytes: int = 0  # expert outputs this rank sent back to other ranks
     rows_sent: int = 0  # rows with assignments for other ranks (a row: one token's hidden state for one rank)
@@ -214,21 +221,21 @@ class ExpertParallelExperts:
         n, hidden = self.group.size, x.shape[1]
         dest = self._dest(routing)
         here = dest == self.group.rank
-        far, far_dest = _subset(routing, ~here), dest[~here]
         # This rank's own assignments to its own experts never travel. They are computed while the
         # all-to-alls are in flight: the first half of its slots' during the dispatch, the rest during
         # the combine (split by expert, so no expert's local rows are split between two calls).
-        near = _subset(routing, here)
-        early = self.bank.slot_of[near.expert] < self.bank.slots.shape[0] // 2
+        early = here & (self.bank.slot_of[routing.expert] < self.bank.slots.shape[0] // 2)
+        at_far, at_early, at_late = [m.nonzero().squeeze(1) for m in (~here, early, here & ~early)]
+        far, far_dest = _subset(routing, at_far), dest.index_select(0, at_far)
         if self.sizes is not None:
             sent_at, arriving = self._dispatch_dense(x, far, far_dest)
         else:
             sent_at, arriving = self._dispatch_sparse(x, far, far_dest)
         posted = self._now()
-        early_order, near_early = expert_outputs_sorted(x, _subset(near, early), self.bank)
+        early_order, near_early = expert_outputs_sorted(x, _subset(routing, at_early), self.bank)
         computed_early = self._now()
         (recv_x, recv_routing, recv_terms), recv_rows = arriving()
-        self.computed += recv_routing.expert.numel() + near.expert.numel()
+        self.computed += recv_routing.expert.numel() + at_early.numel() + at_late.numel()
         dispatched = self._now()
 
         terms = expert_outputs(recv_x, recv_routing, self.bank)
@@ -242,19 +249,18 @@ class ExpertParallelExperts:
         returning = dist.all_to_all_single(back, terms.contiguous(), output_split_sizes=sent_terms,
                                            input_split_sizes=recv_terms, group=self.group.data, async_op=True)
         posted_back = self._now()
-        late_order, near_late = expert_outputs_sorted(x, _subset(near, ~early), self.bank)
+        late_order, near_late = expert_outputs_sorted(x, _subset(routing, at_late), self.bank)
         computed_late = self._now()
         finish(returning)
         out = torch.zeros_like(x)
         if dest.numel():
             # Each assignment's row among (near_early, near_late, back) end to end, then one pass adding
             # them in the canonical order (ascending expert id, stable), without gathering them first.
-            where_near = here.nonzero().squeeze(1)
             row = torch.empty_like(dest)
             e, late = near_early.shape[0], near_late.shape[0]
-            row[where_near[early][early_order]] = torch.arange(e, device=x.device)
-            row[where_near[~early][late_order]] = torch.arange(e, e + late, device=x.device)
-            row[(~here).nonzero().squeeze(1)] = sent_at + (e + late)
+            row[at_early[early_order]] = torch.arange(e, device=x.device)
+            row[at_late[late_order]] = torch.arange(e, e + late, device=x.device)
+            row[at_far] = sent_at + (e + late)
             canonical = torch.argsort(routing.expert, stable=True)
             ordered_add(out, routing.token[canonical], row[canonical], (near_early, near_late, back))
         combined = self._now()
@@ -277,25 +283,23 @@ class ExpertParallelExperts:
         if self.layer == 0:
             self.sizes.gather(t, self.group)  # type: ignore[union-attr]
         sizes = self.sizes.of(me, t)  # type: ignore[union-attr]
-        peers = [r for r in range(n) if r != me]
+        peers = n - 1
         recv_sizes = [0 if r == me else s for r, s in enumerate(sizes)]
-        key = dest * t + far.token  # the row: destination-major, then token
-        place, per_row = _columns(key, n * t)
+        key = (dest - (dest > me).long()) * t + far.token  # the row: peer-major (rank order), then token
+        place, per_row = _columns(key, peers * t)
         cell = key * w + place
-        ids = torch.full((n * t * w,), -1, dtype=_ID, device=x.device)
+        ids = torch.full((peers * t * w,), -1, dtype=_ID, device=x.device)
         ids[cell] = far.expert.to(_ID)
-        weights = torch.zeros((n * t * w,), dtype=_WEIGHT, device=x.device)
+        weights = torch.zeros((peers * t * w,), dtype=_WEIGHT, device=x.device)
         weights[cell] = far.weight.to(_WEIGHT)
-        states = x.to(self.dtype).expand(n - 1, t, hidden).reshape(-1, hidden)
-        send = torch.cat([_bytes(states), _bytes(ids.view(n, t, w)[peers].reshape(-1, w)),
-                          _bytes(weights.view(n, t, w)[peers].reshape(-1, w))], dim=1)
+        states = x.to(self.dtype).expand(peers, t, hidden).reshape(-1, hidden)
+        send = torch.cat([_bytes(states), _bytes(ids.view(-1, w)), _bytes(weights.view(-1, w))], dim=1)
         got = torch.empty((sum(recv_sizes), send.shape[1]), dtype=torch.uint8, device=x.device)
         work = dist.all_to_all_single(got, send, output_split_sizes=recv_sizes,
                                       input_split_sizes=[0 if r == me else t for r in range(n)],
                                       group=self.group.data, async_op=True)
-        sent = (per_row.view(n, t) > 0).sum(dim=1).tolist() if t else [0] * n
-        self.stats.dispatch_bytes += t * send.shape[1] * len(peers)
-        self.stats.rows_sent += sum(sent[r] for r in peers)
+        self.stats.dispatch_bytes += t * send.shape[1] * peers
+        self.stats.rows_sent += int((per_row > 0).sum())
 
         def arriving() -> tuple[_Received, list[int]]:
             finish(work)
@@ -404,9 +408,10 @@ def _unpack_uniform(got: torch.Tensor, rows: list[int], hidden: int, dtype: torc
     return got[:, :xb].contiguous().view(dtype), Routing(row[real], ids[real], weights[real]), per_rank
 
 
-def _subset(routing: Routing, keep: torch.Tensor) -> Routing:
-    """The assignments where `keep` holds, in their order."""
-    return Routing(routing.token[keep], routing.expert[keep], routing.weight[keep])
+def _subset(routing: Routing, at: torch.Tensor) -> Routing:
+    """The assignments at indices `at`, in that order."""
+    return Routing(routing.token.index_select(0, at), routing.expert.index_select(0, at),
+                   routing.weight.index_select(0, at))
 
 
 def _order_of(position: torch.Tensor) -> torch.Tensor:
