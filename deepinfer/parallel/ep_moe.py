@@ -56,12 +56,12 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.engine.config import ConfigError
+from deepinfer.engine.kernels import ep_route
 from deepinfer.engine.kernels.ordered_add import ordered_add
 from deepinfer.engine.models.moe import (
     ExpertBank,
     LocalExperts,
     Routing,
-    count_assignments,
     expert_outputs,
     expert_outputs_sorted,
     moe_blocks,
@@ -84,10 +84,6 @@ def finish(work: dist.Work) -> None:
     while not work.is_completed() and time.perf_counter() < deadline:
         os.sched_yield()
     work.wait()
-
-
-_ID = torch.int32  # expert ids on the wire
-_WEIGHT = torch.float32  # routing weights on the wire
 
 
 @dataclass
@@ -217,25 +213,21 @@ class ExpertParallelExperts:
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         started = self._now()
-        self.counts += count_assignments(routing, self.num_experts)
-        n, hidden = self.group.size, x.shape[1]
-        dest = self._dest(routing)
-        here = dest == self.group.rank
+        n, (t, hidden) = self.group.size, x.shape
         # This rank's own assignments to its own experts never travel. They are computed while the
         # all-to-alls are in flight: the first half of its slots' during the dispatch, the rest during
         # the combine (split by expert, so no expert's local rows are split between two calls).
-        early = here & (self.bank.slot_of[routing.expert] < self.bank.slots.shape[0] // 2)
-        at_far, at_early, at_late = [m.nonzero().squeeze(1) for m in (~here, early, here & ~early)]
-        far, far_dest = _subset(routing, at_far), dest.index_select(0, at_far)
+        parts = ep_route.split(routing, t, self._replica_ranks, self._num_replicas, self.bank.slot_of,
+                               self.bank.slots.shape[0] // 2, self.group.rank, self.counts)
         if self.sizes is not None:
-            sent_at, arriving = self._dispatch_dense(x, far, far_dest)
+            sent_at, sent_terms, arriving = self._dispatch_dense(x, routing, parts)
         else:
-            sent_at, arriving = self._dispatch_sparse(x, far, far_dest)
+            sent_at, sent_terms, arriving = self._dispatch_sparse(x, routing, parts)
         posted = self._now()
-        early_order, near_early = expert_outputs_sorted(x, _subset(routing, at_early), self.bank)
+        early_order, near_early = expert_outputs_sorted(x, _subset(routing, parts.at_early), self.bank)
         computed_early = self._now()
         (recv_x, recv_routing, recv_terms), recv_rows = arriving()
-        self.computed += recv_routing.expert.numel() + at_early.numel() + at_late.numel()
+        self.computed += recv_routing.expert.numel() + parts.at_early.numel() + parts.at_late.numel()
         dispatched = self._now()
 
         terms = expert_outputs(recv_x, recv_routing, self.bank)
@@ -244,28 +236,21 @@ class ExpertParallelExperts:
         # Combine: every term back to its sender, in the order it came; the sender adds a token's terms in
         # ascending expert id from zero, as `run_experts` over one bank of every expert does. So the output
         # does not depend on which rank computed which expert: not on the placement, not on a move.
-        sent_terms = torch.bincount(far_dest, minlength=n).tolist()
-        back = torch.empty((far_dest.numel(), hidden), dtype=self.dtype, device=x.device)
+        back = torch.empty((parts.at_far.numel(), hidden), dtype=self.dtype, device=x.device)
         returning = dist.all_to_all_single(back, terms.contiguous(), output_split_sizes=sent_terms,
                                            input_split_sizes=recv_terms, group=self.group.data, async_op=True)
         posted_back = self._now()
-        late_order, near_late = expert_outputs_sorted(x, _subset(routing, at_late), self.bank)
+        late_order, near_late = expert_outputs_sorted(x, _subset(routing, parts.at_late), self.bank)
         computed_late = self._now()
         finish(returning)
         out = torch.zeros_like(x)
-        if dest.numel():
-            # Each assignment's row among (near_early, near_late, back) end to end, then one pass adding
-            # them in order, without gathering them first.
-            row = torch.empty_like(dest)
-            e, late = near_early.shape[0], near_late.shape[0]
-            row[at_early[early_order]] = torch.arange(e, device=x.device)
-            row[at_late[late_order]] = torch.arange(e, e + late, device=x.device)
-            row[at_far] = sent_at + (e + late)
+        if routing.token.numel():
             # Token-major, each token's experts ascending: every element gets its additions in ascending
             # expert id as in `run_experts`' expert-major order (the same bits), and a token's output row
-            # stays in cache while its terms are added (a 1,536-token prefill layer: 12 ms against 16 expert-major).
-            order = torch.argsort(routing.token * self.num_experts + routing.expert)
-            ordered_add(out, routing.token[order], row[order], (near_early, near_late, back))
+            # stays in cache while its terms are added (a 1,536-token prefill layer: 12 ms against 16
+            # expert-major); each term straight from the tensor holding it, not gathered first.
+            token, row = ep_route.combine_order(routing, t, parts, early_order, late_order, sent_at)
+            ordered_add(out, token, row, (near_early, near_late, back))
         combined = self._now()
 
         st, others = self.stats, [r for r in range(n) if r != self.group.rank]
@@ -273,47 +258,40 @@ class ExpertParallelExperts:
         st.dispatch_s += (posted - started) + (dispatched - computed_early)
         st.compute_s += (computed_early - posted) + (computed - dispatched) + (computed_late - posted_back)
         st.combine_s += (posted_back - computed) + (combined - computed_late)
-        st.combine_bytes += sum(recv_terms[r] for r in others) * hidden * _itemsize(self.dtype)
+        st.combine_bytes += sum(recv_terms[r] for r in others) * hidden * ep_route.itemsize(self.dtype)
         st.rows_received += sum(recv_rows[r] for r in others)
         return out
 
-    def _dispatch_dense(self, x: torch.Tensor, far: Routing, dest: torch.Tensor) -> tuple[torch.Tensor, _Arriving]:
+    def _dispatch_dense(self, x: torch.Tensor, routing: Routing,
+                        parts: ep_route.Split) -> tuple[torch.Tensor, list[int], _Arriving]:
         """Every peer gets one row per token of this batch, `width` = slots per rank, padded with -1 experts;
-        the batch sizes, gathered at MoE layer 0, size the receive. `far` holds the assignments to other
-        ranks, `dest` their ranks. Returns (each assignment's position in the return order, the posted
-        dispatch's wait-and-unpack)."""
+        the batch sizes, gathered at MoE layer 0, size the receive. Returns (each far assignment's position
+        in the return order, far assignments per rank, the posted dispatch's wait-and-unpack)."""
         n, (t, hidden), w, me = self.group.size, x.shape, self.width, self.group.rank
         if self.layer == 0:
             self.sizes.gather(t, self.group)  # type: ignore[union-attr]
         sizes = self.sizes.of(me, t)  # type: ignore[union-attr]
-        peers = n - 1
         recv_sizes = [0 if r == me else s for r, s in enumerate(sizes)]
-        key = (dest - (dest > me).long()) * t + far.token  # the row: peer-major (rank order), then token
-        place, per_row = _columns(key, peers * t)
-        cell = key * w + place
-        ids = torch.full((peers * t * w,), -1, dtype=_ID, device=x.device)
-        ids[cell] = far.expert.to(_ID)
-        weights = torch.zeros((peers * t * w,), dtype=_WEIGHT, device=x.device)
-        weights[cell] = far.weight.to(_WEIGHT)
-        states = x.to(self.dtype).expand(peers, t, hidden).reshape(-1, hidden)
-        send = torch.cat([_bytes(states), _bytes(ids.view(-1, w)), _bytes(weights.view(-1, w))], dim=1)
+        send, sent_at, sent_terms, rows_sent = ep_route.pack_dense(x, routing, parts, me, n, w, self.dtype)
         got = torch.empty((sum(recv_sizes), send.shape[1]), dtype=torch.uint8, device=x.device)
         work = dist.all_to_all_single(got, send, output_split_sizes=recv_sizes,
                                       input_split_sizes=[0 if r == me else t for r in range(n)],
                                       group=self.group.data, async_op=True)
-        self.stats.dispatch_bytes += t * send.shape[1] * peers
-        self.stats.rows_sent += int((per_row > 0).sum())
+        self.stats.dispatch_bytes += send.numel()
+        self.stats.rows_sent += rows_sent
 
         def arriving() -> tuple[_Received, list[int]]:
             finish(work)
-            return _unpack_uniform(got, recv_sizes, hidden, self.dtype, w), recv_sizes
+            return ep_route.unpack(got, recv_sizes, hidden, self.dtype, w, self.num_experts), recv_sizes
 
-        return _order_of(cell), arriving
+        return sent_at, sent_terms, arriving
 
-    def _dispatch_sparse(self, x: torch.Tensor, far: Routing, dest: torch.Tensor) -> tuple[torch.Tensor, _Arriving]:
+    def _dispatch_sparse(self, x: torch.Tensor, routing: Routing,
+                         parts: ep_route.Split) -> tuple[torch.Tensor, list[int], _Arriving]:
         """Rows only where a token has assignments, this batch's own width; a header all-to-all first tells
         each rank its sizes. Returns as `_dispatch_dense`."""
         n, hidden = self.group.size, x.shape[1]
+        far, dest = _subset(routing, parts.at_far), parts.dest.index_select(0, parts.at_far)
         rows = self._rows(far, dest, x.shape[0])
 
         # Header: rows and width per destination; what comes back sizes the dispatch (one host sync).
@@ -323,8 +301,8 @@ class ExpertParallelExperts:
         (send_rows, widths), (recv_rows, recv_widths) = torch.stack([header, header_in]).transpose(1, 2).tolist()
         w = widths[0]
 
-        send_bytes = [r * _row_bytes(hidden, self.dtype, w) for r in send_rows]
-        recv_bytes = [r * _row_bytes(hidden, self.dtype, rw) for r, rw in zip(recv_rows, recv_widths)]
+        send_bytes = [r * ep_route.row_bytes(hidden, self.dtype, w) for r in send_rows]
+        recv_bytes = [r * ep_route.row_bytes(hidden, self.dtype, rw) for r, rw in zip(recv_rows, recv_widths)]
         got = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=x.device)
         work = dist.all_to_all_single(got, self._pack(x, far, rows, w), output_split_sizes=recv_bytes,
                                       input_split_sizes=send_bytes, group=self.group.data, async_op=True)
@@ -336,12 +314,7 @@ class ExpertParallelExperts:
             finish(work)
             return self._unpack(got, recv_rows, recv_widths, hidden), recv_rows
 
-        return _order_of(rows.of * w + rows.place), arriving
-
-    def _dest(self, routing: Routing) -> torch.Tensor:
-        """Each assignment's destination rank, per the replica rule."""
-        expert = routing.expert
-        return self._replica_ranks[expert, (routing.token + self.group.rank) % self._num_replicas[expert]]
+        return ep_route.order_of(rows.of * w + rows.place), torch.bincount(dest, minlength=n).tolist(), arriving
 
     def _rows(self, routing: Routing, dest: torch.Tensor, num_tokens: int) -> _Rows:
         """Group the assignments into send rows by (destination rank, token)."""
@@ -349,7 +322,7 @@ class ExpertParallelExperts:
         stride = max(num_tokens, 1)
         # Sorted unique keys are destination-major, token-minor: the send order.
         keys, row_of = torch.unique(dest * stride + token, sorted=True, return_inverse=True)
-        place, per_row = _columns(row_of, keys.shape[0])
+        place, per_row = ep_route.columns(row_of, keys.shape[0])
         width = per_row.max() if per_row.numel() else torch.zeros((), dtype=torch.int64, device=token.device)
         return _Rows(keys % stride, torch.bincount(keys // stride, minlength=self.group.size), row_of, place, width)
 
@@ -357,18 +330,21 @@ class ExpertParallelExperts:
         """The send rows as one flat byte tensor: per row the token's hidden state, then `width` expert
         ids (int32, -1 = padding), then `width` weights (fp32)."""
         r = rows.token.shape[0]
-        ids = torch.full((r, width), -1, dtype=_ID, device=x.device)
-        ids[rows.of, rows.place] = routing.expert.to(_ID)
-        weights = torch.zeros((r, width), dtype=_WEIGHT, device=x.device)
-        weights[rows.of, rows.place] = routing.weight.to(_WEIGHT)
-        return torch.cat([_bytes(x[rows.token].to(self.dtype)), _bytes(ids), _bytes(weights)], dim=1).reshape(-1)
+        ids = torch.full((r, width), -1, dtype=ep_route.ID_DTYPE, device=x.device)
+        ids[rows.of, rows.place] = routing.expert.to(ep_route.ID_DTYPE)
+        weights = torch.zeros((r, width), dtype=ep_route.WEIGHT_DTYPE, device=x.device)
+        weights[rows.of, rows.place] = routing.weight.to(ep_route.WEIGHT_DTYPE)
+        states = x[rows.token].to(self.dtype)
+        return torch.cat([ep_route.as_bytes(states), ep_route.as_bytes(ids), ep_route.as_bytes(weights)],
+                         dim=1).reshape(-1)
 
     def _unpack(self, got: torch.Tensor, rows: list[int], widths: list[int], hidden: int) -> _Received:
-        """The received rows, one width per sender (see `_unpack_uniform`)."""
+        """The received rows, one width per sender (see `ep_route.unpack`)."""
         parts, offset = [], 0
         for r, w in zip(rows, widths):
-            size = _row_bytes(hidden, self.dtype, w)
-            parts.append(_unpack_uniform(got[offset : offset + r * size].view(r, size), [r], hidden, self.dtype, w))
+            size = ep_route.row_bytes(hidden, self.dtype, w)
+            parts.append(ep_route.unpack(got[offset : offset + r * size].view(r, size), [r], hidden, self.dtype, w,
+                                         self.num_experts))
             offset += r * size
         base = torch.tensor([0, *rows[:-1]], device=got.device).cumsum(0).tolist()
         return (torch.cat([p[0] for p in parts]),
@@ -382,17 +358,6 @@ class ExpertParallelExperts:
         return time.perf_counter()
 
 
-def _columns(row_of: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each assignment's column: its rank among its row's assignments in assignment order, [num_rows]
-    assignments per row)."""
-    order = torch.argsort(row_of, stable=True)
-    per_row = torch.bincount(row_of, minlength=num_rows)
-    first = torch.cumsum(per_row, 0) - per_row
-    place = torch.empty_like(order)
-    place[order] = torch.arange(order.shape[0], device=order.device) - first[row_of[order]]
-    return place, per_row
-
-
 # What a rank received: ([R, hidden] row states, their assignments with token = received row in row
 # order, assignments received from each rank).
 _Received = tuple[torch.Tensor, Routing, list[int]]
@@ -400,33 +365,10 @@ _Received = tuple[torch.Tensor, Routing, list[int]]
 _Arriving = Callable[[], tuple[_Received, list[int]]]
 
 
-def _unpack_uniform(got: torch.Tensor, rows: list[int], hidden: int, dtype: torch.dtype, width: int) -> _Received:
-    """Received rows [R, row bytes] of one `width`, `rows[r]` of them from rank r; padding dropped."""
-    xb = hidden * _itemsize(dtype)
-    ids = got[:, xb : xb + 4 * width].contiguous().view(_ID).long()
-    weights = got[:, xb + 4 * width :].contiguous().view(_WEIGHT)
-    real = ids >= 0
-    row = torch.arange(got.shape[0], device=got.device).unsqueeze(1).expand_as(ids)
-    per_rank = [int(c.sum()) for c in real.split(rows)] if got.shape[0] else [0] * len(rows)
-    return got[:, :xb].contiguous().view(dtype), Routing(row[real], ids[real], weights[real]), per_rank
-
-
 def _subset(routing: Routing, at: torch.Tensor) -> Routing:
     """The assignments at indices `at`, in that order."""
     return Routing(routing.token.index_select(0, at), routing.expert.index_select(0, at),
                    routing.weight.index_select(0, at))
-
-
-def _order_of(position: torch.Tensor) -> torch.Tensor:
-    """Each element's rank among `position`'s (distinct) values: where it sits in ascending order."""
-    return _inverse(torch.argsort(position))
-
-
-def _inverse(permutation: torch.Tensor) -> torch.Tensor:
-    """p⁻¹: where each index sits in `permutation`."""
-    inverse = torch.empty_like(permutation)
-    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
-    return inverse
 
 
 def dense_rows(num_ranks: int, top_k: int | None) -> bool:
@@ -472,19 +414,6 @@ def redundant_replicas(requested: int | None, num_experts: int, num_ranks: int) 
         raise ConfigError(f"redundant_experts={requested} is more than {num_ranks} ranks can hold for "
                           f"{num_experts} experts (at most {most}: one replica of an expert per rank)")
     return requested
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _row_bytes(hidden: int, dtype: torch.dtype, width: int) -> int:
-    return hidden * _itemsize(dtype) + width * (_itemsize(_ID) + _itemsize(_WEIGHT))
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """[R, C] as its raw bytes [R, C · itemsize] (a view of a contiguous copy)."""
-    return t.contiguous().view(torch.uint8)
 
 
 def shard_experts(model: object, group: EpGroup, placement: ExpertPlacement | None = None,

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from deepinfer.engine.kernels import ep_route
 from deepinfer.engine.models.moe import ExpertBank, Routing, run_experts
 from deepinfer.parallel.ep_moe import BatchSizes, ExpertParallelExperts, dense_rows
 from deepinfer.parallel.group import init_ep_group
@@ -73,7 +74,8 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
             executor = ExpertParallelExperts.from_bank(full, placement, 0, group, sizes=sizes)
             row[layout] = torch.equal(executor(x, routing), want)
         # The old combine: each rank's partial sum of its experts, added in rank order.
-        dest = executor._dest(routing)
+        dest = ep_route.split(routing, x.shape[0], executor._replica_ranks, executor._num_replicas,
+                              executor.bank.slot_of, 0, rank, torch.zeros(EXPERTS, dtype=torch.int64)).dest
         by_rank = torch.zeros_like(x)
         for r in range(2):
             mine = dest == r
