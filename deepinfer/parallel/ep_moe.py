@@ -42,7 +42,10 @@ Both layouts carry the same assignments and return the same outputs, so the resu
 whichever a group uses. An idle rank joins with zero rows, and a rank
 with nothing to receive still takes part. Counts (per-expert assignments of this rank's own tokens) and
 timings are kept for the benchmark and a balancer: dispatch and combine time what the rank did not hide
-behind its own experts (routing, packing, waiting, adding), compute all its expert work.
+behind its own experts (routing, packing, waiting, adding), compute all its expert work. The bookkeeping
+around the exchanges (the split by where an assignment is computed, the dense rows, the unpacking, the
+combine's order) is one C call each (`kernels/ep_route.c`, its torch path beside it): as tens of small torch
+ops per layer it cost more than the exchanges themselves.
 """
 
 from __future__ import annotations
