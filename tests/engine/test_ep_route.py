@@ -112,8 +112,8 @@ def test_a_missing_term_position_is_refused() -> None:
     _, routing = _routing(9, 8, 12)
     s = er.split(routing, 8, table, counts, slot_of, slots // 2, 1, torch.zeros(EXPERTS, dtype=torch.int64))
     order = torch.arange(s.at_early.numel())
-    if order.numel() > 1:
-        order[1] = order[0]  # two early terms claimed by one assignment, another left without
+    assert order.numel() > 1
+    order[1] = order[0]  # two early terms claimed by one assignment, another left without
     late = torch.arange(s.at_late.numel())
     sent_at = torch.arange(s.at_far.numel())
     with pytest.raises(ValueError, match="cover each assignment once"):
