@@ -80,7 +80,7 @@ static void range256(const float *x, int64_t ldx, const float *w, float *y, int6
                      int64_t K, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n = g * 8;
-#define DL_TILE256(MR, RR, i, r) tile256(MR, RR, x, ldx, w, y, ldy, K, N, i, n + (r))
+#define DL_TILE256(MR, RR, i, r) tile256(MR, RR, x, ldx, w, y, ldy, K, N, M, i, n + (r), (i) == 0)
         DL_GROUP_TILES(8, M, DL_TILE256);
 #undef DL_TILE256
     }
