@@ -279,3 +279,18 @@ def test_real_smollm2_layer_matches_loader_weights(name):
     assert torch.equal(packed.dequantize(), w)
     x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(6))
     _assert_product(quant_linear(x, packed, 2), x, w)
+
+
+@needs_native
+def test_the_auto_path_takes_the_kernel_up_to_this_cpus_crossover():
+    """Below the kernel's crossover for this CPU (`ql_kernel_max_m()`: 256 with AVX-512, 128 on AVX2 alone,
+    where torch's GEMM has no wider FMAs than the kernel) or the AMX tiles' first row, the auto path is the
+    kernel, to the bit; from there on, dequantise + GEMM (or the tiles)."""
+    limit = int(ql._loader.lib.ql_kernel_max_m())
+    assert ql._fns["gemm_min_rows"] == max(ql.GEMM_MIN_ROWS, limit + 1)
+    top = min(ql._fns["gemm_min_rows"], ql._fns["many_rows"]) - 1
+    packed, w = _packed("Q4_1", 200, 96, seed=5)
+    x = torch.randn(top + 1, 96, generator=torch.Generator().manual_seed(6))
+    assert ql.auto_route(top) == "kernel" and ql.auto_route(top + 1) in ("gemm", "amx")
+    assert torch.equal(quant_linear(x[:top], packed, 2), quant_linear(x[:top], packed, 2, impl="native"))
+    _assert_product(quant_linear(x, packed, 2), x, w)

@@ -8,6 +8,7 @@ on first use by build.py):
   registers; the fp32 matrix is never made. On a CPU with AVX-512F, from 4 rows up to the kernel's
   `ql_group_max_m()` (256) it dequantises 16 weight rows at a time into a cache-resident buffer and runs
   the fp32 kernel's register tiles (`dense_tiles.h`), which beats the GEMM below up to that many rows;
+  on AVX2 alone its tile path beats the GEMM up to 128 rows (`ql_kernel_max_m()`, the crossover either way);
 * from AMX_MIN_ROWS rows on a CPU with AMX-BF16 (prefill chunks, large batches): the kernel's tile path
   (`quant_amx.h`), which splits activations and weights into bf16 pieces whose products are exact, so it
   computes the fp32 layer's products at 1.3-1.6x torch's fp32 GEMM speed on the dequantised weights;
@@ -181,9 +182,10 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
     fn.argtypes = [vp, vp, i64, i64, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     fns["dequantize"] = fn
-    lib.ql_group_max_m.restype = ctypes.c_int
-    # With the AVX-512 group path, the kernel beats dequantise + GEMM up to its row limit (quant_linear.c).
-    fns["gemm_min_rows"] = max(GEMM_MIN_ROWS, lib.ql_group_max_m() + 1)
+    lib.ql_kernel_max_m.restype = ctypes.c_int
+    # The kernel beats dequantise + GEMM up to its row limit on this CPU (quant_linear.c): 256 with the
+    # AVX-512 group path, 128 on AVX2 alone (where torch's GEMM runs the same AVX2 FMAs).
+    fns["gemm_min_rows"] = max(GEMM_MIN_ROWS, lib.ql_kernel_max_m() + 1)
     # From AMX_MIN_ROWS rows, the tile path beats both (it packs W afresh each call, which fewer rows do
     # not pay back).
     fns["many_rows"] = AMX_MIN_ROWS if "amx" in fns else fns["gemm_min_rows"]
