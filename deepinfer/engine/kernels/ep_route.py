@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.engine.kernels import build
-from deepinfer.engine.models.moe import Routing
+from deepinfer.engine.models.moe import Routing, count_assignments
 
 __all__ = ["ID_DTYPE", "WEIGHT_DTYPE", "Split", "as_bytes", "columns", "combine_order", "itemsize", "native_available",
            "order_of", "pack_dense", "row_bytes", "split", "unpack"]
@@ -118,7 +118,7 @@ def split(routing: Routing, num_tokens: int, replica_ranks: torch.Tensor, num_re
 def _split_reference(routing: Routing, replica_ranks: torch.Tensor, num_replicas: torch.Tensor,
                      slot_of: torch.Tensor, half: int, rank: int, counts: torch.Tensor) -> Split:
     expert = routing.expert
-    counts += torch.bincount(expert, minlength=counts.shape[0])
+    counts += count_assignments(routing, counts.shape[0])
     dest = replica_ranks[expert, (routing.token + rank) % num_replicas[expert]]
     here = dest == rank
     early = here & (slot_of[expert] < half)
