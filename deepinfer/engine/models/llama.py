@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from deepinfer.engine.attention import AttentionMetadata, rope_attention
 from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.kernels.decode_layers import DecodeStack, silu_mul
 from deepinfer.engine.kernels.rms_norm import rms_norm
 from deepinfer.engine.models.linear import Weight, embed_rows, fuse_rows, in_one_arena, linear, to_device
 from deepinfer.engine.models.rope import RotaryTable
@@ -53,8 +53,7 @@ class DenseMLP:
         return cls(fuse_rows([sd[prefix + "gate_proj"], sd[prefix + "up_proj"]]), sd[prefix + "down_proj"])
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down)
+        return linear(silu_mul(linear(h, self.gate_up)), self.down)
 
 
 class LlamaModel:
@@ -125,6 +124,14 @@ class LlamaModel:
         short.config = dataclasses.replace(self.config, num_layers=num_layers)
         return short
 
+    def decode_stack(self) -> DecodeStack | None:
+        """The native layer loop bound to this model's layers (built on first use, again after the layer
+        list changes, as in `truncated`), or None where it does not apply."""
+        bound = self.__dict__.get("_decode_stack")
+        if bound is None or bound[0] is not self.layers:
+            bound = self._decode_stack = (self.layers, DecodeStack.for_layers(self.layers))
+        return bound[1]
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
@@ -137,13 +144,18 @@ class LlamaModel:
         # x is the residual stream; each sublayer's output joins it inside the norm that reads it next
         # (rms_norm's residual=, in place), and `pending` is the last MLP's output, added at the end.
         x = embed_rows(input_ids, self.embed)
-        pending: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, eps, residual=pending)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
-            o = rope_attention(qkv, positions, self.rotary, kv[:, i, 0], kv[:, i, 1], meta, self.scale)
-            h = rms_norm(x, layer.post_attn_norm, eps, residual=linear(o.view(T, self._q_dim), layer.o_proj))
-            pending = layer.mlp(h)
+        # A step of decode rows runs every layer in one native call (the same kernels, the same bits) when
+        # the model and the step fit it; otherwise, or when it declines, the per-op loop below.
+        stack = self.decode_stack()
+        pending = None if stack is None else stack.run(x, positions, kv, meta, self.rotary.cos, self.rotary.sin,
+                                                       self.scale, eps, self._q_dim)
+        if pending is None:
+            for i, layer in enumerate(self.layers):
+                h = rms_norm(x, layer.input_norm, eps, residual=pending)
+                qkv = linear(h, layer.qkv, layer.qkv_bias)
+                o = rope_attention(qkv, positions, self.rotary, kv[:, i, 0], kv[:, i, 1], meta, self.scale)
+                h = rms_norm(x, layer.post_attn_norm, eps, residual=linear(o.view(T, self._q_dim), layer.o_proj))
+                pending = layer.mlp(h)
         rows = x[logits_rows]  # a copy: only these rows need the last add and the final norm
         return linear(rms_norm(rows, self.norm, eps, residual=None if pending is None else pending[logits_rows]),
                       self.lm_head)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine.config import MoEConfig
+from deepinfer.engine.kernels.decode_layers import silu_mul
 from deepinfer.engine.kernels.dense_linear import MAX_ROWS as DENSE_MAX_ROWS
 from deepinfer.engine.kernels.dense_linear import dense_linear
 from deepinfer.engine.models.linear import linear
@@ -205,8 +206,8 @@ def _weighted_terms(x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, we
     start = 0
     for s, n in enumerate(counts):
         if n:
-            gate, up = expert_linear(xs[start : start + n], bank.gate_up[s]).chunk(2, dim=-1)
-            ys[start : start + n] = expert_linear(F.silu(gate) * up, bank.down[s])
+            ys[start : start + n] = expert_linear(silu_mul(expert_linear(xs[start : start + n], bank.gate_up[s])),
+                                                  bank.down[s])
             start += n
     return order, ys.mul_(weight[order].unsqueeze(1))
 

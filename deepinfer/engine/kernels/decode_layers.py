@@ -1,0 +1,240 @@
+"""A decode step's decoder layers in one native call (`decode_layers.c`), and the SwiGLU activation.
+
+`DecodeStack.for_layers(layers)` binds the C loop to a Llama-family model's layers once (None when a layer is
+not a dense SwiGLU one, or a weight or kernel it needs is missing); `stack.run(...)` then computes a step
+whose rows are all decode rows (one-token rows and speculative verification rows) through every layer in
+one call, or returns None when the step does not fit the loop (prefill chunks, more rows than the small-row
+kernels take, tensors off the CPU) and the caller takes its per-op path. The loop calls the same C entry
+points the per-op path's wrappers call, in the same order, so the two are bit for bit equal; what it saves
+is the per-op path's Python (about 75 us a layer at batch 1 on SmolLM2).
+
+`silu_mul(gate_up)` is silu(gate) * up for gate_up = [gate | up] ([rows, 2I] → [rows, I]): the C function
+both paths use on CPU fp32 (so the loop and the per-op MLP agree to the bit), torch's F.silu elsewhere. Its
+exp is a polynomial within a few ulp of torch's, not torch's own bits.
+
+DEEPINFER_DECODE_LOOP=0 keeps every step on the per-op path (for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.engine.kernels import build
+from deepinfer.engine.kernels import dense_linear as dl
+from deepinfer.engine.kernels import paged_attention as pa
+from deepinfer.engine.kernels import quant_linear as ql
+from deepinfer.engine.kernels import rms_norm as rn
+
+__all__ = ["DecodeStack", "native_available", "silu_mul", "silu_mul_reference"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("decode_layers.c")
+_STAGES = ("input norm", "qkv projection", "attention", "o projection", "post-attention norm",
+           "gate/up projection", "SwiGLU", "down projection")
+_vp, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("quant", _vp), ("dense", _vp), ("norm", _vp), ("attn", _vp)]
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("data", _vp), ("bias", _vp), ("format", _i64), ("n", _i64), ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _vp), ("post_norm", _vp), ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight),
+                ("down", _Weight)]
+
+
+_STEP_POINTERS = ("x", "pending", "h", "qkv", "attn", "o", "gu", "act", "cos", "sin", "positions", "slot_blocks",
+                  "slot_offsets", "block_tables", "context_lens", "attn_params", "kv")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("M", "hidden", "q_width", "qkv_width", "intermediate", "num_threads")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [(name, _vp) for name in _STEP_POINTERS] + [
+        ("layer_bytes", _i64), ("v_bytes", _i64), ("fail_layer", _i64), ("fail_stage", _i64)]
+
+
+def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
+    lib = build.dlopen_checked(path)
+    fn = lib.dk_silu_mul_f32  # gu, ldg, out, ldo, M, I
+    fn.argtypes = [_vp, _i64, _vp, _i64, _i64, _i64]
+    fn.restype = ctypes.c_int
+    loop = lib.dk_decode_layers  # kernels, layers, num_layers, step
+    loop.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Step)]
+    loop.restype = ctypes.c_int
+    return lib, {"silu_mul": fn, "loop": loop}
+
+
+_loader = build.KernelLoader(_SOURCE, "decode_layers", "decode layer loop", _load, probe_prefix="dk", log=logger,
+                             simd=("avx2", "fma"))
+_fns = _loader.fns
+
+
+def native_available() -> bool:
+    """Build (cached on disk) and load the kernel; False, with the reason logged once, if it cannot."""
+    return bool(_fns) or _loader.available()
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """torch's silu(gate) * up (any device and dtype)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2I] = [gate | up] → new [rows, I] (module docstring)."""
+    fn = _fns.get("silu_mul") if _fns or _loader.available() else None
+    if (fn is None or gate_up.dtype is not torch.float32 or not gate_up.is_cpu or gate_up.dim() != 2
+            or gate_up.shape[1] % 2 or gate_up.stride(1) != 1 or gate_up.stride(0) < gate_up.shape[1]):
+        return silu_mul_reference(gate_up)
+    m, width = gate_up.shape
+    out = torch.empty((m, width // 2), dtype=torch.float32)
+    if m and fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), width // 2, m, width // 2):  # type: ignore[operator]
+        raise ValueError(f"silu_mul: bad shape {tuple(gate_up.shape)} or strides {gate_up.stride()}")
+    return out
+
+
+def _address(fn: Any) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def _weight(w: Any, bias: torch.Tensor | None) -> tuple[_Weight, str] | None:
+    """The C description of a projection and its kind ("quant" or "dense"), or None when the loop cannot
+    run it the way the per-op path does."""
+    if bias is not None and not (bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()
+                                 and bias.dim() == 1):
+        return None
+    b = bias.data_ptr() if bias is not None else None
+    if isinstance(w, ql.PackedWeight):
+        if not w.blocks.is_cpu:
+            return None
+        return _Weight(w.blocks.data_ptr(), b, ql.FORMATS[w.format][0], w.out_features, w.in_features), "quant"
+    if isinstance(w, torch.Tensor) and w.dtype is torch.float32 and w.is_cpu and w.dim() == 2 and w.is_contiguous():
+        return _Weight(w.data_ptr(), b, -1, w.shape[0], w.shape[1]), "dense"
+    return None
+
+
+def _vector_ok(t: Any, n: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype is torch.float32 and t.is_cpu and t.shape == (n,) \
+        and t.is_contiguous()
+
+
+class DecodeStack:
+    """The C layer loop bound to one model's layers (module docstring). Holds pointers into the layers'
+    weights: valid while the model that built it keeps them (it keeps a reference to the list)."""
+
+    def __init__(self, layers: Sequence[Any], table: ctypes.Array, kinds: set[str], hidden: int,
+                 intermediate: int) -> None:
+        self.layers, self.num_layers = layers, len(layers)
+        self._table, self._kinds = table, kinds
+        self.hidden, self.intermediate = hidden, intermediate
+
+    @classmethod
+    def for_layers(cls, layers: Sequence[Any]) -> DecodeStack | None:
+        """Bind to `layers` (models/llama.py's `_Layer`s), or None when the loop does not apply: any MLP
+        other than a dense SwiGLU, a projection neither packed nor contiguous fp32 on the CPU, a norm
+        weight that is not a contiguous fp32 vector, or a kernel that cannot be built."""
+        from deepinfer.engine.models.llama import DenseMLP  # the layer types live with the model
+
+        if os.environ.get("DEEPINFER_DECODE_LOOP", "1") == "0" or not layers or not native_available() \
+                or not rn.native_available() or not pa.native_available():
+            return None
+        table = (_Layer * len(layers))()
+        kinds: set[str] = set()
+        hidden = intermediate = 0
+        for i, layer in enumerate(layers):
+            if not isinstance(layer.mlp, DenseMLP):
+                return None
+            parts = [_weight(layer.qkv, layer.qkv_bias), _weight(layer.o_proj, None),
+                     _weight(layer.mlp.gate_up, None), _weight(layer.mlp.down, None)]
+            if any(p is None for p in parts):
+                return None
+            (qkv, k1), (o, k2), (gu, k3), (down, k4) = parts  # type: ignore[misc]
+            hidden, intermediate = o.n, down.k
+            if not (_vector_ok(layer.input_norm, hidden) and _vector_ok(layer.post_attn_norm, hidden)
+                    and qkv.k == hidden and o.n == hidden and gu.k == hidden and gu.n == 2 * intermediate
+                    and down.n == hidden and (i == 0 or (hidden, intermediate) == (table[0].o.n, table[0].down.k))):
+                return None
+            kinds |= {k1, k2, k3, k4}
+            table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), qkv, o, gu, down)
+        if ("quant" in kinds and not ql.native_available()) or ("dense" in kinds and not dl.native_available()):
+            return None
+        return cls(layers, table, kinds, hidden, intermediate)
+
+    def max_rows(self) -> int:
+        """The most rows a step may have for the loop: below the packed kernel's many-rows route and within
+        the dense kernel's rows (where the per-op path's `linear` takes those same kernels)."""
+        limit = 1 << 30
+        if "quant" in self._kinds:
+            limit = min(limit, int(ql._fns.get("many_rows", ql.GEMM_MIN_ROWS)) - 1)
+        if "dense" in self._kinds:
+            limit = min(limit, dl.MAX_ROWS)
+        return limit
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: Any, cos: torch.Tensor,
+            sin: torch.Tensor, scale: float, eps: float, q_width: int) -> torch.Tensor | None:
+        """All layers for a step of decode rows: updates the residual stream `x` [T, hidden] in place and
+        returns the last MLP's output [T, hidden] (what the per-op loop leaves in `pending`), or None, having
+        changed nothing, when the step does not fit the loop. kv: the engine's pool [num_blocks, layers, 2,
+        block_size, kv_heads, head_dim]. Raises ValueError (MemoryError) as the per-op path's kernels would."""
+        T = x.shape[0]
+        if (meta.prefills or not meta.use_native or meta.num_decode != T or not 0 < T <= self.max_rows()
+                or x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.shape[1] != self.hidden
+                or not kv.is_cpu or kv.dim() != 6 or kv.shape[1] < self.num_layers
+                or kv.dtype not in pa.KV_COMPUTE_DTYPES):
+            return None
+        k0, v0 = kv[:, 0, 0], kv[:, 0, 1]
+        D = k0.shape[-1]
+        qkv = torch.empty((T, q_width + 2 * k0.shape[2] * D), dtype=torch.float32)
+        attn = torch.empty((T, q_width // D, D), dtype=torch.float32)
+        # The per-op path checks these per layer; every layer's views share shapes and strides.
+        _, heads, _, kvh, bs, max_blocks = pa._check_fused(qkv, cos, sin, positions, meta.slot_blocks,
+                                                           meta.slot_offsets, k0, v0, meta.decode_block_tables,
+                                                           meta.decode_context_lens, attn)
+        ks, vs = k0.stride(), v0.stride()
+        params = pa._pack_fused_params(T, heads, kvh, D, bs, k0.shape[0], max_blocks, qkv.stride(0), D,
+                                       attn.stride(0), attn.stride(1), meta.decode_block_tables.stride(0), ks[0],
+                                       ks[1], vs[0], vs[1], cos.shape[0])
+        H, inter, item = self.hidden, self.intermediate, kv.element_size()
+        pending = torch.empty((T, H), dtype=torch.float32)
+        h, o = torch.empty((T, H), dtype=torch.float32), torch.empty((T, H), dtype=torch.float32)
+        gu, act = torch.empty((T, 2 * inter), dtype=torch.float32), torch.empty((T, inter), dtype=torch.float32)
+        kernels = _Kernels(_address(ql._fns.get("native")), _address(dl._fns.get("native")),
+                           _address(rn._fns["rms_norm"]), _address(pa._loader.fns["rope", kv.dtype]))
+        step = _Step(T, H, q_width, qkv.shape[1], inter, torch.get_num_threads(), eps, scale,
+                     x.data_ptr(), pending.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), o.data_ptr(),
+                     gu.data_ptr(), act.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                     meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(), meta.decode_block_tables.data_ptr(),
+                     meta.decode_context_lens.data_ptr(), ctypes.cast(ctypes.c_char_p(params), _vp),
+                     kv.data_ptr(), kv.stride(1) * item, kv.stride(2) * item, -1, -1)
+        rc = _fns["loop"](ctypes.byref(kernels), self._table, self.num_layers, ctypes.byref(step))
+        if rc:
+            self._raise(rc, step, positions, meta, cos, k0)
+        return pending
+
+    def _raise(self, rc: int, step: _Step, positions: torch.Tensor, meta: Any, cos: torch.Tensor,
+               k0: torch.Tensor) -> None:
+        stage = _STAGES[step.fail_stage] if 0 <= step.fail_stage < len(_STAGES) else "setup"
+        if stage == "attention":
+            if rc in (pa._ERR_CONTEXT_LEN, pa._ERR_BLOCK_ID):
+                pa._check_values(meta.decode_block_tables, meta.decode_context_lens, k0.shape[0], k0.shape[1])
+            if rc in (pa._ERR_POSITION, pa._ERR_SLOT):
+                pa._check_fused_values(positions, meta.slot_blocks, meta.slot_offsets, cos.shape[0], k0.shape[0],
+                                       k0.shape[1])
+            if rc == pa._ERR_NOMEM:
+                raise MemoryError("decode layers: out of memory for attention scratch buffers")
+        if rc == -4:
+            raise MemoryError(f"decode layers: out of memory in layer {step.fail_layer}'s {stage}")
+        raise ValueError(f"decode layers: layer {step.fail_layer}'s {stage} refused its arguments (code {rc})")
