@@ -13,7 +13,8 @@ move compares with recomputing, and TTFT under load.
 4. TTFT p50/p99 against the disaggregated mesh under Poisson arrivals at several rates.
 With `--batch1 N`, only batch-1 decode instead: one prompt, N greedy tokens, through the engine, the
 co-located and the disaggregated mesh as processes, every worker with all the threads as `up --threads N` gives
-them (the engine before and after), each twice after a warm-up.
+them (the engine before and after), each twice after a warm-up, then llama.cpp on the same GGUF, prompt and threads
+(when llama-cpp-python is installed: `pip install -e '.[bench]'`).
 Every ratio is against a baseline measured in the same run. See bench/README.md for what each figure means.
 """
 
@@ -335,11 +336,35 @@ def batch1(model: str, loaded: LoadedModel, tok: Tokenizer, threads: int, new_to
         with process_mesh(model, disaggregated, threads, mb, weights) as topo:  # every worker all threads, as `up`
             rates[name] = best([run_client(topo.frontend, prompt, warm, new_tokens) for _ in range(2)])
     rates[ENGINE_AGAIN] = best([engine_phase(loaded, tok, cfg, prompt, warm, new_tokens) for _ in range(2)])
+    peer = llama_cpp_batch1(Path(model), threads, prompt[0], warm[0], new_tokens) if Path(model).is_file() else None
     engine = max(rates[ENGINE], rates[ENGINE_AGAIN])
-    print(f"\nbatch-1 decode, SmolLM2-135M ({loaded.weights} weights), {threads} threads, {new_tokens} greedy tokens:")
+    print(f"\nbatch-1 decode, SmolLM2-135M ({loaded.weights} weights), {threads} threads, {new_tokens} greedy tokens "
+          f"(prompt and decode: new tokens / wall):")
     for name, rate in rates.items():
-        print(f"  {name:>32}: {rate:6.1f} tok/s  ({rate / engine:.2f} of the engine's better run)")
+        vs_peer = f", {rate / peer:.2f}x llama.cpp" if isinstance(peer, float) else ""
+        print(f"  {name:>32}: {rate:6.1f} tok/s  ({rate / engine:.2f} of the engine's better run{vs_peer})")
+    if isinstance(peer, float):
+        print(f"  {'llama.cpp, same GGUF and threads':>32}: {peer:6.1f} tok/s  (after the engine's second run)")
+    elif isinstance(peer, str):
+        print(f"  llama.cpp: {peer}")
     print(f"reproduce: python -m bench.bench_mesh --batch1 {new_tokens} --threads {threads} --weights {weights}")
+
+
+def llama_cpp_batch1(gguf: Path, threads: int, prompt: list[int], warm: list[int], new_tokens: int) -> float | str:
+    """llama.cpp's batch-1 rate on the same GGUF, prompt and threads, measured as the meshes are (new tokens /
+    wall, the prompt included; the better of two runs after a warm-up), or why it was skipped."""
+    from bench.bench_engine import LlamaCpp, import_llama_cpp
+
+    lc, why = import_llama_cpp()
+    if lc is None:
+        return str(why)
+    peer = LlamaCpp(lc, gguf, threads)
+    try:
+        peer.open(1, len(prompt) + new_tokens)
+        peer.generate([warm], 4)
+        return max(peer.generate([prompt], new_tokens)["aggregate_tok_s"] for _ in range(2))
+    finally:
+        peer.close()
 
 
 def main(argv: list[str] | None = None) -> None:
