@@ -10,6 +10,8 @@ within a few ulp and does not depend on where a value sits in its row.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,16 @@ def test_silu_mul_of_a_value_does_not_depend_on_its_column():
     assert torch.equal(wide, one_by_one)
     strided = torch.cat([g, u, torch.zeros(3)]).repeat(2, 1)[:, :80]  # rows 83 floats apart
     assert torch.equal(silu_mul(strided)[1], wide)
+
+
+def test_the_stack_keeps_the_tensors_it_points_at_alive(tiny_hf_model, tmp_path):
+    model, _ = _model(tiny_hf_model, tmp_path, "fp32")
+    stack = model.decode_stack()
+    held = weakref.ref(model.layers[0].o_proj)
+    model.layers[0].o_proj = model.layers[0].o_proj.clone()  # the model lets go of the tensor the loop points at
+    gc.collect()
+    assert held() is not None and stack is model.decode_stack()
+    del stack
+    model._decode_stack = None
+    gc.collect()
+    assert held() is None

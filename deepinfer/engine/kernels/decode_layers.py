@@ -132,13 +132,15 @@ def _vector_ok(t: Any, n: int) -> bool:
 
 
 class DecodeStack:
-    """The C layer loop bound to one model's layers (module docstring). Holds pointers into the layers'
-    weights: valid while the model that built it keeps them (it keeps a reference to the list)."""
+    """The C layer loop bound to one model's layers (module docstring). It holds pointers into the tensors
+    the layers held when it was bound, and references to those tensors, so they outlive it: a layer whose
+    weights are replaced afterwards keeps computing with the old ones until the model binds again
+    (LlamaModel.decode_stack binds anew when its layer list is a new list)."""
 
     def __init__(self, layers: Sequence[Any], table: ctypes.Array, kinds: set[str], hidden: int,
-                 intermediate: int) -> None:
+                 intermediate: int, tensors: list[torch.Tensor]) -> None:
         self.layers, self.num_layers = layers, len(layers)
-        self._table, self._kinds = table, kinds
+        self._table, self._kinds, self._tensors = table, kinds, tensors
         self.hidden, self.intermediate = hidden, intermediate
 
     @classmethod
@@ -153,6 +155,7 @@ class DecodeStack:
             return None
         table = (_Layer * len(layers))()
         kinds: set[str] = set()
+        tensors: list[torch.Tensor] = []
         hidden = intermediate = 0
         for i, layer in enumerate(layers):
             if not isinstance(layer.mlp, DenseMLP):
@@ -168,10 +171,13 @@ class DecodeStack:
                     and down.n == hidden and (i == 0 or (hidden, intermediate) == (table[0].o.n, table[0].down.k))):
                 return None
             kinds |= {k1, k2, k3, k4}
+            tensors += [layer.input_norm, layer.post_attn_norm] + [
+                w.blocks if isinstance(w, ql.PackedWeight) else w
+                for w in (layer.qkv, layer.qkv_bias, layer.o_proj, layer.mlp.gate_up, layer.mlp.down) if w is not None]
             table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), qkv, o, gu, down)
         if ("quant" in kinds and not ql.native_available()) or ("dense" in kinds and not dl.native_available()):
             return None
-        return cls(layers, table, kinds, hidden, intermediate)
+        return cls(layers, table, kinds, hidden, intermediate, tensors)
 
     def max_rows(self) -> int:
         """The most rows a step may have for the loop: below the packed kernel's many-rows route and within
