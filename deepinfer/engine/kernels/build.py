@@ -330,6 +330,12 @@ class KernelLoader:
                                  self.state["reason"])
                 return False
 
+    def entry_point(self, key: object) -> int:
+        """The address of the loaded function `fns[key]`, for native code that calls it directly (0 when the
+        kernel cannot be loaded or has no such function)."""
+        fn = self.fns.get(key) if self.available() else None  # type: ignore[call-overload]
+        return (ctypes.cast(fn, ctypes.c_void_p).value or 0) if fn is not None else 0
+
     def info(self) -> dict[str, object] | None:
         """Where the loaded kernel came from and how it was built (None when not loaded)."""
         if not self.fns:

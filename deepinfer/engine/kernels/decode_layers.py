@@ -106,10 +106,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _address(fn: Any) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value or 0
-
-
 def _weight(w: Any, bias: torch.Tensor | None) -> tuple[_Weight, str] | None:
     """The C description of a projection and its kind ("quant" or "dense"), or None when the loop cannot
     run it the way the per-op path does."""
@@ -151,7 +147,7 @@ class DecodeStack:
         from deepinfer.engine.models.llama import DenseMLP  # the layer types live with the model
 
         if os.environ.get("DEEPINFER_DECODE_LOOP", "1") == "0" or not layers or not native_available() \
-                or not rn.native_available() or not pa.native_available():
+                or not pa.native_available():
             return None
         table = (_Layer * len(layers))()
         kinds: set[str] = set()
@@ -175,16 +171,17 @@ class DecodeStack:
                 w.blocks if isinstance(w, ql.PackedWeight) else w
                 for w in (layer.qkv, layer.qkv_bias, layer.o_proj, layer.mlp.gate_up, layer.mlp.down) if w is not None]
             table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), qkv, o, gu, down)
-        if ("quant" in kinds and not ql.native_available()) or ("dense" in kinds and not dl.native_available()):
+        if ("quant" in kinds and not ql.entry_point()) or ("dense" in kinds and not dl.entry_point()) \
+                or not rn.entry_point():
             return None
         return cls(layers, table, kinds, hidden, intermediate, tensors)
 
     def max_rows(self) -> int:
-        """The most rows a step may have for the loop: below the packed kernel's many-rows route and within
-        the dense kernel's rows (where the per-op path's `linear` takes those same kernels)."""
+        """The most rows a step may have for the loop: those the per-op path's `linear` gives the same small-row
+        kernels (the packed kernel's route, the dense kernel's rows)."""
         limit = 1 << 30
         if "quant" in self._kinds:
-            limit = min(limit, int(ql._fns.get("many_rows", ql.GEMM_MIN_ROWS)) - 1)
+            limit = min(limit, ql.kernel_max_rows())
         if "dense" in self._kinds:
             limit = min(limit, dl.MAX_ROWS)
         return limit
@@ -206,41 +203,31 @@ class DecodeStack:
         qkv = torch.empty((T, q_width + 2 * k0.shape[2] * D), dtype=torch.float32)
         attn = torch.empty((T, q_width // D, D), dtype=torch.float32)
         # The per-op path checks these per layer; every layer's views share shapes and strides.
-        _, heads, _, kvh, bs, max_blocks = pa._check_fused(qkv, cos, sin, positions, meta.slot_blocks,
-                                                           meta.slot_offsets, k0, v0, meta.decode_block_tables,
-                                                           meta.decode_context_lens, attn)
-        ks, vs = k0.stride(), v0.stride()
-        params = pa._pack_fused_params(T, heads, kvh, D, bs, k0.shape[0], max_blocks, qkv.stride(0), D,
-                                       attn.stride(0), attn.stride(1), meta.decode_block_tables.stride(0), ks[0],
-                                       ks[1], vs[0], vs[1], cos.shape[0])
+        params = pa.fused_decode_params(qkv, cos, sin, positions, meta.slot_blocks, meta.slot_offsets, k0, v0,
+                                        meta.decode_block_tables, meta.decode_context_lens, attn)
         H, inter, item = self.hidden, self.intermediate, kv.element_size()
         pending = torch.empty((T, H), dtype=torch.float32)
         h, o = torch.empty((T, H), dtype=torch.float32), torch.empty((T, H), dtype=torch.float32)
         gu, act = torch.empty((T, 2 * inter), dtype=torch.float32), torch.empty((T, inter), dtype=torch.float32)
-        kernels = _Kernels(_address(ql._fns.get("native")), _address(dl._fns.get("native")),
-                           _address(rn._fns["rms_norm"]), _address(pa._loader.fns["rope", kv.dtype]))
-        step = _Step(T, H, q_width, qkv.shape[1], inter, torch.get_num_threads(), eps, scale,
-                     x.data_ptr(), pending.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), o.data_ptr(),
-                     gu.data_ptr(), act.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                     meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(), meta.decode_block_tables.data_ptr(),
-                     meta.decode_context_lens.data_ptr(), ctypes.cast(ctypes.c_char_p(params), _vp),
-                     kv.data_ptr(), kv.stride(1) * item, kv.stride(2) * item, -1, -1)
+        kernels = _Kernels(quant=ql.entry_point() if "quant" in self._kinds else None,
+                           dense=dl.entry_point() if "dense" in self._kinds else None, norm=rn.entry_point(),
+                           attn=pa.fused_decode_entry_point(kv.dtype))
+        step = _Step(M=T, hidden=H, q_width=q_width, qkv_width=qkv.shape[1], intermediate=inter,
+                     num_threads=torch.get_num_threads(), eps=eps, scale=scale, x=x.data_ptr(),
+                     pending=pending.data_ptr(), h=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
+                     o=o.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+                     positions=positions.data_ptr(), slot_blocks=meta.slot_blocks.data_ptr(),
+                     slot_offsets=meta.slot_offsets.data_ptr(), block_tables=meta.decode_block_tables.data_ptr(),
+                     context_lens=meta.decode_context_lens.data_ptr(),
+                     attn_params=ctypes.cast(ctypes.c_char_p(params), _vp), kv=kv.data_ptr(),
+                     layer_bytes=kv.stride(1) * item, v_bytes=kv.stride(2) * item, fail_layer=-1, fail_stage=-1)
         rc = _fns["loop"](ctypes.byref(kernels), self._table, self.num_layers, ctypes.byref(step))
         if rc:
-            self._raise(rc, step, positions, meta, cos, k0)
+            stage = _STAGES[step.fail_stage] if 0 <= step.fail_stage < len(_STAGES) else "setup"
+            if stage == "attention":
+                pa.raise_fused_decode_error(rc, "decode layers", positions, meta.slot_blocks, meta.slot_offsets,
+                                            cos, k0, meta.decode_block_tables, meta.decode_context_lens)
+            if rc == -4:
+                raise MemoryError(f"decode layers: out of memory in layer {step.fail_layer}'s {stage}")
+            raise ValueError(f"decode layers: layer {step.fail_layer}'s {stage} refused its arguments (code {rc})")
         return pending
-
-    def _raise(self, rc: int, step: _Step, positions: torch.Tensor, meta: Any, cos: torch.Tensor,
-               k0: torch.Tensor) -> None:
-        stage = _STAGES[step.fail_stage] if 0 <= step.fail_stage < len(_STAGES) else "setup"
-        if stage == "attention":
-            if rc in (pa._ERR_CONTEXT_LEN, pa._ERR_BLOCK_ID):
-                pa._check_values(meta.decode_block_tables, meta.decode_context_lens, k0.shape[0], k0.shape[1])
-            if rc in (pa._ERR_POSITION, pa._ERR_SLOT):
-                pa._check_fused_values(positions, meta.slot_blocks, meta.slot_offsets, cos.shape[0], k0.shape[0],
-                                       k0.shape[1])
-            if rc == pa._ERR_NOMEM:
-                raise MemoryError("decode layers: out of memory for attention scratch buffers")
-        if rc == -4:
-            raise MemoryError(f"decode layers: out of memory in layer {step.fail_layer}'s {stage}")
-        raise ValueError(f"decode layers: layer {step.fail_layer}'s {stage} refused its arguments (code {rc})")

@@ -25,8 +25,8 @@ import torch
 
 from deepinfer.engine.kernels import build
 
-__all__ = ["AMX_MIN_ROWS", "MAX_ROWS", "amx_available", "dense_linear", "dense_linear_amx", "native_available",
-           "native_info"]
+__all__ = ["AMX_MIN_ROWS", "MAX_ROWS", "amx_available", "dense_linear", "dense_linear_amx", "entry_point",
+           "native_available", "native_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,12 @@ def native_info() -> dict[str, object] | None:
     """How the loaded kernel was built and which path it runs here (None when not loaded)."""
     info = _loader.info()
     return None if info is None else {**info, "simd": _fns["path"]}
+
+
+def entry_point() -> int:
+    """The address of `dl_linear_f32` (what `dense_linear` calls by default) for native callers; 0 without
+    the kernel."""
+    return _loader.entry_point("native")
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, num_threads: int, *, impl: str = "native") -> torch.Tensor | None:

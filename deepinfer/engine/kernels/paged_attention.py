@@ -47,6 +47,7 @@ import ctypes
 import logging
 import struct
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -470,28 +471,58 @@ def rope_write_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     if (not fns and not _loader.available()) or not qkv.is_cpu:
         return rope_write_decode_attention_reference(qkv, cos, sin, positions, slot_blocks, slot_offsets, k, v,
                                                      block_tables, context_lens, scale, out)
+    if out is None:
+        B, H, D = _check_fused(qkv, cos, sin, positions, slot_blocks, slot_offsets, k, v, block_tables,
+                               context_lens, None)[:3]
+        out = torch.empty((B, H, D), dtype=torch.float32)
+    params = fused_decode_params(qkv, cos, sin, positions, slot_blocks, slot_offsets, k, v, block_tables,
+                                 context_lens, out)
+    if params is None:
+        return out
+    rc = fns["rope", k.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                              slot_blocks.data_ptr(), slot_offsets.data_ptr(), k.data_ptr(), v.data_ptr(),
+                              block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), params, scale,
+                              torch.get_num_threads())
+    if rc != 0:
+        raise_fused_decode_error(rc, "rope_write_decode_attention", positions, slot_blocks, slot_offsets, cos, k,
+                                 block_tables, context_lens)
+    return out
+
+
+def fused_decode_entry_point(kv_dtype: torch.dtype) -> int:
+    """The address of the fused entry point's C function for a cache of `kv_dtype` (a `KV_COMPUTE_DTYPES`
+    member), for native code that calls it directly (`decode_layers.py`); 0 when the kernel is not loaded."""
+    return _loader.entry_point(("rope", kv_dtype))
+
+
+def fused_decode_params(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                        slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor) -> bytes | None:
+    """The fused entry point's parameter block for these CPU arguments (`out` given), after the checks that
+    do not read values (ValueError naming what is wrong); None when there are no rows. Every layer's views
+    of one pool share it."""
     B, H, D, kvh, bs, max_blocks = _check_fused(qkv, cos, sin, positions, slot_blocks, slot_offsets, k, v,
                                                 block_tables, context_lens, out)
-    fn = fns["rope", k.dtype]
-    if out is None:
-        out = torch.empty((B, H, D), dtype=torch.float32)
     if B == 0:
-        return out
+        return None
     ks, vs = k.stride(), v.stride()
-    params = _pack_fused_params(B, H, kvh, D, bs, k.shape[0], max_blocks, qkv.stride(0), D, out.stride(0),
-                                out.stride(1), block_tables.stride(0), ks[0], ks[1], vs[0], vs[1], cos.shape[0])
-    rc = fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slot_blocks.data_ptr(),
-            slot_offsets.data_ptr(), k.data_ptr(), v.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-            out.data_ptr(), params, scale, torch.get_num_threads())
-    if rc != 0:
-        if rc in (_ERR_CONTEXT_LEN, _ERR_BLOCK_ID):
-            _check_values(block_tables, context_lens, k.shape[0], bs)
-        if rc in (_ERR_POSITION, _ERR_SLOT):
-            _check_fused_values(positions[:B], slot_blocks[:B], slot_offsets[:B], cos.shape[0], k.shape[0], bs)
-        if rc == _ERR_NOMEM:
-            raise MemoryError("rope_write_decode_attention: out of memory for scratch buffers")
-        raise ValueError(f"rope_write_decode_attention: invalid arguments (code {rc})")
-    return out
+    return _pack_fused_params(B, H, kvh, D, bs, k.shape[0], max_blocks, qkv.stride(0), D, out.stride(0),
+                              out.stride(1), block_tables.stride(0), ks[0], ks[1], vs[0], vs[1], cos.shape[0])
+
+
+def raise_fused_decode_error(rc: int, what: str, positions: torch.Tensor, slot_blocks: torch.Tensor,
+                             slot_offsets: torch.Tensor, cos: torch.Tensor, k: torch.Tensor,
+                             block_tables: torch.Tensor, context_lens: torch.Tensor) -> NoReturn:
+    """Raise what a non-zero return `rc` of the fused entry point means: a ValueError naming the first bad
+    row's context length, block id, position or slot where the values show one, MemoryError for scratch."""
+    B, (num_blocks, bs) = block_tables.shape[0], k.shape[:2]
+    if rc in (_ERR_CONTEXT_LEN, _ERR_BLOCK_ID):
+        _check_values(block_tables, context_lens, num_blocks, bs)
+    if rc in (_ERR_POSITION, _ERR_SLOT):
+        _check_fused_values(positions[:B], slot_blocks[:B], slot_offsets[:B], cos.shape[0], num_blocks, bs)
+    if rc == _ERR_NOMEM:
+        raise MemoryError(f"{what}: out of memory for scratch buffers")
+    raise ValueError(f"{what}: invalid arguments (code {rc})")
 
 
 def rope_write_decode_attention_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -45,6 +45,8 @@ __all__ = [
     "FORMATS",
     "amx_available",
     "auto_route",
+    "entry_point",
+    "kernel_max_rows",
     "PackedWeight",
     "native_available",
     "native_info",
@@ -230,6 +232,17 @@ def auto_route(rows: int) -> str:
     if rows < _fns.get("many_rows", GEMM_MIN_ROWS):
         return "kernel"
     return "amx" if "amx" in _fns else "gemm"
+
+
+def entry_point() -> int:
+    """The address of `ql_linear_f32` (the kernel route of `quant_linear`) for native callers; 0 without it."""
+    return _loader.entry_point("native")
+
+
+def kernel_max_rows() -> int:
+    """The most rows of x `quant_linear(..., impl="auto")` gives the kernel route (`auto_route`): below the
+    many-rows route's threshold; 0 without the kernel."""
+    return int(_fns.get("many_rows", GEMM_MIN_ROWS)) - 1 if native_available() else 0
 
 
 def native_unavailable_reason() -> str | None:

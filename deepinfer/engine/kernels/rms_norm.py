@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from deepinfer.engine.kernels import build
 
-__all__ = ["native_available", "rms_norm", "rms_norm_reference"]
+__all__ = ["entry_point", "native_available", "rms_norm", "rms_norm_reference"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ _fns = _loader.fns
 def native_available() -> bool:
     """Build (cached on disk) and load the kernel; False, with the reason logged once, if it cannot."""
     return bool(_fns) or _loader.available()
+
+
+def entry_point() -> int:
+    """The address of `rn_rms_norm_f32` (what `rms_norm` calls) for native callers; 0 without the kernel."""
+    return _loader.entry_point("rms_norm")
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
