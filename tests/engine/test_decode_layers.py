@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from deepinfer.engine.attention import Segment, layout
-from deepinfer.engine.kernels import decode_layers
+from deepinfer.engine.kernels import build, decode_layers
 from deepinfer.engine.kernels.decode_layers import DecodeStack, silu_mul, silu_mul_reference
 from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.models.registry import build_model
@@ -212,3 +212,17 @@ def test_the_stack_keeps_the_tensors_it_points_at_alive(tiny_hf_model, tmp_path)
     model._decode_stack = None
     gc.collect()
     assert held() is None
+
+
+def test_a_build_without_avx2_gives_the_same_activation_bits():
+    compiler = build.find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    loader = decode_layers._loader
+    lib, fns = loader.load(loader.build_one(compiler, build.compile_flags(openmp=True, simd=False)))
+    assert lib.dk_has_avx2() == 0
+    torch.manual_seed(2)
+    gu = torch.randn(3, 2 * 77) * 10
+    out = torch.empty(3, 77)
+    assert fns["silu_mul"](gu.data_ptr(), gu.stride(0), out.data_ptr(), 77, 3, 77) == 0
+    assert torch.equal(out, silu_mul(gu))
