@@ -226,3 +226,12 @@ def test_a_build_without_avx2_gives_the_same_activation_bits():
     out = torch.empty(3, 77)
     assert fns["silu_mul"](gu.data_ptr(), gu.stride(0), out.data_ptr(), 77, 3, 77) == 0
     assert torch.equal(out, silu_mul(gu))
+
+
+def test_a_pool_of_other_heads_is_refused_not_overrun(tiny_hf_model, tmp_path):
+    model, config = _model(tiny_hf_model, tmp_path, "Q8_0")
+    kv, seqs = _prefilled(model, config, "float32")
+    step = _decode_step(seqs, config.vocab_size, 2)
+    narrow = kv[:, :, :, :, :1].contiguous()  # one KV head where the model has two
+    with pytest.raises(ValueError, match="widths"), torch.inference_mode():
+        model.forward(step.input_ids, step.positions, narrow, step.meta, step.logits_rows)

@@ -162,9 +162,11 @@ class DecodeStack:
                 return None
             (qkv, k1), (o, k2), (gu, k3), (down, k4) = parts  # type: ignore[misc]
             hidden, intermediate = o.n, down.k
+            # Every layer the same shapes: the step's buffers are sized once for all of them.
             if not (_vector_ok(layer.input_norm, hidden) and _vector_ok(layer.post_attn_norm, hidden)
                     and qkv.k == hidden and o.n == hidden and gu.k == hidden and gu.n == 2 * intermediate
-                    and down.n == hidden and (i == 0 or (hidden, intermediate) == (table[0].o.n, table[0].down.k))):
+                    and down.n == hidden and (i == 0 or (qkv.n, o.k, hidden, intermediate)
+                                              == (table[0].qkv.n, table[0].o.k, table[0].o.n, table[0].down.k))):
                 return None
             kinds |= {k1, k2, k3, k4}
             tensors += [layer.input_norm, layer.post_attn_norm] + [
@@ -200,7 +202,11 @@ class DecodeStack:
             return None
         k0, v0 = kv[:, 0, 0], kv[:, 0, 1]
         D = k0.shape[-1]
-        qkv = torch.empty((T, q_width + 2 * k0.shape[2] * D), dtype=torch.float32)
+        qkv_width = q_width + 2 * k0.shape[2] * D
+        if (qkv_width, q_width) != (self._table[0].qkv.n, self._table[0].o.k):  # the C code writes these widths
+            raise ValueError(f"decode layers: the pool's heads give q/qkv widths {q_width}/{qkv_width}, the "
+                             f"projections {self._table[0].o.k}/{self._table[0].qkv.n}")
+        qkv = torch.empty((T, qkv_width), dtype=torch.float32)
         attn = torch.empty((T, q_width // D, D), dtype=torch.float32)
         # The per-op path checks these per layer; every layer's views share shapes and strides.
         params = pa.fused_decode_params(qkv, cos, sin, positions, meta.slot_blocks, meta.slot_offsets, k0, v0,
