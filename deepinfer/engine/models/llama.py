@@ -5,6 +5,10 @@ one projection and gate/up into another, so each layer runs four matmuls. The mo
 apart from its weights: the KV tensor and the step's attention metadata are passed in (the contract
 is `deepinfer.engine.models.base.CausalLM`).
 
+A step whose rows are all decode rows runs the whole layer stack in one native call
+(`kernels/decode_layers.py`: the same kernels in the same order, so the same bits) when every layer is a
+dense SwiGLU one; other steps, and models with other blocks, take the per-op loop in `forward`.
+
 Each layer's MLP is a pluggable block, any callable from the normed hidden states [T, hidden] to the
 MLP's output [T, hidden]: `LlamaModel.build_mlp` makes the dense SwiGLU one, and a subclass overrides
 it to give some layers another (the mixture-of-experts models of `moe.py`), sharing the attention.
