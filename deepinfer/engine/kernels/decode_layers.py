@@ -133,11 +133,15 @@ class DecodeStack:
     weights are replaced afterwards keeps computing with the old ones until the model binds again
     (LlamaModel.decode_stack binds anew when its layer list is a new list)."""
 
-    def __init__(self, layers: Sequence[Any], table: ctypes.Array, kinds: set[str], hidden: int,
-                 intermediate: int, tensors: list[torch.Tensor]) -> None:
-        self.layers, self.num_layers = layers, len(layers)
+    def __init__(self, table: ctypes.Array, kinds: set[str], hidden: int, intermediate: int,
+                 tensors: list[torch.Tensor]) -> None:
+        self.num_layers = len(table)
         self._table, self._kinds, self._tensors = table, kinds, tensors
         self.hidden, self.intermediate = hidden, intermediate
+        # The kernels' addresses, resolved once: one set per KV dtype (the attention entry point differs).
+        quant, dense = ql.entry_point() if "quant" in kinds else None, dl.entry_point() if "dense" in kinds else None
+        self._kernels = {dtype: _Kernels(quant=quant, dense=dense, norm=rn.entry_point(),
+                                         attn=pa.fused_decode_entry_point(dtype)) for dtype in pa.KV_COMPUTE_DTYPES}
 
     @classmethod
     def for_layers(cls, layers: Sequence[Any]) -> DecodeStack | None:
@@ -176,7 +180,7 @@ class DecodeStack:
         if ("quant" in kinds and not ql.entry_point()) or ("dense" in kinds and not dl.entry_point()) \
                 or not rn.entry_point():
             return None
-        return cls(layers, table, kinds, hidden, intermediate, tensors)
+        return cls(table, kinds, hidden, intermediate, tensors)
 
     def max_rows(self) -> int:
         """The most rows a step may have for the loop: those the per-op path's `linear` gives the same small-row
@@ -215,9 +219,6 @@ class DecodeStack:
         pending = torch.empty((T, H), dtype=torch.float32)
         h, o = torch.empty((T, H), dtype=torch.float32), torch.empty((T, H), dtype=torch.float32)
         gu, act = torch.empty((T, 2 * inter), dtype=torch.float32), torch.empty((T, inter), dtype=torch.float32)
-        kernels = _Kernels(quant=ql.entry_point() if "quant" in self._kinds else None,
-                           dense=dl.entry_point() if "dense" in self._kinds else None, norm=rn.entry_point(),
-                           attn=pa.fused_decode_entry_point(kv.dtype))
         step = _Step(M=T, hidden=H, q_width=q_width, qkv_width=qkv.shape[1], intermediate=inter,
                      num_threads=torch.get_num_threads(), eps=eps, scale=scale, x=x.data_ptr(),
                      pending=pending.data_ptr(), h=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
@@ -227,7 +228,7 @@ class DecodeStack:
                      context_lens=meta.decode_context_lens.data_ptr(),
                      attn_params=ctypes.cast(ctypes.c_char_p(params), _vp), kv=kv.data_ptr(),
                      layer_bytes=kv.stride(1) * item, v_bytes=kv.stride(2) * item, fail_layer=-1, fail_stage=-1)
-        rc = _fns["loop"](ctypes.byref(kernels), self._table, self.num_layers, ctypes.byref(step))
+        rc = _fns["loop"](ctypes.byref(self._kernels[kv.dtype]), self._table, self.num_layers, ctypes.byref(step))
         if rc:
             stage = _STAGES[step.fail_stage] if 0 <= step.fail_stage < len(_STAGES) else "setup"
             if stage == "attention":
