@@ -20,9 +20,10 @@ from deepinfer.engine.models import linear as linear_mod
 needs_native = pytest.mark.skipif(not dl.native_available(), reason="dense linear kernel could not be built")
 
 RTOL = {"native": 1e-5, "avx2": 1e-5, "portable": 2e-4}
-# Row counts over every tile shape (4 x 4 blocks, a 2-row block, a last row) and the limit; shapes with N
-# tails (not a multiple of 16 or 8), K tails (masked loads), and sizes split over threads.
-ROWS = (1, 2, 3, 4, 5, 7, 8, 17, 33, dl.MAX_ROWS)
+# Row counts over every tile shape (AVX-512: 4 x 4 blocks, a 2-row block, a last row; AVX2: 6 x 2 blocks, then
+# 0..5 rows in one MR x 2, 2 x 4 or 1 x 8 block) and the limit; shapes with N tails (not a multiple of 16 or 8),
+# K tails (masked loads), and sizes split over threads.
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 17, 33, dl.MAX_ROWS)
 SHAPES = [(1, 1), (3, 7), (16, 16), (17, 23), (100, 576), (576, 1536), (1537, 33), (49, 1000)]
 
 

@@ -6,7 +6,8 @@
  *
  * Include after <immintrin.h> (x86-64 GCC/Clang). Defines, with DL_X86: tile512 (AVX-512F, compiled by
  * target attribute, so the including file needs no -mavx512f and must check the CPU at run time), and with
- * DL_AVX2 (AVX2 + FMA at compile time): tile256; and DL_GROUP_TILES, the order of tiles over a weight-row group.
+ * DL_AVX2 (AVX2 + FMA at compile time): tile256; and DL_GROUP_TILES (16 rows) and DL_GROUP_TILES8 (AVX2's 8),
+ * the order of tiles over a weight-row group.
  */
 #ifndef DEEPINFER_DENSE_TILES_H
 #define DEEPINFER_DENSE_TILES_H
@@ -50,6 +51,23 @@
             i += 2;                                                                                     \
         }                                                                                               \
         if ((M) - i == 1) TILE(1, (NACC), i, 0);                                                        \
+    } while (0)
+
+/* AVX2's order: blocks of 6 x rows with 6 x 2 tiles (12 accumulators), then the last 3..5 rows in one
+ * block of MR x 2 tiles, or 2 rows with 2 x 4 tiles, or 1 row with one 1 x 8 tile. */
+#define DL_GROUP_TILES8(M, TILE)                                                                        \
+    do {                                                                                                \
+        const int64_t m6 = (M) / 6 * 6, rest = (M) - m6;                                                \
+        for (int r = 0; r < 8; r += 2)                                                                  \
+            for (int64_t i = 0; i < m6; i += 6) TILE(6, 2, i, r);                                       \
+        switch (rest) {                                                                                 \
+        case 5: for (int r = 0; r < 8; r += 2) TILE(5, 2, m6, r); break;                                \
+        case 4: for (int r = 0; r < 8; r += 2) TILE(4, 2, m6, r); break;                                \
+        case 3: for (int r = 0; r < 8; r += 2) TILE(3, 2, m6, r); break;                                \
+        case 2: for (int r = 0; r < 8; r += 4) TILE(2, 4, m6, r); break;                                \
+        case 1: TILE(1, 8, m6, 0); break;                                                               \
+        default: break;                                                                                 \
+        }                                                                                               \
     } while (0)
 
 #if DL_X86
@@ -127,13 +145,26 @@ DL_INLINE __m256 reduce8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
+/* 4 accumulators' sums, each added in exactly reduce8's pattern (so a 6 x 2 tile's last 4 outputs are the
+ * bits any other tile gives them). */
+DL_INLINE __m128 reduce4(const __m256 a[4]) {
+    __m256 t[2];
+    for (int p = 0; p < 2; p++)
+        t[p] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * p], a[2 * p + 1]), _mm256_unpackhi_ps(a[2 * p], a[2 * p + 1]));
+    const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+/* MR rows of x times RR rows of W, MR * RR <= 12 with MR <= 6; accumulators past MR * RR stay zero and are
+ * not stored. */
 DL_INLINE void tile256(const int MR, const int RR, const float *x, int64_t ldx, const float *w, float *y, int64_t ldy,
                        int64_t K, int64_t N, int64_t M, int64_t i, int64_t n, int prefetch) {
-    const float *xr[4], *wr[8];
+    const float *xr[6], *wr[8];
     for (int a = 0; a < MR; a++) xr[a] = x + (i + a) * ldx;
     for (int r = 0; r < RR; r++) wr[r] = w + (n + r < N ? n + r : N - 1) * K;
-    __m256 acc[8];
-    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+    __m256 acc[12];
+    for (int t = 0; t < 12; t++) acc[t] = _mm256_setzero_ps();
     /* As tile512: a pointer ahead of the stream moves the RR rows' 32 * RR bytes a step, one line per two
      * rows (first x block only). Without it the weight stream and the FMAs did not overlap at a few rows:
      * on the 2-core AVX2 VM, 4 rows of SmolLM2's projections took what reading them plus computing them
@@ -161,8 +192,9 @@ DL_INLINE void tile256(const int MR, const int RR, const float *x, int64_t ldx, 
             for (int r = 0; r < RR; r++) acc[a * RR + r] = _mm256_fmadd_ps(xv, wv[r], acc[a * RR + r]);
         }
     }
-    float s[8];
+    float s[12];
     _mm256_storeu_ps(s, reduce8(acc));
+    if (MR * RR > 8) _mm_storeu_ps(s + 8, reduce4(acc + 8));
     const int valid = N - n < RR ? (int)(N - n) : RR;
     for (int a = 0; a < MR; a++)
         for (int r = 0; r < valid; r++) y[(i + a) * ldy + n + r] = s[a * RR + r];
