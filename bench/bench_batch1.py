@@ -31,10 +31,10 @@ from deepinfer.engine.fetch import fetch_smollm2
 
 def engine_round(engine: LLMEngine, prompt: list[int], n_new: int, loop: bool) -> dict[str, Any]:
     model = engine.runner.model
-    model._decode_stack = None if loop else (model.layers, None)  # None: rebind on the next step
+    model.use_decode_loop(loop)
     res = run_engine(engine, [prompt], n_new)
     ran = model.decode_stack() is not None
-    model._decode_stack = None
+    model.use_decode_loop(True)
     if loop and not ran:
         raise RuntimeError("the native decode loop does not apply to this model here (no compiler?)")
     return {"tok_s": res["decode_only_tok_s"], "tokens": res["tokens"][0]}

@@ -45,7 +45,7 @@ def _model(tiny_hf_model, tmp_path: Path, weights: str, architecture: str = "lla
 
 
 def _per_op(model) -> None:  # type: ignore[no-untyped-def]
-    model._decode_stack = (model.layers, None)
+    model.use_decode_loop(False)
 
 
 def _prefilled(model, config, kv_dtype: str):  # type: ignore[no-untyped-def]
@@ -94,7 +94,7 @@ def _both_ways(model, config, kv_dtype: str, verify: int):  # type: ignore[no-un
     for loop in (True, False):
         pool = kv.clone()
         if loop:
-            model._decode_stack = None
+            model.use_decode_loop(True)
             stack = model.decode_stack()
             assert stack is not None
             ran = _spy(stack)
@@ -104,7 +104,7 @@ def _both_ways(model, config, kv_dtype: str, verify: int):  # type: ignore[no-un
             results.append((model.forward(step.input_ids, step.positions, pool, step.meta, step.logits_rows), pool))
         if loop:
             assert len(ran) == 1 and ran[0] is not None  # the loop took the step
-    model._decode_stack = None
+    model.use_decode_loop(True)
     return results, kv
 
 
@@ -164,7 +164,7 @@ def test_steps_the_loop_does_not_take_run_per_op(tiny_hf_model, tmp_path, monkey
 def test_a_model_with_a_non_dense_mlp_has_no_loop(tiny_hf_model, tmp_path):
     model, _ = _model(tiny_hf_model, tmp_path, "fp32")
     model.layers[1].mlp = lambda h: h
-    model._decode_stack = None
+    model.use_decode_loop(True)
     assert model.decode_stack() is None
 
 
@@ -209,7 +209,7 @@ def test_the_stack_keeps_the_tensors_it_points_at_alive(tiny_hf_model, tmp_path)
     gc.collect()
     assert held() is not None and stack is model.decode_stack()
     del stack
-    model._decode_stack = None
+    model.use_decode_loop(True)
     gc.collect()
     assert held() is None
 

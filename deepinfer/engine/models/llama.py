@@ -128,9 +128,18 @@ class LlamaModel:
         short.config = dataclasses.replace(self.config, num_layers=num_layers)
         return short
 
+    def use_decode_loop(self, enabled: bool = True) -> None:
+        """Let decode steps take the native layer loop (the default, where it applies) or keep every step
+        per op (for comparisons; DEEPINFER_DECODE_LOOP=0 does the latter process-wide). Either way the
+        current binding is dropped, so layers whose modules were replaced in place are bound anew."""
+        self._decode_loop_enabled = enabled
+        self._decode_stack = None
+
     def decode_stack(self) -> DecodeStack | None:
         """The native layer loop bound to this model's layers (built on first use, again after the layer
-        list changes, as in `truncated`), or None where it does not apply."""
+        list changes, as in `truncated`), or None where it does not apply or is turned off."""
+        if not self.__dict__.get("_decode_loop_enabled", True):
+            return None
         bound = self.__dict__.get("_decode_stack")
         if bound is None or bound[0] is not self.layers:
             bound = self._decode_stack = (self.layers, DecodeStack.for_layers(self.layers))
