@@ -12,10 +12,10 @@
  * its 16 registers); at each step of V floats along K it loads RR weight vectors and MR x vectors and
  * issues MR * RR FMAs. The accumulators are then reduced together to vectors of sums (a
  * transpose-and-add tree, ~2 instructions per output instead of a ~10-instruction horizontal sum
- * each) and stored. AVX2's 6 x 2 tile (8 loads for 12 FMAs, against 6 for 8 with 4 x 4's successor
- * 4 x 2) and its 5- and 3-row tiles (one pass over the group where 4 x 2 + 1 x 8 took two) made
- * SmolLM2's 30 layers 8-14% faster at 5 to 64 rows on the 2-core AVX2 VM (2026-12-03; 1-2 rows
- * unchanged), bit for bit the same outputs. Every weight row is read from memory once
+ * each) and stored. On AVX2 the 6 x 2 tile (8 loads for 12 FMAs; a 4 x 2 tile takes 6 for 8) and
+ * the 3- to 5-row tiles (one pass over a weight group where a 4 x 2 pass and a 1 x 8 pass took two)
+ * made SmolLM2's 30 layers 8-14% faster at 5 to 64 rows than 4 x 2, 2 x 4 and 1 x 8 tiles on the AVX2 VM
+ * (2026-12-03; 1-2 rows unchanged), with the same output bits. Every weight row is read from memory once
  * per call; for several blocks of x rows the tiles of one weight-row group run back to back, so the
  * group is re-read from L1/L2, not memory.
  *
