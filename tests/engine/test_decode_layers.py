@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from deepinfer.engine.attention import Segment, layout
-from deepinfer.engine.kernels import build, decode_layers
+from deepinfer.engine.kernels import build, decode_layers, paged_attention
 from deepinfer.engine.kernels.decode_layers import DecodeStack, silu_mul, silu_mul_reference
 from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.models.registry import build_model
@@ -235,3 +235,10 @@ def test_a_pool_of_other_heads_is_refused_not_overrun(tiny_hf_model, tmp_path):
     narrow = kv[:, :, :, :, :1].contiguous()  # one KV head where the model has two
     with pytest.raises(ValueError, match="widths"), torch.inference_mode():
         model.forward(step.input_ids, step.positions, narrow, step.meta, step.logits_rows)
+
+
+def test_no_loop_without_the_attention_kernel(tiny_hf_model, tmp_path, monkeypatch):
+    model, _ = _model(tiny_hf_model, tmp_path, "fp32")
+    monkeypatch.setattr(paged_attention, "fused_decode_entry_point", lambda dtype: 0)
+    model.use_decode_loop(True)
+    assert model.decode_stack() is None  # the per-op path (and its torch fallback) takes every step

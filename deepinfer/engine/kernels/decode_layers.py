@@ -177,8 +177,9 @@ class DecodeStack:
                 w.blocks if isinstance(w, ql.PackedWeight) else w
                 for w in (layer.qkv, layer.qkv_bias, layer.o_proj, layer.mlp.gate_up, layer.mlp.down) if w is not None]
             table[i] = _Layer(layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr(), qkv, o, gu, down)
+        # Every kernel the C loop calls must be loaded: it calls them through these addresses unchecked.
         if ("quant" in kinds and not ql.entry_point()) or ("dense" in kinds and not dl.entry_point()) \
-                or not rn.entry_point():
+                or not rn.entry_point() or not all(pa.fused_decode_entry_point(d) for d in pa.KV_COMPUTE_DTYPES):
             return None
         return cls(table, kinds, hidden, intermediate, tensors)
 
