@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_engine import load_for, make_prompts, run_engine
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.fetch import fetch_smollm2
-from deepinfer.engine.kernels import attention_amx
-from deepinfer.engine.kernels import dense_linear as dl
+from deepinfer.kernels import attention_amx
+from deepinfer.kernels import dense_linear as dl
+from deepinfer.loading.fetch import fetch_smollm2
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 PROJECTIONS = {"qkv 576->960": (960, 576), "o_proj 576->576": (576, 576), "gate_up 576->3072": (3072, 576),

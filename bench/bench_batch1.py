@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from bench.bench_engine import LlamaCpp, import_llama_cpp, load_for, make_prompts, run_engine, same_prefix
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.fetch import fetch_smollm2
+from deepinfer.loading.fetch import fetch_smollm2
 
 
 def engine_round(engine: LLMEngine, prompt: list[int], n_new: int, loop: bool) -> dict[str, Any]:

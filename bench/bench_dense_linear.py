@@ -1,4 +1,4 @@
-"""Micro-benchmark: the fp32 few-rows linear kernel (deepinfer/engine/kernels/dense_linear.c) against torch's
+"""Micro-benchmark: the fp32 few-rows linear kernel (deepinfer/kernels/dense_linear.c) against torch's
 BLAS on the same fp32 weights, over all of SmolLM2-135M's projections, by row count.
 
     python -m bench.bench_dense_linear                    # 2 threads, rows 1 2 4 8 12 17 24 32 48 64 96 128
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.kernels import dense_linear as dl
-from deepinfer.engine.kernels import quant_linear as ql
+from deepinfer.kernels import dense_linear as dl
+from deepinfer.kernels import quant_linear as ql
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD_SHAPE = (49152, 576)

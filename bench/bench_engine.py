@@ -34,13 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine import config as engine_config_module
-from deepinfer.engine.config import EngineConfig, ModelConfig
+from deepinfer.config import engine as engine_config_module
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.model import ModelConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.fetch import fetch_smollm2
 from deepinfer.engine.models.llama import linear as engine_linear
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.weights import LoadedModel, load_model_weights
+from deepinfer.loading.fetch import fetch_smollm2
+from deepinfer.loading.weights import LoadedModel, load_model_weights
 from tests.engine.oracle import hf_model_from_loaded
 
 FULL = {"concurrency": [1, 32, 128], "new_tokens": 128, "prompt_len": (128, 512), "prefill_len": 1024}
@@ -113,7 +114,7 @@ def model_weight_bytes(model: Any) -> int:
 def gguf_weight_bytes(path: Path) -> int:
     """The same figure from the GGUF file as llama.cpp reads it: every tensor's stored bytes except the token
     embedding, which counts once when it is also the LM head (no output.weight) and not at all otherwise."""
-    from deepinfer.engine.gguf import open_gguf
+    from deepinfer.config.gguf_metadata import open_gguf
 
     reader = open_gguf(path)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.services.balancer_core import BalancerCore, lower_bound, max_over_mean, rank_loads, rebalance
 
 EXPERTS, LAYERS, REDUNDANT = 256, 58, 32

@@ -37,13 +37,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deepinfer.engine.fetch import fetch_smollm2_moe
 from deepinfer.launch.mesh import InprocMesh
 from deepinfer.launch.topology import Topology
-from deepinfer.parallel.group_engine import GroupEngine
+from deepinfer.loading.fetch import fetch_smollm2_moe
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient
 from deepinfer.services.balancer_config import BALANCER_NAME, BalancerConfig
+from deepinfer.services.group.engine import GroupEngine
 
 PROMPTS = ["def fibonacci(n):\n    ", "for i in range(10):\n    print(", "import numpy as np\nx = np.",
            "class Stack:\n    def __init__(self):", "def quicksort(xs):\n    ", "while True:\n    line = input(",

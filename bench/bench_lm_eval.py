@@ -48,8 +48,8 @@ TASK = "deepinfer_basics"
 def write_tokenizer_dir(out: Path) -> Path:
     """SmolLM2's tokenizer as a Hugging Face directory (tokenizer.json, tokenizer_config.json, ...), made from
     the GGUF the mesh serves: the harness tokenizes with exactly the server's vocabulary."""
-    from deepinfer.engine.derive_moe import tokenizer_files
-    from deepinfer.engine.fetch import fetch_smollm2
+    from deepinfer.loading.derive_moe import tokenizer_files
+    from deepinfer.loading.fetch import fetch_smollm2
 
     out.mkdir(parents=True, exist_ok=True)
     for name, text in tokenizer_files(fetch_smollm2(progress=False), 2048).items():
@@ -105,8 +105,8 @@ def reference_model(tokenizer: Path) -> Any:
     from lm_eval.api.model import TemplateLM
     from transformers import AutoTokenizer
 
-    from deepinfer.engine.fetch import fetch_smollm2
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.fetch import fetch_smollm2
+    from deepinfer.loading.weights import load_model_weights
     from tests.engine.oracle import hf_model_from_loaded
 
     torch.set_num_threads(1)  # short sequences: one thread is enough, and shares a busy machine best

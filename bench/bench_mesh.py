@@ -42,20 +42,20 @@ from typing import Any
 import torch
 import zmq
 
-from deepinfer.engine.config import DEFAULT_WEIGHTS, WEIGHTS_MODES, EngineConfig
+from deepinfer.config.engine import DEFAULT_WEIGHTS, WEIGHTS_MODES, EngineConfig
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.fetch import fetch_smollm2
-from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import LoadedModel, load_model_weights
 from deepinfer.launch.mesh import InprocMesh, engine_config
 from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
+from deepinfer.loading.fetch import fetch_smollm2
+from deepinfer.loading.weights import LoadedModel, load_model_weights
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient, Client, MeshError
 from deepinfer.protocol.sockets import make_dealer, make_router, recv_msg, recv_routed, send_msg
 from deepinfer.services.wire import to_engine_params
+from deepinfer.text.tokenizer import Tokenizer
 
 FULL = {"requests": 32, "prompt_len": (128, 512), "new_tokens": 64, "kv_prompt": 2048, "kv_repeats": 5,
         "rates": [0.5, 1.0, 2.0], "rate_requests": 30, "rate_prompt_len": (128, 512), "rate_new_tokens": 32}

@@ -41,17 +41,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepinfer.engine.config import EngineConfig, ModelConfig
-from deepinfer.engine.derive_moe import EVAL_TEXT
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.kv import KvSpec
+from deepinfer.config.model import ModelConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.fetch import resolve_model
-from deepinfer.engine.kv_spec import KvSpec
+from deepinfer.engine.ep.group import init_ep_group
 from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import load_model_weights
 from deepinfer.launch.tuning import tune_malloc
-from deepinfer.parallel.group import init_ep_group
+from deepinfer.loading.derive_moe import EVAL_TEXT
+from deepinfer.loading.fetch import resolve_model
+from deepinfer.loading.weights import load_model_weights
+from deepinfer.text.tokenizer import Tokenizer
 
 PROMPT_TOKENS = 96  # each prompt: a window of this many tokens of the text, windows starting 37 tokens apart
 

@@ -45,9 +45,9 @@ import torch
 import zmq
 
 from deepinfer.cache.store import TieredStore
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams, Usage
 from deepinfer.launch.tuning import tune_malloc
 from deepinfer.protocol import messages as m

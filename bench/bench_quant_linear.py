@@ -1,4 +1,4 @@
-"""Micro-benchmark: the GGUF-block linear kernel (deepinfer/engine/kernels/quant_linear.c) vs torch's fp32
+"""Micro-benchmark: the GGUF-block linear kernel (deepinfer/kernels/quant_linear.c) vs torch's fp32
 matmul on the same weights dequantised, at SmolLM2-135M's projection shapes.
 
     python -m bench.bench_quant_linear                         # 2 threads, M = 1, 8, 32, 256, 1024, 30 layers
@@ -39,9 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepinfer.engine.fetch import SMOLLM2_FILE, default_cache_dir
-from deepinfer.engine.gguf import open_gguf
-from deepinfer.engine.kernels import quant_linear as ql
+from deepinfer.config.gguf_metadata import open_gguf
+from deepinfer.config.paths import default_cache_dir
+from deepinfer.kernels import quant_linear as ql
+from deepinfer.loading.fetch import SMOLLM2_FILE
 
 SHAPES = [  # (label, GGUF tensors whose rows are stacked, default format, out_features, in_features)
     ("q_proj 576->576", ("blk.0.attn_q.weight",), "Q4_1", 576, 576),

@@ -47,10 +47,10 @@ from bench.trace import (
     scaled_items,
     trace_items,
 )
-from deepinfer.engine.fetch import resolve_model
-from deepinfer.engine.identity import model_config_at
 from deepinfer.launch.mesh import InprocMesh
 from deepinfer.launch.topology import RouterConfig, Topology
+from deepinfer.loading.fetch import resolve_model
+from deepinfer.loading.identity import model_config_at
 from deepinfer.protocol.client import AsyncClient, MeshError
 
 DEFAULT_TRACE = Path(__file__).parent / "data" / "mooncake-fast25" / "synthetic_trace.jsonl"

@@ -36,13 +36,14 @@ from typing import Any
 import torch
 
 from bench.spec_workloads import LABELS, WORKLOADS, WorkItem, build, max_tokens_for, requests_for
-from deepinfer.engine.config import EngineConfig, ModelConfig
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.kv import KvSpec
+from deepinfer.config.model import ModelConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.fetch import fetch_smollm2
-from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import LoadedModel, load_model_weights
+from deepinfer.loading.fetch import fetch_smollm2
+from deepinfer.loading.weights import LoadedModel, load_model_weights
+from deepinfer.text.tokenizer import Tokenizer
 
 BASELINE = "none"
 PATH = ("LLMEngine in-process: add_request + step() loop, closed loop (c requests in flight, refilled as they "

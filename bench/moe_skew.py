@@ -4,7 +4,7 @@
     python -m bench.moe_skew --configs 8:2,8:4 --histogram 8:2
 
 Each configuration is derived in memory exactly as `deepinfer-launch fetch smollm2-moe --experts E --top-k K`
-writes it (deepinfer/engine/derive_moe.py), then run by the module's plain-torch forward on the fixed text
+writes it (deepinfer/loading/derive_moe.py), then run by the module's plain-torch forward on the fixed text
 deepinfer/data/moe_eval.txt (written for this project, public domain; not the calibration text). Skew is, per
 layer, the busiest expert's token count over the mean count; the table gives the worst layer and the mean
 over layers. numpy and torch only.
@@ -17,10 +17,10 @@ import json
 import sys
 import time
 
-from deepinfer.engine import derive_moe as dm
-from deepinfer.engine.fetch import fetch_smollm2
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.loading import derive_moe as dm
+from deepinfer.loading.fetch import fetch_smollm2
+from deepinfer.loading.weights import load_model_weights
+from deepinfer.text.tokenizer import Tokenizer
 
 DEFAULT_CONFIGS = "8:1,8:2,8:4,8:6,8:7,8:8,4:2,16:4"
 

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer import Client, MeshError
-from deepinfer.engine.fetch import fetch_smollm2
 from deepinfer.launch.exit_notes import ExitNotifier
 from deepinfer.launch.supervisor import Supervisor
 from deepinfer.launch.topology import Topology
+from deepinfer.loading.fetch import fetch_smollm2
 from deepinfer.protocol.messages import StreamDelta
 
 PROMPTS = [list(range(300, 300 + 64)) + [400 + i] * (8 + i % 5) for i in range(24)]  # shared 64-token prefix

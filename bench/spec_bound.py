@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.spec.base import Proposer, SpecContext
+from deepinfer.engine.speculative.base import Proposer, SpecContext
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)  # what the contexts carry; guessers here ignore it
 
@@ -77,8 +77,8 @@ def replay(proposer: Proposer, answers: Sequence[tuple[Sequence[int], Sequence[i
 
 def make_proposer(method: str) -> Proposer:
     """A fresh guesser as the engine builds it by default (`speculator.build_proposer`'s defaults)."""
-    from deepinfer.engine.config import EngineConfig
-    from deepinfer.engine.spec.speculator import build_proposer
+    from deepinfer.config.engine import EngineConfig
+    from deepinfer.engine.speculative.speculator import build_proposer
 
     if method not in ("ngram", "suffix"):
         raise ValueError(f"spec_bound replays the model-free guessers (ngram, suffix), not {method!r}")
@@ -94,9 +94,9 @@ def plain_answers(workload: str, n: int | None, threads: int) -> tuple[list[list
     from bench.bench_spec import engine_config, run_closed_loop
     from bench.spec_workloads import build, max_tokens_for, requests_for
     from deepinfer.engine.engine import LLMEngine
-    from deepinfer.engine.fetch import fetch_smollm2
-    from deepinfer.engine.tokenizer import Tokenizer
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.fetch import fetch_smollm2
+    from deepinfer.loading.weights import load_model_weights
+    from deepinfer.text.tokenizer import Tokenizer
 
     torch.set_num_threads(threads)
     path = fetch_smollm2()

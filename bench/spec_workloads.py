@@ -120,7 +120,7 @@ CODE_FILES: dict[str, tuple[str, list[tuple[str, str, list[str]]]]] = {
         ("function", "write_units", ["install_units", "write_unit_files", "save_units"]),
         ("function", "exec_start", ["exec_line", "exec_command", "start_command"]),
     ]),
-    "engine__identity.py.txt": ("deepinfer/engine/identity.py", [
+    "engine__identity.py.txt": ("deepinfer/loading/identity.py", [
         ("function", "source_fingerprint", ["fingerprint_source", "source_digest", "weights_fingerprint"]),
         ("function", "cache_namespace", ["build_cache_namespace", "namespace_for", "make_cache_namespace"]),
         ("function", "kv_layout", ["describe_kv_layout", "kv_layout_name", "layout_string"]),

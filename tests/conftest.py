@@ -11,6 +11,10 @@
   2-core machine any example can be slow.
 * `tiny_hf_model` — a factory for tiny random-weight Hugging Face models (`llama` or `qwen2`) saved
   with `save_pretrained`; each distinct configuration is built once per session.
+* tiers: every test under tests/integration/ and tests/service/ is marked `mesh` (it starts services, most
+  of them as real processes), the expert-parallel group tests `ranks` (a torch.distributed group of
+  processes), the tests that compare against Hugging Face transformers on real weights `oracle`. The fast
+  tier a developer iterates with is `pytest -m "not mesh and not ranks"`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import structlog
 import torch
 from hypothesis import settings
 
-from deepinfer.engine.fetch import fetch_smollm2
+from deepinfer.loading.fetch import fetch_smollm2
 
 TINY_CONFIG: dict[str, Any] = {
     "vocab_size": 96,
@@ -47,6 +51,25 @@ class TinyModel:
     path: Path  # the save_pretrained directory
     config: Any  # the transformers config
     state_dict: dict[str, torch.Tensor]  # Hugging Face names, fp32
+
+
+# Tier markers by module (see the docstring); pyproject.toml declares them.
+MESH_DIRS = ("integration", "service")
+RANKS_MODULES = {"test_ep_exact", "test_expert_move_group", "test_expert_parallel", "test_group_engine",
+                 "test_group_cache"}
+ORACLE_MODULES = {"test_oracle_tiny", "test_oracle_smollm2", "test_oracle_moe", "test_oracle_deepseek",
+                  "test_spec_smollm2", "test_smollm2_moe"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent.name in MESH_DIRS:
+            item.add_marker(pytest.mark.mesh)
+        if path.stem in RANKS_MODULES:
+            item.add_marker(pytest.mark.ranks)
+        if path.stem in ORACLE_MODULES:
+            item.add_marker(pytest.mark.oracle)
 
 
 settings.register_profile("deepinfer", deadline=None)

@@ -30,8 +30,21 @@ from collections import deque
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from deepinfer.protocol.messages import KvEvents
+
+class KvEvents(Protocol):
+    """One numbered batch of a publisher's KV events, as the index reads it. The wire's
+    `deepinfer.protocol.messages.KvEvents` is one; the cache layer knows no wire record."""
+
+    publisher: str
+    incarnation: str
+    seq: int
+    tier: str
+    stored: Sequence[bytes]
+    evicted: Sequence[bytes]
+    snapshot: bool
+
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)  # fastest first

@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine import kernels
-from deepinfer.engine.kernels import attention_amx
-from deepinfer.engine.kernels.rope_write import rope_write_prefill, rope_write_prefill_reference
+from deepinfer import kernels
+from deepinfer.kernels import attention_amx
+from deepinfer.kernels.rope_write import rope_write_prefill, rope_write_prefill_reference
 
 if TYPE_CHECKING:
     from deepinfer.engine.models.rope import RotaryTable

@@ -23,7 +23,7 @@ Prefill/decode disaggregation, engine side (the services pick the engines and mo
     prefill.release(rid)
     decode.add_prefilled_request(rid, ids, first_token, params, kv, reservation_id=rid)
 
-Expert parallelism: with `ep_group` (see `deepinfer.parallel`), this engine is one rank of a group that
+Expert parallelism: with `ep_group` (see `deepinfer.engine.ep`), this engine is one rank of a group that
 splits every MoE layer's experts between ranks. Each rank has its own requests, KV and scheduler, but
 the ranks' forwards meet at every MoE layer, so `step()` is a collective: every rank calls it the same
 number of times, and each call runs exactly one forward — of zero tokens when this rank has nothing
@@ -32,7 +32,7 @@ scheduled. Who decides that the group steps (while any rank has work) is the cal
 raises `ExpertParallelError` from `step()`, carrying the terminal outputs of the step's requests; the
 engine refuses to step again. Between steps the group can move the engine to a new expert placement
 (`stage_placement` in the background, then `switch_placement` at a step the whole group agrees on; see
-`deepinfer.parallel.expert_move`). Not available under expert parallelism: a draft-model speculator (its
+`deepinfer.engine.ep.move`). Not available under expert parallelism: a draft-model speculator (its
 forwards would not be collective; n-gram and suffix guessers are fine), `prompt_logits` and
 `generate` (they run forwards on this rank's schedule alone).
 
@@ -57,10 +57,14 @@ import torch
 
 from deepinfer.cache.block_pool import BlockPool, NoFreeBlocksError
 from deepinfer.cache.hashing import BlockHash, CacheNamespace
+from deepinfer.config.engine import EngineConfig, parse_speculative
+from deepinfer.config.kv import KvSpec
+from deepinfer.config.model import ConfigError, ModelConfig
 from deepinfer.engine.attention import Segment, layout
-from deepinfer.engine.config import ConfigError, EngineConfig, ModelConfig
-from deepinfer.engine.detokenizer import IncrementalDetokenizer
-from deepinfer.engine.fetch import resolve_model
+from deepinfer.engine.ep.experts import EpStats
+from deepinfer.engine.ep.group import EpGroup, ExpertParallelError
+from deepinfer.engine.ep.move import PlacementRefused, PlacementStager, shard_movable
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.engine.handoff import (
     HandoffError,
     Reservations,
@@ -69,8 +73,6 @@ from deepinfer.engine.handoff import (
     export_blocks,
     import_blocks,
 )
-from deepinfer.engine.identity import cache_namespace
-from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.model_runner import ModelRunner, PromptRows, num_blocks_for_budget
 from deepinfer.engine.models import build_model
 from deepinfer.engine.models.moe import moe_blocks
@@ -87,15 +89,13 @@ from deepinfer.engine.request import (
 )
 from deepinfer.engine.sampler import Sampler, make_generator, token_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from deepinfer.engine.spec.base import parse_speculative
-from deepinfer.engine.spec.speculator import Speculator, build_proposer
-from deepinfer.engine.spec.verify import VerifyGroup, VerifyResult, verify
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import LoadedModel, load_model_weights
-from deepinfer.parallel.ep_moe import EpStats
-from deepinfer.parallel.expert_move import PlacementRefused, PlacementStager, shard_movable
-from deepinfer.parallel.group import EpGroup, ExpertParallelError
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.engine.speculative.speculator import Speculator, build_proposer
+from deepinfer.engine.speculative.verify import VerifyGroup, VerifyResult, verify
+from deepinfer.loading.fetch import resolve_model
+from deepinfer.loading.identity import cache_namespace
+from deepinfer.loading.weights import LoadedModel, load_model_weights
+from deepinfer.text.detokenizer import IncrementalDetokenizer
+from deepinfer.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("deepinfer.engine")
 _PROMPT_LOGPROB_ROWS = 256  # prompt positions whose log-softmax is taken at once (bounds the extra memory)
@@ -541,7 +541,7 @@ class LLMEngine:
         None without an expert-parallel group."""
         return self._ep_stats.take() if self._ep_stats is not None else None
 
-    # -- expert placement moves (deepinfer.parallel.expert_move; the group decides when to switch) ---------
+    # -- expert placement moves (deepinfer.engine.ep.move; the group decides when to switch) ---------
 
     def stage_placement(self, placement: ExpertPlacement) -> None:
         """Start loading this rank's experts of `placement` in the background; the current placement

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.cache.block_pool import BlockPool
-from deepinfer.engine.kv_spec import KvSpec
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.request import InvalidRequestError
 
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine import kernels
+from deepinfer import kernels
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.kv import ENGINE_KV_DTYPES, KvSpec
+from deepinfer.config.model import ConfigError
 from deepinfer.engine.attention import Segment, StepLayout, layout
-from deepinfer.engine.config import ConfigError, EngineConfig
-from deepinfer.engine.kv_spec import ENGINE_KV_DTYPES, KvSpec
 from deepinfer.engine.models.base import CausalLM
 from deepinfer.engine.models.moe import Routing, moe_blocks
 from deepinfer.engine.request import Request

@@ -16,8 +16,8 @@ import torch
 
 from deepinfer.cache.block_pool import BlockHash, BlockPool
 from deepinfer.cache.hashing import HASH_BYTES, CacheNamespace, ChainHasher, HashKeys, hash_blocks
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.handoff import HandoffError, check_kv
-from deepinfer.engine.kv_spec import KvSpec
 
 IMPORT_TIERS = ("host", "disk")
 

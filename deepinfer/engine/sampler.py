@@ -39,7 +39,7 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 # Purposes of a seeded row's streams at one position: sampling the target's token, the two draws
-# of the speculative rejection rule (see deepinfer.engine.spec.verify), and a draft model's own draw.
+# of the speculative rejection rule (see deepinfer.engine.speculative.verify), and a draft model's own draw.
 NOISE, ACCEPT, RESIDUAL, DRAFT = 0, 1, 2, 3
 _MASK64 = (1 << 64) - 1
 

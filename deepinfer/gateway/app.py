@@ -52,7 +52,7 @@ class Gateway:
 
     endpoint: str
     model: str  # the served name clients must give
-    tokenizer: Any  # deepinfer.engine.tokenizer.Tokenizer (or anything with encode, decode, encode_chat)
+    tokenizer: Any  # deepinfer.text.tokenizer.Tokenizer (or anything with encode, decode, encode_chat)
     max_model_len: int
     client_options: dict[str, Any] = field(default_factory=dict)  # AsyncClient keyword arguments (CURVE keys)
     request_timeout_s: float = 600.0

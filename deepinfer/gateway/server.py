@@ -1,55 +1,20 @@
-"""The gateway as a process: `deepinfer-launch service gateway --topology F --name NAME` (what the supervisor and
-systemd run) serves the topology's [[gateway]] NAME with uvicorn (uvloop, httptools) until SIGINT/SIGTERM,
-or until the supervisor that started it is gone; either way uvicorn stops accepting and finishes the
-requests in flight (at most the services' drain timeout)."""
+"""A Gateway for a model: its tokenizer and context length read from the model files, in front of the router.
+The gateway as a process (uvicorn, signals, the supervisor's lifeline) is `deepinfer.launch.gateway_process`."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from deepinfer.gateway.app import Gateway, build_app
-from deepinfer.launch.specs import split_host_port
+from deepinfer.gateway.app import Gateway
+from deepinfer.loading.fetch import resolve_model
+from deepinfer.loading.identity import model_config_at
+from deepinfer.text.tokenizer import Tokenizer
 
 
 def load_gateway(model: str, endpoint: str, served_name: str | None = None,
                  client_options: dict[str, Any] | None = None) -> Gateway:
     """A Gateway for `model` (a name the launcher knows, e.g. `smollm2`, or a path) in front of the router
     at `endpoint`: its tokenizer and context length read from the model, as the tokenizer service does."""
-    from deepinfer.engine.fetch import resolve_model
-    from deepinfer.engine.identity import model_config_at
-    from deepinfer.engine.tokenizer import Tokenizer
-
     path = resolve_model(model)
     return Gateway(endpoint, served_name or model, Tokenizer.load(path), model_config_at(path).max_position_embeddings,
                    client_options=client_options or {})
-
-
-def run_gateway(topology: Any, name: str) -> None:
-    """Serve gateway `name` of `topology` (a launch.topology.Topology) in this process."""
-    import uvicorn
-
-    from deepinfer.launch.keys import gateway_client_keys
-    from deepinfer.launch.supervisor import watch_lifeline
-    from deepinfer.launch.tuning import tune_malloc
-    from deepinfer.services.base import DRAIN_TIMEOUT_S
-
-    tune_malloc()
-    spec = topology.gateway(name)
-    host, port = split_host_port(spec.listen)
-    gw = load_gateway(topology.model, topology.frontend, spec.served_model_name,
-                      gateway_client_keys(topology, name))
-    server: uvicorn.Server | None = None
-
-    def on_startup(loop: asyncio.AbstractEventLoop) -> None:
-        def stop() -> None:
-            if server is not None:
-                server.should_exit = True
-
-        watch_lifeline(loop, stop)
-
-    config = uvicorn.Config(build_app(gw, on_startup), host=host, port=port, loop="uvloop", http="httptools",
-                            lifespan="on", log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S))
-    server = uvicorn.Server(config)
-    server.run()

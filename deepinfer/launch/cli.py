@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from deepinfer.engine.config import (
+from deepinfer.config.engine import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_CACHE_MB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -37,7 +37,7 @@ from deepinfer.engine.config import (
 
 # Every option default below is a named constant defined once (engine.config, launch.specs), the one the
 # topology and the services use too; the light specs module keeps `--help` from importing the mesh.
-from deepinfer.launch.specs import DEFAULT_DISK_CACHE_MB, DEFAULT_HOST_CACHE_MB, DEFAULT_MODEL
+from deepinfer.launch.sections import DEFAULT_DISK_CACHE_MB, DEFAULT_HOST_CACHE_MB, DEFAULT_MODEL
 from deepinfer.services.balancer_config import BALANCER_DEFAULTS
 
 
@@ -78,15 +78,15 @@ def fetch(name: str, cache_dir: Path | None, experts: int | None, top_k: int | N
 
     smollm2 is SmolLM2-135M-Instruct (a GGUF file). smollm2-moe is a Mixtral-format Hugging Face directory
     derived from it, not trained: each layer's MLP split into experts by neurons, with a router fitted to
-    them (deepinfer/engine/derive_moe.py); built on first use, then reused."""
-    from deepinfer.engine.fetch import check_moe_shape, fetch_smollm2, fetch_smollm2_moe
+    them (deepinfer/loading/derive_moe.py); built on first use, then reused."""
+    from deepinfer.loading.fetch import check_moe_shape, fetch_smollm2, fetch_smollm2_moe
 
     if name == "smollm2":
         if experts is not None or top_k is not None or report:
             raise click.UsageError("--experts, --top-k and --report apply to smollm2-moe only")
         click.echo(str(fetch_smollm2(cache_dir=cache_dir, progress=True)))
     elif name == "smollm2-moe":
-        from deepinfer.engine.derive_moe import DEFAULT_NUM_EXPERTS, DEFAULT_TOP_K, moe_report
+        from deepinfer.loading.derive_moe import DEFAULT_NUM_EXPERTS, DEFAULT_TOP_K, moe_report
 
         experts = DEFAULT_NUM_EXPERTS if experts is None else experts
         top_k = DEFAULT_TOP_K if top_k is None else top_k
@@ -104,7 +104,7 @@ def fetch(name: str, cache_dir: Path | None, experts: int | None, top_k: int | N
 
 def _check_speculative(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """Refuse an unknown method while parsing, before any model loads."""
-    from deepinfer.launch.specs import speculative_problem
+    from deepinfer.launch.sections import speculative_problem
 
     problem = None if value is None else speculative_problem(value)
     if problem is not None:
@@ -159,7 +159,7 @@ def check_weights_for_model(model: str, weights: str | None) -> None:
     would refuse it at load, and under `up` the supervisor would restart it in vain)."""
     if weights != "native":
         return
-    from deepinfer.engine.fetch import resolve_model
+    from deepinfer.loading.fetch import resolve_model
 
     try:
         path = resolve_model(model)
@@ -210,7 +210,7 @@ def _check_embedded_ep(ctx: click.Context, param: click.Parameter, value: int) -
 
 
 def _check_listen(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    from deepinfer.launch.specs import split_host_port
+    from deepinfer.launch.sections import split_host_port
 
     if value is not None:
         try:
@@ -530,8 +530,8 @@ def expert_balancer(model: str, ep: int, off: bool, interval_s: float | None,
     groups (ep > 1) of an MoE model (its config says so) and `off` is not set, else None."""
     if off or ep <= 1:
         return None
-    from deepinfer.engine.fetch import resolve_model
-    from deepinfer.engine.identity import model_config_at
+    from deepinfer.loading.fetch import resolve_model
+    from deepinfer.loading.identity import model_config_at
 
     if model_config_at(resolve_model(model)).moe is None:
         return None  # a dense model has no experts to balance
@@ -643,11 +643,13 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
             raise click.UsageError(str(exc)) from None
         if not 0 < rank < ep:
             raise click.UsageError(f"--rank {rank}: worker {name} has ep = {ep}, so its ranks are 0..{ep - 1}")
-        from deepinfer.parallel.follower import run_follower  # torch.distributed: only in a follower
+        from deepinfer.launch.mesh import engine_config
+        from deepinfer.services.group.follower import run_follower  # torch.distributed: only in a follower
 
-        sys.exit(run_follower(topo, name, rank))
+        config = engine_config(topo.worker(name), topo.block_size, rank, topo.kv_cache_dtype)
+        sys.exit(run_follower(topo, name, rank, config))
     if role == "gateway":
-        from deepinfer.gateway.server import run_gateway
+        from deepinfer.launch.gateway_process import run_gateway
 
         try:
             topo.gateway(name)
@@ -684,7 +686,7 @@ def metrics(listen: str, directory: Path | None) -> None:
     import os
     import threading
 
-    from deepinfer.launch.specs import split_host_port
+    from deepinfer.launch.sections import split_host_port
     from deepinfer.metrics import MULTIPROC_ENV, serve
 
     if directory is not None:

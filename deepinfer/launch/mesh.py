@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, EngineConfig
+from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, EngineConfig
 from deepinfer.launch.keys import service_auth
 from deepinfer.launch.supervisor import watch_lifeline
 from deepinfer.launch.topology import Topology, WorkerSpec, default_kvcache_dir

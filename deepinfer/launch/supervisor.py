@@ -419,7 +419,7 @@ class Supervisor:
 
 def gateway_url(listen: str) -> str:
     """The base URL a client on this host reaches a gateway listening on `listen` at (a wildcard: loopback)."""
-    from deepinfer.launch.specs import split_host_port
+    from deepinfer.launch.sections import split_host_port
 
     host, port = split_host_port(listen)
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "*": "127.0.0.1", "": "127.0.0.1"}.get(host, host)

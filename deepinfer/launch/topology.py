@@ -59,7 +59,7 @@ Every table is one frozen dataclass (TokenizerSpec, WorkerSpec, KvCacheSpec, Gat
 RouterConfig, BalancerConfig),
 read by `tables.from_table`: an unknown key or a value of the wrong type is refused when the file is read,
 naming the file, the entry and the key. A key left out takes its default, and every default is defined once
-(deepinfer.engine.config's DEFAULT_*, the KvCacheSpec defaults here, RouterConfig's), so the file, the
+(deepinfer.config.model's DEFAULT_*, the KvCacheSpec defaults here, RouterConfig's), so the file, the
 command line and the services cannot disagree.
 
 The long-lived side binds (router frontend/backend, tokenizer detok, decode kv, kvcache endpoint);
@@ -97,7 +97,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deepinfer.engine.config import (
+from deepinfer.config.engine import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_KV_CACHE_MB,
@@ -105,10 +105,10 @@ from deepinfer.engine.config import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DEFAULT_WEIGHTS,
-    ConfigError,
     kv_cache_dtype_name,
 )
-from deepinfer.launch.specs import (
+from deepinfer.config.model import ConfigError
+from deepinfer.launch.sections import (
     DEFAULT_DISK_CACHE_MB,
     DEFAULT_HOST_CACHE_MB,
     DEFAULT_MODEL,

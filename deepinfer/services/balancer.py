@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.metrics.recorders.balancer import BalancerExport
-from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.protocol import messages as m
 from deepinfer.services.balancer_config import BALANCER_NAME, BalancerConfig
 from deepinfer.services.balancer_core import BalancerCore, Decision

@@ -21,7 +21,7 @@ class BalancerConfig:
     predicted gain first; move_timeout_s: a decision with no PlacementResult by then is given up.
 
     Why 8 and 64. A move reloads one expert's weights on one rank while the old placement serves, in the
-    background at a bounded duty (deepinfer.parallel.expert_move), so a decision costs its number of moves
+    background at a bounded duty (deepinfer.engine.ep.move), so a decision costs its number of moves
     and risks what changes at one switch. 8 per layer is a few slots per rank on the small groups a host
     runs (EP 2-8); it still converges, over more rounds: `bench.bench_eplb --max-moves 32` reaches the
     threshold in 3-43 rounds at DeepSeek scale, and a bound of 2 still gets there on a 16-expert layer

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepinfer.parallel.placement import EMPTY, ExpertPlacement
+from deepinfer.engine.ep.placement import EMPTY, ExpertPlacement
 
 __all__ = [
     "BalancerCore",

@@ -37,8 +37,8 @@ PROBE_PERIOD_S = 1.0
 MAX_STORES_IN_FLIGHT = 4
 
 if TYPE_CHECKING:
-    from deepinfer.parallel.group_cache import RankCache
-    from deepinfer.parallel.group_engine import GroupEngine
+    from deepinfer.services.group.cache import RankCache
+    from deepinfer.services.group.engine import GroupEngine
 
     PrefixTarget = LLMEngine | RankCache  # what a request's lookup and import go to (a group: one rank)
 

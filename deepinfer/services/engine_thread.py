@@ -25,7 +25,7 @@ import torch
 
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import RequestOutput
-from deepinfer.parallel.group_engine import GroupEngine
+from deepinfer.services.group.engine import GroupEngine
 
 T = TypeVar("T")
 

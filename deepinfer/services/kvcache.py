@@ -42,16 +42,16 @@ import zmq.asyncio
 
 from deepinfer.cache.hashing import HASH_BYTES
 from deepinfer.cache.store import TieredStore
-from deepinfer.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, kv_cache_dtype_name
-from deepinfer.engine.fetch import resolve_model
-from deepinfer.engine.identity import cache_namespace, model_config_at
-from deepinfer.engine.kv_spec import KvSpec
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, kv_cache_dtype_name
+from deepinfer.config.kv import KvSpec
+from deepinfer.loading.fetch import resolve_model
+from deepinfer.loading.identity import cache_namespace, model_config_at
 from deepinfer.metrics.recorders.cache import CacheExport
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.base import Handler, Service
 from deepinfer.services.kv_events import KvEventPublisher
+from deepinfer.text.tokenizer import Tokenizer
 
 TIERS = ("host", "disk")
 EVENTS_PERIOD_S = 0.05

@@ -41,6 +41,7 @@ from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import DRAIN_TIMEOUT_S, BaseService, Handler
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
+from deepinfer.services.router_state import Phase
 
 __all__ = ["ExpertStatus", "MeshPins", "RouterConfig", "RouterService"]
 
@@ -142,7 +143,8 @@ class RouterService(BaseService):
         # Each worker group's latest expert-load report, and what it says (see `expert_status`).
         self.expert_load: dict[str, m.ExpertLoad] = {}
         self.balancer: bytes | None = None  # the welcomed expert balancer's identity, if any
-        self.export = RouterExport(instance)  # Prometheus: each request's end, the router's state, expert load
+        # Prometheus: each request's end, the router's state, expert load
+        self.export = RouterExport(instance, [p.value for p in Phase])
 
     async def open(self) -> bool:
         self.frontend = self.socket(make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from deepinfer.cache.prefix_index import DAEMON_TIERS, DEVICE, DISK, HOST, TIERS, PrefixIndex
 from deepinfer.protocol.messages import PrefillDone
-from deepinfer.services.placement import Instance, InstanceTable, Placement
+from deepinfer.services.router_placement import Instance, InstanceTable, Placement
 from deepinfer.services.router_state import CACHE_AWARE, RouterConfig
 
 

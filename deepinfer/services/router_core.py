@@ -79,8 +79,8 @@ from deepinfer.protocol.messages import (
     Timings,
     UsageWire,
 )
-from deepinfer.services.placement import Assignment, Beat, Instance, InstanceTable, Placement
 from deepinfer.services.router_cache import Chosen, Prediction, PrefillCostModel
+from deepinfer.services.router_placement import Assignment, Beat, Instance, InstanceTable, Placement
 from deepinfer.services.router_state import (
     ClientId,
     Outbound,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from deepinfer.engine.config import DEFAULT_BLOCK_SIZE
+from deepinfer.config.engine import DEFAULT_BLOCK_SIZE
 from deepinfer.engine.request import InvalidRequestError
 from deepinfer.protocol.messages import (
     FinishReason,
@@ -22,7 +22,7 @@ from deepinfer.protocol.messages import (
     SamplingParamsWire,
     UsageWire,
 )
-from deepinfer.services.placement import Assignment
+from deepinfer.services.router_placement import Assignment
 from deepinfer.services.wire import to_engine_params
 
 ClientId = bytes

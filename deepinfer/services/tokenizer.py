@@ -11,15 +11,15 @@ from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, kv_cache_dtype_name
-from deepinfer.engine.fetch import resolve_model
-from deepinfer.engine.identity import cache_namespace, model_config_at
-from deepinfer.engine.kv_spec import KvSpec
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, kv_cache_dtype_name
+from deepinfer.config.kv import KvSpec
+from deepinfer.loading.fetch import resolve_model
+from deepinfer.loading.identity import cache_namespace, model_config_at
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, make_pull
 from deepinfer.services.base import Handler, Service
 from deepinfer.services.tokenizer_core import TokenizerCore
+from deepinfer.text.tokenizer import Tokenizer
 
 
 class TokenizerService(Service):

@@ -37,8 +37,6 @@ from dataclasses import dataclass
 import jinja2
 
 from deepinfer.cache.hashing import CacheNamespace, HashKeys, hash_blocks
-from deepinfer.engine.detokenizer import IncrementalDetokenizer
-from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.protocol.messages import (
     DetokenizeBatch,
     DetokenizeItem,
@@ -48,6 +46,8 @@ from deepinfer.protocol.messages import (
     TextDeltaItem,
     TextDeltas,
 )
+from deepinfer.text.detokenizer import IncrementalDetokenizer
+from deepinfer.text.tokenizer import Tokenizer
 
 
 class _Invalid(ValueError):

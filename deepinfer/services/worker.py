@@ -21,7 +21,7 @@ ROUTER on decode-capable workers and one DEALER per decode peer on prefill worke
 its own thread (`EngineThread`); this module only moves messages.
 
 A worker group (`ep` > 1, expert parallelism with data-parallel attention): this process is rank 0 and its
-engine is a `GroupEngine` spanning every rank (deepinfer.parallel.group_engine); the router sees one worker
+engine is a `GroupEngine` spanning every rank (deepinfer.services.group.engine); the router sees one worker
 with the group's summed capacity. A group reports its load (`ExpertLoad`: tokens per rank and, for an
 MoE model, per expert, with the placement table the ranks run) every `EXPERT_LOAD_PERIOD_S`, and takes
 the expert balancer's placement updates (`worker_experts.ExpertLink`). When the group breaks (a rank
@@ -39,18 +39,18 @@ from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import InvalidRequestError, RequestOutput
 from deepinfer.metrics.recorders.worker import WorkerExport
-from deepinfer.parallel.channel import GroupBroken
-from deepinfer.parallel.control import Load, engine_load
-from deepinfer.parallel.group_engine import GroupEngine
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, arecv_routed, asend_msg, make_dealer, make_push, make_router
 from deepinfer.services.base import Handler, Service
 from deepinfer.services.cache_client import CacheClient
 from deepinfer.services.engine_thread import EngineThread, load_on_a_passing_thread
+from deepinfer.services.group.channel import GroupBroken
+from deepinfer.services.group.control import Load, engine_load
+from deepinfer.services.group.engine import GroupEngine
 from deepinfer.services.kv_events import KvEventPublisher
 from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S
 from deepinfer.services.wire import from_wire_logprob, to_engine_params

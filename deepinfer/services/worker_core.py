@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.engine.kv_spec import KvSpec
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.request import InvalidRequestError, RequestOutput
 from deepinfer.protocol.messages import (
     DetokenizeBatch,

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from deepinfer.parallel.channel import GroupBroken
-from deepinfer.parallel.group_engine import GroupEngine
 from deepinfer.protocol import messages as m
 from deepinfer.services.balancer import placement_of, table_of
+from deepinfer.services.group.channel import GroupBroken
+from deepinfer.services.group.engine import GroupEngine
 
 __all__ = ["ExpertLink"]
 

@@ -23,7 +23,7 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_llama_dir):
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.weights import load_model_weights
 
     return load_model_weights(tiny_llama_dir)
 

@@ -95,8 +95,8 @@ def hf_model_from_loaded(config, state_dict):  # type: ignore[no-untyped-def]
 def smollm2_case(path, questions: list[str], new_tokens: int):  # type: ignore[no-untyped-def]
     """SmolLM2 from `path` with transformers holding the same weights: (loaded, tokenizer, hf model, the
     questions as chat prompts, transformers' greedy `new_tokens` for each)."""
-    from deepinfer.engine.tokenizer import Tokenizer
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.weights import load_model_weights
+    from deepinfer.text.tokenizer import Tokenizer
 
     loaded = load_model_weights(path)
     tok = Tokenizer.load(path)

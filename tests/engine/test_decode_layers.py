@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.attention import Segment, layout
-from deepinfer.engine.kernels import build, decode_layers, paged_attention
-from deepinfer.engine.kernels.decode_layers import DecodeStack, silu_mul, silu_mul_reference
-from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.models.registry import build_model
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.kernels import build, decode_layers, paged_attention
+from deepinfer.kernels.decode_layers import DecodeStack, silu_mul, silu_mul_reference
+from deepinfer.loading.weights import load_model_weights
 from tests.engine.oracle import random_tokens
 from tests.unit.test_gguf import _write_tiny_gguf
 

@@ -18,9 +18,9 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.loading.weights import load_model_weights
 from deepinfer.protocol import messages as m
+from deepinfer.text.tokenizer import Tokenizer
 from tests.engine.deepseek_models import VOCAB, build_hf_deepseek, save
 from tests.engine.oracle import assert_same_greedy, hf_greedy
 from tests.engine.test_pd_handoff import (

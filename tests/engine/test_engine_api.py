@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import FinishReason, InvalidRequestError, SamplingParams
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from deepinfer.engine.kernels import ep_route
+from deepinfer.engine.ep.experts import BatchSizes, ExpertParallelExperts, dense_rows
+from deepinfer.engine.ep.group import init_ep_group
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.engine.models.moe import ExpertBank, Routing, run_experts
-from deepinfer.parallel.ep_moe import BatchSizes, ExpertParallelExperts, dense_rows
-from deepinfer.parallel.group import init_ep_group
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.kernels import ep_route
 
 HIDDEN, INTER, EXPERTS = 64, 24, 16
 TRIALS = 14

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.kernels import ep_route as er
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.engine.models.moe import Routing
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.kernels import ep_route as er
 
 EXPERTS, HIDDEN = 16, 24
 

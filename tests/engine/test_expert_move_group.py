@@ -29,16 +29,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.ep.move import MoveResult, PlacementRefused, expert_digest
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.request import FinishReason, RequestOutput, SamplingParams
-from deepinfer.engine.weights import load_model_weights
-from deepinfer.parallel.channel import join_group
-from deepinfer.parallel.expert_move import MoveResult, PlacementRefused, expert_digest
-from deepinfer.parallel.follower import EXIT_STOPPED, follow
-from deepinfer.parallel.group_engine import GroupEngine
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.loading.weights import load_model_weights
+from deepinfer.services.group.channel import join_group
+from deepinfer.services.group.engine import GroupEngine
+from deepinfer.services.group.follower import EXIT_STOPPED, follow
 from tests.engine.moe_models import build_hf_moe, save
 from tests.engine.test_group_engine import CONFIG, TIMEOUT_S, free_port, make_engine, prompts
 

@@ -28,14 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepinfer.engine.config import ConfigError, EngineConfig
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.model import ConfigError
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.ep.experts import ExpertParallelExperts
+from deepinfer.engine.ep.group import EpGroup, ExpertParallelError, cpu_threads_per_rank, init_ep_group
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.engine.models.moe import moe_blocks
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.weights import load_model_weights
-from deepinfer.parallel.ep_moe import ExpertParallelExperts
-from deepinfer.parallel.group import EpGroup, ExpertParallelError, cpu_threads_per_rank, init_ep_group
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.loading.weights import load_model_weights
 from tests.engine.deepseek_models import build_hf_deepseek
 from tests.engine.deepseek_models import save as save_deepseek
 from tests.engine.moe_models import VOCAB, build_hf_moe, save

@@ -19,10 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.attention import Segment, layout
-from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams
 from tests.engine import test_oracle_tiny
 from tests.engine import test_speculative as spec
@@ -70,8 +70,8 @@ def test_pool_is_fp16_at_half_the_bytes(tiny_llama):  # type: ignore[no-untyped-
 
 def test_bfloat16_pool_is_refused(tiny_llama, monkeypatch):  # type: ignore[no-untyped-def]
     """bfloat16 is a wire name the engine's attention does not read: refused when the pool is made."""
+    from deepinfer.config.model import ConfigError
     from deepinfer.engine import model_runner
-    from deepinfer.engine.config import ConfigError
 
     spec = KvSpec.for_model(tiny_llama.config, BLOCK, "bfloat16")
     with pytest.raises(ConfigError, match="bfloat16"):

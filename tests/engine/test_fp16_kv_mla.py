@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.loading.weights import load_model_weights
 from tests.engine import deepseek_models
 from tests.engine.oracle import assert_whole, hf_top2_gap, memoised_greedy
 from tests.engine.test_fp16_kv_cache import PATHS_TOL, decode_row_logits

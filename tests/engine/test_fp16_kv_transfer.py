@@ -16,11 +16,11 @@ import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.handoff import HandoffError
-from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.loading.weights import load_model_weights
+from deepinfer.text.tokenizer import Tokenizer
 from tests.engine.oracle import random_tokens
 from tests.engine.test_deepseek_kv_tiers import daemon_round_trip
 from tests.engine.test_pd_handoff import (

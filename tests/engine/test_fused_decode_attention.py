@@ -7,21 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine import kernels
+from deepinfer import kernels
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.model import ModelConfig
 from deepinfer.engine.attention import Segment, layout, paged_attention, rope_attention
-from deepinfer.engine.config import EngineConfig, ModelConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.kernels import (
+from deepinfer.engine.models.rope import RotaryTable, apply_rotary
+from deepinfer.engine.request import SamplingParams
+from deepinfer.kernels import (
     attention_amx,
     native_available,
     paged_decode_attention,
     rope_write_decode_attention,
     rope_write_decode_attention_reference,
 )
-from deepinfer.engine.kernels import paged_attention as pa
-from deepinfer.engine.kernels.rope_write import as_cached, write_kv
-from deepinfer.engine.models.rope import RotaryTable, apply_rotary
-from deepinfer.engine.request import SamplingParams
+from deepinfer.kernels import paged_attention as pa
+from deepinfer.kernels.rope_write import as_cached, write_kv
 
 needs_native = pytest.mark.skipif(
     not native_available(),

@@ -28,11 +28,13 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 from safetensors.torch import load_file
 
-from deepinfer.engine.config import ConfigError, EngineConfig
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.model import ConfigError
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.gguf import gguf_to_our_name, load_gguf
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.weights import hf_to_our_name, load_model_weights
+from deepinfer.loading.gguf import gguf_to_our_name
+from deepinfer.loading.gguf_model import load_gguf
+from deepinfer.loading.weights import hf_to_our_name, load_model_weights
 from tests.engine.deepseek_models import COMMON, VOCAB, save
 from tests.engine.oracle import assert_same_greedy, assert_whole, memoised_greedy, random_tokens, run_staggered
 

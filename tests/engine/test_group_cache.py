@@ -18,9 +18,9 @@ import torch
 
 from deepinfer.engine.handoff import HandoffError
 from deepinfer.engine.request import SamplingParams
-from deepinfer.parallel import group_cache
-from deepinfer.parallel.channel import GroupBroken
-from deepinfer.parallel.group_engine import GroupEngine
+from deepinfer.services.group import cache as group_cache
+from deepinfer.services.group.channel import GroupBroken
+from deepinfer.services.group.engine import GroupEngine
 from tests.engine.test_group_engine import CONFIG, PARAMS, group_of_two, make_engine, model, run  # noqa: F401
 
 BS = CONFIG["block_size"]

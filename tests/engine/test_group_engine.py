@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 import torch
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import FinishReason, RequestOutput, SamplingParams
-from deepinfer.engine.weights import load_model_weights
-from deepinfer.parallel.channel import GroupBroken, join_group
-from deepinfer.parallel.follower import EXIT_BROKEN, EXIT_STOPPED, follow
-from deepinfer.parallel.group_engine import GroupEngine, rank_engine
+from deepinfer.loading.weights import load_model_weights
+from deepinfer.services.group.channel import GroupBroken, join_group
+from deepinfer.services.group.engine import GroupEngine, rank_engine
+from deepinfer.services.group.follower import EXIT_BROKEN, EXIT_STOPPED, follow
 from tests.engine.moe_models import build_hf_moe, save
 
 TIMEOUT_S = 60.0  # the channel's: a rank that hangs fails the test instead of hanging it

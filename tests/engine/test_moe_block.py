@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.config import MoEConfig
+from deepinfer.config.model import MoEConfig
 from deepinfer.engine.models.moe import ExpertBank, SparseMoE, expert_linear, route_softmax_topk, run_experts
 
 H, W, S = 24, 16, 20  # hidden, expert width, shared-expert width

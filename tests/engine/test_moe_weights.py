@@ -14,10 +14,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quants
 
-from deepinfer.engine.config import SUPPORTED_ARCHITECTURES, ConfigError, EngineConfig, ModelConfig, MoEConfig
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.model import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, MoEConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.models import MODEL_CLASSES, build_model
-from deepinfer.engine.weights import LoadedModel, check_state_dict, load_model_weights
+from deepinfer.loading.weights import LoadedModel, check_state_dict, load_model_weights
 from tests.engine.moe_models import VARIANTS, build_hf_moe, save
 
 

@@ -17,13 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer.engine.config import ConfigError, EngineConfig, ModelConfig
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.kv import KvSpec
+from deepinfer.config.model import ConfigError, ModelConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.kv_spec import KvSpec
 from deepinfer.engine.models.deepseek import DeepseekModel, DeepseekRouter
 from deepinfer.engine.models.moe import LocalExperts, SparseMoE
 from deepinfer.engine.request import RequestOutput, SamplingParams
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.loading.weights import load_model_weights
 from tests.engine.deepseek_models import FUSED, TIED_LAYER, VARIANTS, VOCAB, build_hf_deepseek, save
 from tests.engine.oracle import (
     assert_same_greedy,

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.models.moe import MoEModel
 from deepinfer.engine.request import RequestOutput, SamplingParams
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.loading.weights import load_model_weights
 from tests.engine.moe_models import VARIANTS, VOCAB, build_hf_moe, save
 from tests.engine.oracle import (
     assert_same_greedy,

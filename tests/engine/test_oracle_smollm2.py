@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from tests.engine.oracle import assert_same_greedy, smollm2_case
 from tests.engine.test_oracle_tiny import run_staggered
@@ -67,8 +67,8 @@ def test_logits_within_tolerance(smollm2):
 def test_logits_within_tolerance_on_amx_tiles(smollm2, monkeypatch):
     """A prompt of 128+ tokens in one chunk: on an AMX CPU its fp32 projections run on the tiles
     (dense_amx.h, six bf16 piece products per fp32 product) and the logits still agree to 1e-3."""
-    from deepinfer.engine.kernels import dense_linear
     from deepinfer.engine.models import linear as linear_mod
+    from deepinfer.kernels import dense_linear
 
     if not dense_linear.amx_available():
         pytest.skip("no AMX-BF16 tiles here")
@@ -102,8 +102,8 @@ def test_native_weights_match_transformers(smollm2, smollm2_path, mode):
     they dequantise bit for bit to the fp32 load's weights, and the engine computing from the blocks
     gives transformers' greedy tokens on those weights and logits within the same tolerance. Chunks of
     40 rows take the register kernels; "ample" batches whole prompts, which on an AMX CPU take the tiles."""
-    from deepinfer.engine.packed_weights import PackedWeight, dequantized
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.packed_weights import PackedWeight, dequantized
+    from deepinfer.loading.weights import load_model_weights
 
     loaded, tok, hf, prompts, refs = smollm2
     native = load_model_weights(smollm2_path, "native")

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import FinishReason, SamplingParams
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.loading.weights import load_model_weights
 from tests.engine.oracle import assert_same_greedy, hf_greedy
 
 NEW_TOKENS = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.kernels import ordered_add as oa
+from deepinfer.kernels import ordered_add as oa
 
 
 def _case(seed: int, tokens: int, hidden: int, sizes: list[int], entries: int):

@@ -15,12 +15,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from deepinfer.engine.config import ConfigError, EngineConfig
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.model import ConfigError
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.models.linear import linear
-from deepinfer.engine.packed_weights import PackedWeight, dequantized, quantize_q8_0, resolve_weights_mode
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.weights import load_model_weights
+from deepinfer.loading.packed_weights import PackedWeight, dequantized, quantize_q8_0, resolve_weights_mode
+from deepinfer.loading.weights import load_model_weights
 from tests.engine.oracle import (
     assert_same_greedy,
     assert_whole,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from deepinfer.cache.block_pool import BlockPool, NoFreeBlocksError
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.handoff import HandoffError, Reservations, blocks_for
 from deepinfer.engine.request import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
@@ -549,8 +549,8 @@ def test_malformed_handoffs_are_refused_and_nothing_leaks(tiny_llama):
 
 @pytest.mark.smollm2
 def test_smollm2_greedy_through_handoff_matches_single_engine_and_transformers(smollm2_path):
-    from deepinfer.engine.tokenizer import Tokenizer
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.weights import load_model_weights
+    from deepinfer.text.tokenizer import Tokenizer
     from tests.engine.oracle import hf_model_from_loaded
     from tests.engine.test_oracle_smollm2 import QUESTIONS
 

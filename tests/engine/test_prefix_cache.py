@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.handoff import HandoffError
 from deepinfer.engine.request import FinishReason, RequestOutput, SamplingParams
@@ -385,8 +385,8 @@ def test_aborts_at_every_point_leak_nothing_and_keep_what_was_cached(tiny_llama)
 
 @pytest.mark.smollm2
 def test_smollm2_shared_prefix_pair_same_tokens_with_and_without_hits(smollm2_path):
-    from deepinfer.engine.tokenizer import Tokenizer
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.weights import load_model_weights
+    from deepinfer.text.tokenizer import Tokenizer
 
     loaded = load_model_weights(smollm2_path)
     tok = Tokenizer.load(smollm2_path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import InvalidRequestError, Logprob, RequestOutput, SamplingParams
 from tests.engine.oracle import NEAR_TIE, hf_model_from_loaded, random_tokens
@@ -198,8 +198,8 @@ def test_greedy_logit_bias_matches_transformers(tiny_llama, tiny_hf, speculative
 
 @pytest.fixture(scope="module")
 def smollm2_case(smollm2_path):
-    from deepinfer.engine.tokenizer import Tokenizer
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.weights import load_model_weights
+    from deepinfer.text.tokenizer import Tokenizer
 
     loaded = load_model_weights(smollm2_path)
     tok = Tokenizer.load(smollm2_path)

@@ -1,4 +1,4 @@
-"""The RMS norm kernel (deepinfer/engine/kernels/rms_norm.c) against torch and a float64 reference."""
+"""The RMS norm kernel (deepinfer/kernels/rms_norm.c) against torch and a float64 reference."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.kernels import rms_norm as rn
+from deepinfer.kernels import rms_norm as rn
 
 pytestmark = pytest.mark.skipif(not rn.native_available(), reason="no C compiler for the RMS norm kernel")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine import kernels
-from deepinfer.engine.kernels.rope_write import as_cached, rope_write_prefill, rope_write_prefill_reference, write_kv
+from deepinfer import kernels
 from deepinfer.engine.models.rope import apply_rotary
+from deepinfer.kernels.rope_write import as_cached, rope_write_prefill, rope_write_prefill_reference, write_kv
 
 needs_native = pytest.mark.skipif(not kernels.native_available(), reason="paged attention kernel not built")
 H, KVH, D, NB, BS, LAYERS = 6, 2, 64, 12, 16, 3

@@ -1,4 +1,4 @@
-"""smollm2-moe: the MoE derived from SmolLM2 (deepinfer/engine/derive_moe.py), written as a Mixtral directory.
+"""smollm2-moe: the MoE derived from SmolLM2 (deepinfer/loading/derive_moe.py), written as a Mixtral directory.
 
 The default directory (DEFAULT_NUM_EXPERTS experts, top DEFAULT_TOP_K) is built once per module through the
 CLI into a private cache; the other tests read it. Derivations in this module: that one, a second identical one
@@ -17,10 +17,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from deepinfer.engine import derive_moe as dm
-from deepinfer.engine.fetch import SMOLLM2_FILE, SMOLLM2_NAME, smollm2_moe_dir
-from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.launch.cli import main as cli
+from deepinfer.loading import derive_moe as dm
+from deepinfer.loading.fetch import SMOLLM2_FILE, SMOLLM2_NAME, smollm2_moe_dir
+from deepinfer.text.tokenizer import Tokenizer
 
 PROMPT = "The lighthouse keeper wrote in his ledger that the storm had lasted eleven days, and"
 
@@ -179,7 +179,7 @@ def test_transformers_runs_it_as_our_forward_does(smollm2_path, moe_dir, hf_moe)
 def test_top_k_equal_to_experts_is_the_dense_model(smollm2_path, tmp_path):
     from transformers import MixtralForCausalLM
 
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.weights import load_model_weights
     from tests.engine.oracle import hf_model_from_loaded
 
     path = tmp_path / "e8-k8"

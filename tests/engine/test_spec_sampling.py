@@ -17,10 +17,10 @@ from collections import Counter
 import pytest
 import torch
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.spec import verify as verify_module
+from deepinfer.engine.speculative import verify as verify_module
 
 N = 2000
 PROMPT = [11, 57, 203, 9, 140, 77, 31]

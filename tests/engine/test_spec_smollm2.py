@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from tests.engine.oracle import assert_same_greedy, smollm2_case

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import FinishReason, RequestOutput, SamplingParams
-from deepinfer.engine.spec.base import Proposal, Proposer, SpecContext
+from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
 from tests.engine.test_pd_handoff import LetterTokenizer, assert_whole, run_disaggregated
 
 BLOCK = 4
@@ -325,7 +325,7 @@ def test_the_controller_stops_proposing_what_is_never_accepted(tiny_llama):
 
 
 def test_unknown_or_bad_speculative_settings_are_refused(tiny_llama):
-    from deepinfer.engine.config import ConfigError
+    from deepinfer.config.model import ConfigError
 
     for bad in ["nope", "self:0", "self:x", "draft:", "ngram:3"]:
         with pytest.raises(ConfigError):

@@ -30,17 +30,17 @@ from typing import Any
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.fetch import fetch_smollm2_moe
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.mesh import InprocMesh
 from deepinfer.launch.topology import Topology
-from deepinfer.parallel.follower import EXIT_STOPPED
-from deepinfer.parallel.group_engine import GroupEngine
+from deepinfer.loading.fetch import fetch_smollm2_moe
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient
 from deepinfer.services.balancer_config import BALANCER_NAME, BalancerConfig
+from deepinfer.services.group.engine import GroupEngine
+from deepinfer.services.group.follower import EXIT_STOPPED
 
 pytestmark = pytest.mark.smollm2
 

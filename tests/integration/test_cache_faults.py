@@ -16,7 +16,7 @@ import time
 import pytest
 import zmq
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.topology import Topology

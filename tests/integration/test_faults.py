@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.topology import RouterConfig, Topology

@@ -36,7 +36,7 @@ def tiny_mixtral(smollm2_path, tmp_path_factory) -> Path:
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from deepinfer.engine.derive_moe import tokenizer_files
+    from deepinfer.loading.derive_moe import tokenizer_files
 
     path = tmp_path_factory.mktemp("tiny-mixtral")
     files = tokenizer_files(smollm2_path, 2048)
@@ -101,7 +101,7 @@ def serves(endpoint: str) -> bool:
 
 
 def test_up_ep_2_serves_and_a_dead_rank_restarts_its_group(tiny_mixtral, tmp_path):
-    pytest.importorskip("deepinfer.parallel.follower")
+    pytest.importorskip("deepinfer.services.group.follower")
     run_dir = tmp_path / "run"
     with open(tmp_path / "up.log", "w") as log:
         proc = subprocess.Popen(

@@ -280,7 +280,7 @@ def test_metrics_count_requests(served):
 
 @pytest.fixture(scope="module")
 def hf_smollm2(smollm2_path):
-    from deepinfer.engine.weights import load_model_weights
+    from deepinfer.loading.weights import load_model_weights
     from tests.engine.oracle import hf_model_from_loaded
 
     loaded = load_model_weights(smollm2_path)

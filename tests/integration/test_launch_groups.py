@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from deepinfer.launch import cli
+from deepinfer.launch.mesh import engine_config
 from deepinfer.launch.systemd import unit_files, write_units
 from deepinfer.launch.topology import Topology, TopologyError
 from tests.integration.test_launch import assert_hardened, unit_settings
@@ -89,14 +90,15 @@ def test_only_a_worker_has_ranks(topology):
 
 
 def test_a_follower_rank_runs_run_follower_and_exits_with_its_code(topology, monkeypatch):
-    calls: list[tuple[Topology, str, int]] = []
-    follower = types.ModuleType("deepinfer.parallel.follower")
-    follower.run_follower = lambda topo, name, rank: calls.append((topo, name, rank)) or 3  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "deepinfer.parallel.follower", follower)
+    calls: list[tuple[Topology, str, int, Any]] = []
+    follower = types.ModuleType("deepinfer.services.group.follower")
+    follower.run_follower = lambda *call: calls.append(call) or 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deepinfer.services.group.follower", follower)
     out = run("service", "worker", "--topology", str(topology), "--name", "w", "--rank", "1")
     assert out.exit_code == 3, out.output  # nonzero: the group broke, so the supervisor/systemd restarts it
-    assert [(name, rank) for _, name, rank in calls] == [("w", 1)]
+    assert [(name, rank) for _, name, rank, _ in calls] == [("w", 1)]
     assert calls[0][0] == Topology.load(topology)
+    assert calls[0][3] == engine_config(Topology.load(topology).worker("w"), rank=1)  # the rank's own settings
 
 
 # -- systemd: a unit per rank ------------------------------------------------------------------------------------

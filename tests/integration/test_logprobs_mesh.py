@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import Logprob, SamplingParams
 from deepinfer.launch.mesh import InprocMesh

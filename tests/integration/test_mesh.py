@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.mesh import InprocMesh

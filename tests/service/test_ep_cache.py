@@ -23,14 +23,14 @@ from typing import Any
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.mesh import InprocMesh
 from deepinfer.launch.topology import Topology
-from deepinfer.parallel.follower import EXIT_STOPPED
-from deepinfer.parallel.group_engine import GroupEngine
 from deepinfer.protocol.client import AsyncClient
+from deepinfer.services.group.engine import GroupEngine
+from deepinfer.services.group.follower import EXIT_STOPPED
 from tests.service.test_ep_worker import moe_path, tiny_moe_with_tokenizer, until  # noqa: F401
 
 pytestmark = pytest.mark.smollm2

@@ -23,18 +23,18 @@ from typing import Any
 
 import pytest
 
-from deepinfer.engine.config import EngineConfig
+from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.fetch import fetch_smollm2_moe
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.mesh import InprocMesh
 from deepinfer.launch.topology import Topology
-from deepinfer.parallel.channel import GroupBroken
-from deepinfer.parallel.follower import EXIT_STOPPED
-from deepinfer.parallel.group_engine import GroupEngine
+from deepinfer.loading.fetch import fetch_smollm2_moe
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient
 from deepinfer.protocol.codec import decode, encode
+from deepinfer.services.group.channel import GroupBroken
+from deepinfer.services.group.engine import GroupEngine
+from deepinfer.services.group.follower import EXIT_STOPPED
 from tests.engine.moe_models import build_hf_moe, save
 
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "Write one word about the sea.", "Who wrote Hamlet?"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
 from deepinfer.services.balancer import BalancerConfig, BalancerService, placement_of, table_of

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from deepinfer.engine.kernels import attention_amx
+from deepinfer.kernels import attention_amx
 
 needs_amx = pytest.mark.skipif(not attention_amx.available(),
                                reason="no AMX-BF16 tiles here (or the kernel could not be built)")
@@ -159,7 +159,7 @@ def test_bad_shapes_are_refused():
 
 def test_switched_off_by_environment():
     """DEEPINFER_AMX=0 keeps SDPA (in a fresh process: the choice is made when the kernel loads)."""
-    code = ("from deepinfer.engine.kernels import attention_amx as a; "
+    code = ("from deepinfer.kernels import attention_amx as a; "
             "import sys; sys.exit(1 if a.available() else 0)")
     env = dict(os.environ, DEEPINFER_AMX="0")
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=300).returncode == 0

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.parallel.placement import EMPTY, ExpertPlacement
+from deepinfer.engine.ep.placement import EMPTY, ExpertPlacement
 from deepinfer.services.balancer_core import (
     BalancerCore,
     lower_bound,

@@ -70,7 +70,7 @@ def test_bandwidth_fraction() -> None:
 
 @pytest.mark.smollm2
 def test_gguf_weight_bytes_count_the_tied_embedding_once(smollm2_path: Path) -> None:
-    from deepinfer.engine.gguf import open_gguf
+    from deepinfer.config.gguf_metadata import open_gguf
 
     sizes = {t.name: int(t.n_bytes) for t in open_gguf(smollm2_path).tensors}
     assert "output.weight" not in sizes  # SmolLM2 ties the LM head to the embedding

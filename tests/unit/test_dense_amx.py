@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-from deepinfer.engine.kernels import dense_linear as dl
 from deepinfer.engine.models import linear as linear_mod
+from deepinfer.kernels import dense_linear as dl
 
 needs_amx = pytest.mark.skipif(not dl.amx_available(), reason="no AMX-BF16 tiles here (or no kernel)")
 
@@ -101,6 +101,6 @@ def test_models_route_many_rows_to_the_tiles(monkeypatch):
 
 
 def test_switched_off_by_environment():
-    code = "from deepinfer.engine.kernels import dense_linear as d; import sys; sys.exit(1 if d.amx_available() else 0)"
+    code = "from deepinfer.kernels import dense_linear as d; import sys; sys.exit(1 if d.amx_available() else 0)"
     env = dict(os.environ, DEEPINFER_AMX="0")
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=300).returncode == 0

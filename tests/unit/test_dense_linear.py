@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.kernels import dense_linear as dl
 from deepinfer.engine.models import linear as linear_mod
+from deepinfer.kernels import dense_linear as dl
 
 needs_native = pytest.mark.skipif(not dl.native_available(), reason="dense linear kernel could not be built")
 

@@ -10,8 +10,8 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from deepinfer.engine.detokenizer import IncrementalDetokenizer, TextDelta
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.text.detokenizer import IncrementalDetokenizer, TextDelta
+from deepinfer.text.tokenizer import Tokenizer
 
 TEXTS = [
     "plain ascii text, nothing special",

@@ -1,4 +1,4 @@
-"""The pure and single-process parts of an expert placement move (deepinfer/parallel/expert_move.py):
+"""The pure and single-process parts of an expert placement move (deepinfer/engine/ep/move.py):
 banks with empty rows, which local slots a move changes, what a group refuses, the weight source reading
 experts straight from the model files (per-expert and fused tensors), a rank's stage-then-switch on one
 process (no collectives: the executors are built on a group that is never joined), the digest check that
@@ -13,15 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from deepinfer.engine.config import ConfigError, EngineConfig
-from deepinfer.engine.models.moe import ExpertBank, route_softmax_topk, run_experts
-from deepinfer.engine.weights import load_model_weights
-from deepinfer.parallel.control import Op
-from deepinfer.parallel.ep_moe import ExpertParallelExperts, redundant_replicas
-from deepinfer.parallel.expert_move import (
+from deepinfer.config.engine import EngineConfig
+from deepinfer.config.model import ConfigError
+from deepinfer.engine.ep.experts import ExpertParallelExperts, redundant_replicas
+from deepinfer.engine.ep.group import EpGroup
+from deepinfer.engine.ep.move import (
     ExpertSource,
     MoveResult,
-    PlacementMoves,
     PlacementRefused,
     PlacementStager,
     changed_rows,
@@ -29,8 +27,11 @@ from deepinfer.parallel.expert_move import (
     expert_digests,
     moe_layer_indices,
 )
-from deepinfer.parallel.group import EpGroup
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.engine.ep.placement import ExpertPlacement
+from deepinfer.engine.models.moe import ExpertBank, route_softmax_topk, run_experts
+from deepinfer.loading.weights import load_model_weights
+from deepinfer.services.group.control import Op
+from deepinfer.services.group.moves import PlacementMoves
 from tests.engine.moe_models import build_hf_moe, save
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepinfer.parallel.placement import EMPTY, ExpertPlacement, replica_index
+from deepinfer.engine.ep.placement import EMPTY, ExpertPlacement, replica_index
 
 
 @st.composite

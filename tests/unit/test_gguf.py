@@ -12,16 +12,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter, RopeScalingType, quants
 from gguf import GGMLQuantizationType as T
 
-from deepinfer.engine.config import ModelConfig
-from deepinfer.engine.gguf import (
-    UnsupportedWeightError,
-    config_from_gguf,
-    dequantize,
-    gguf_to_our_name,
-    load_gguf,
-    open_gguf,
-)
-from deepinfer.engine.weights import hf_to_our_name, load_model_weights
+from deepinfer.config.gguf_metadata import open_gguf
+from deepinfer.config.model import ModelConfig
+from deepinfer.loading.gguf import UnsupportedWeightError, dequantize, gguf_to_our_name
+from deepinfer.loading.gguf_model import config_from_gguf, load_gguf
+from deepinfer.loading.weights import hf_to_our_name, load_model_weights
 
 SUPPORTED = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
 QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1]

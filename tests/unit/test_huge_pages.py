@@ -1,4 +1,4 @@
-"""Huge-page host buffers (deepinfer/engine/huge_pages.py): what callers rely on, whatever the kernel grants."""
+"""Huge-page host buffers (deepinfer/kernels/huge_pages.py): what callers rely on, whatever the kernel grants."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from deepinfer.engine.huge_pages import HUGE_PAGE, huge_page_bytes, huge_page_zeros
+from deepinfer.kernels.huge_pages import HUGE_PAGE, huge_page_bytes, huge_page_zeros
 
 
 def test_zeros_of_any_shape_and_dtype_on_a_huge_page_boundary() -> None:
@@ -30,8 +30,8 @@ def test_writable_and_alive_after_the_mapping_object_is_gone() -> None:
 
 
 def test_kv_pool_on_cpu_is_zeroed_in_huge_pages() -> None:
-    from deepinfer.engine.config import ModelConfig
-    from deepinfer.engine.kv_spec import KvSpec
+    from deepinfer.config.kv import KvSpec
+    from deepinfer.config.model import ModelConfig
 
     config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -58,8 +58,8 @@ def test_prefault_makes_every_page_resident_up_front() -> None:
 
 
 def test_kv_pool_is_resident_when_allocated() -> None:
-    from deepinfer.engine.config import ModelConfig
-    from deepinfer.engine.kv_spec import KvSpec
+    from deepinfer.config.kv import KvSpec
+    from deepinfer.config.model import ModelConfig
 
     config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=256, intermediate_size=64,
                          num_layers=8, num_heads=4, num_kv_heads=4, head_dim=64)

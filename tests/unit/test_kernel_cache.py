@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.engine.kernels import build
-from deepinfer.engine.kernels import paged_attention as pa
+from deepinfer.kernels import build
+from deepinfer.kernels import paged_attention as pa
 
 COMPILER = pa._find_compiler()
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
@@ -173,7 +173,7 @@ def test_refused_at_load_falls_back_to_torch(monkeypatch, cache, caplog, tmp_pat
 
 _WORKER = """
 import sys, torch
-from deepinfer.engine.kernels import paged_attention as pa
+from deepinfer.kernels import paged_attention as pa
 sys.stdin.readline()  # start line: both processes build at the same moment
 assert pa.native_available(), pa.native_unavailable_reason()
 q, k = torch.randn(2, 4, 32), torch.randn(6, 4, 2, 32)

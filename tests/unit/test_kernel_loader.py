@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.engine.kernels import build
+from deepinfer.kernels import build
 
 SOURCE = """
 int tl_has_avx2(void) { return 0; }

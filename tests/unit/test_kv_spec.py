@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from deepinfer.cache.hashing import CacheNamespace
-from deepinfer.engine.config import ModelConfig
-from deepinfer.engine.kv_spec import KvSpec, kv_dtype_name
+from deepinfer.config.kv import KvSpec, kv_dtype_name
+from deepinfer.config.model import ModelConfig
 
 LLAMA = ModelConfig(architecture="llama", vocab_size=100, hidden_size=576, intermediate_size=1536, num_layers=30,
                     num_heads=9, num_kv_heads=3, head_dim=64)

@@ -11,7 +11,7 @@ import torch
 
 from deepinfer.engine.request import InvalidRequestError, SamplingParams
 from deepinfer.engine.sampler import Sampler, SamplingRow, make_generator
-from deepinfer.engine.spec.verify import VerifyGroup, verify
+from deepinfer.engine.speculative.verify import VerifyGroup, verify
 from deepinfer.protocol.messages import SamplingParamsWire
 from deepinfer.services.wire import to_engine_params
 

@@ -22,8 +22,11 @@ from deepinfer.metrics.recorders.router import RouterExport
 from deepinfer.metrics.recorders.service import ServiceMetrics
 from deepinfer.metrics.recorders.worker import WorkerExport
 from deepinfer.protocol import messages as m
+from deepinfer.services.router_state import Phase
 
 WHO = {"service", "instance"}
+
+ROUTER_PHASES = [p.value for p in Phase]
 
 
 def samples(body: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -54,7 +57,7 @@ def finished(prompt: int = 7, completion: int = 5, reason: str = "stop", **cache
 def test_the_exposition_parses_with_names_types_and_labels_as_documented():
     body, content_type = metrics.exposition()
     assert content_type.startswith("text/plain")
-    RouterExport("r-doc").finished(finished(device=3))
+    RouterExport("r-doc", ROUTER_PHASES).finished(finished(device=3))
     ServiceMetrics("decode", "w-doc").on_heartbeat(m.Heartbeat("decode", "w-doc", "i", 1, 1, free_blocks=6,
                                                                total_blocks=8), 0)
     body, _ = metrics.exposition()
@@ -93,7 +96,7 @@ def test_every_metric_is_named_deepinfer_and_only_http_lacks_the_process_labels(
 
 
 def test_a_finished_request_moves_the_histograms_and_counters():
-    export = RouterExport("r-move")
+    export = RouterExport("r-move", ROUTER_PHASES)
     before, _ = metrics.exposition()
     export.to_client(finished(prompt=10, completion=4, device=2, host=3))
     export.to_client(finished(prompt=6, completion=2, reason="length"))
@@ -119,7 +122,7 @@ def test_a_finished_request_moves_the_histograms_and_counters():
 
 
 def test_router_state_and_expert_load():
-    export = RouterExport("r-state")
+    export = RouterExport("r-state", ROUTER_PHASES)
 
     class Member:
         def __init__(self, role: str, alive: bool) -> None:

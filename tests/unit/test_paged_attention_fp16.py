@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine.kernels import paged_attention as pa
-from deepinfer.engine.kernels import paged_decode_attention, paged_decode_attention_reference
+from deepinfer.kernels import paged_attention as pa
+from deepinfer.kernels import paged_decode_attention, paged_decode_attention_reference
 from tests.unit.test_paged_attention_kernel import SHAPES, _make, needs_native
 
 # Both paths widen the same halves and compute in fp32; they differ only in summation order.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.kernels import paged_decode_attention, paged_decode_attention_reference
+from deepinfer.kernels import paged_decode_attention, paged_decode_attention_reference
 from tests.unit.test_paged_attention_kernel import _make, needs_native
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}

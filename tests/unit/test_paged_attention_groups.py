@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.kernels import native_available, paged_decode_attention
+from deepinfer.kernels import native_available, paged_decode_attention
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native paged attention kernel unavailable")
 

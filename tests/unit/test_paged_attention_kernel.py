@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine import kernels
-from deepinfer.engine.kernels import (
+from deepinfer import kernels
+from deepinfer.kernels import (
     native_available,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -261,7 +261,7 @@ def test_native_available_is_cached_and_reports_reason():
 def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     """A compiler that fails: native_available() is False with a logged reason, and
     paged_decode_attention still answers through the reference."""
-    from deepinfer.engine.kernels import paged_attention as pa
+    from deepinfer.kernels import paged_attention as pa
 
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
@@ -280,7 +280,7 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
 def test_build_goes_to_cache_dir_atomically(monkeypatch, tmp_path):
     """A fresh cache dir: the library is built there under a content-keyed name, no temp files
     left behind, and a second build reuses it."""
-    from deepinfer.engine.kernels import paged_attention as pa
+    from deepinfer.kernels import paged_attention as pa
 
     compiler = pa._find_compiler()
     if compiler is None:
@@ -298,7 +298,7 @@ def test_build_goes_to_cache_dir_atomically(monkeypatch, tmp_path):
 @pytest.mark.parametrize("openmp,simd", [(True, False), (False, True)], ids=["no-avx2", "no-openmp"])
 def test_reduced_builds(monkeypatch, tmp_path, openmp, simd):
     """The builds a CPU without AVX2+FMA, or a compiler without OpenMP, gets also match."""
-    from deepinfer.engine.kernels import paged_attention as pa
+    from deepinfer.kernels import paged_attention as pa
 
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     lib, fns = pa._load(pa._build(pa._find_compiler(), pa._compile_flags(openmp=openmp, simd=simd)))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.protocol.messages import Heartbeat, KvEvents, PrefillDone
-from deepinfer.services.placement import Instance
 from deepinfer.services.router_cache import PrefillCostModel
+from deepinfer.services.router_placement import Instance
 from deepinfer.services.router_state import RouterConfig
 
 BLOCKS = [bytes([i]) * 32 for i in range(10)]  # stand-ins for a 10-block chain (block size 16)

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from deepinfer.engine.kernels import quant_linear as ql
-from deepinfer.engine.kernels.quant_linear import quant_linear
+from deepinfer.kernels import quant_linear as ql
+from deepinfer.kernels.quant_linear import quant_linear
 from tests.unit.test_quant_linear import QTYPES, _assert_product, _packed
 
 needs_amx = pytest.mark.skipif(not ql.amx_available(), reason="no AMX-BF16 tile path on this CPU / OS")
@@ -113,7 +113,7 @@ def test_amx_unavailable_is_a_clear_error(monkeypatch):
 @pytest.mark.skipif(not ql.native_available(), reason="kernel could not be built")
 def test_amx_can_be_switched_off():
     """DEEPINFER_AMX=0 keeps the tiles out (for A/B runs, or a CPU whose tile path misbehaves)."""
-    code = "from deepinfer.engine.kernels import quant_linear as q; print(q.native_available(), q.amx_available())"
+    code = "from deepinfer.kernels import quant_linear as q; print(q.native_available(), q.amx_available())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DEEPINFER_AMX": "0"}, check=True,
                          capture_output=True, text=True).stdout.split()
     assert out == ["True", "False"]

@@ -13,10 +13,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from deepinfer.engine.fetch import SMOLLM2_FILE, default_cache_dir
-from deepinfer.engine.gguf import dequantize, open_gguf, tensor_to_numpy
-from deepinfer.engine.kernels import quant_linear as ql
-from deepinfer.engine.kernels.quant_linear import PackedWeight, quant_linear, quant_linear_reference
+from deepinfer.config.gguf_metadata import open_gguf
+from deepinfer.config.paths import default_cache_dir
+from deepinfer.kernels import quant_linear as ql
+from deepinfer.kernels.quant_linear import PackedWeight, quant_linear, quant_linear_reference
+from deepinfer.loading.fetch import SMOLLM2_FILE
+from deepinfer.loading.gguf import dequantize, tensor_to_numpy
 
 RTOL = 1e-5
 QTYPES = {"Q8_0": T.Q8_0, "Q4_0": T.Q4_0, "Q4_1": T.Q4_1}
@@ -128,7 +130,7 @@ def test_group_path_is_the_fp32_kernel_on_the_loaders_weights(fmt):
     dense_linear's tiles: every output equals dense_linear on the loader's fp32 weights, to the bit, for every
     row count in that range (N not a multiple of 16, K a multiple of 32 but not of 64) and thread count; and
     the auto path takes it instead of dequantise + GEMM up to that limit (or to the AMX tiles' first row)."""
-    from deepinfer.engine.kernels import dense_linear as dl
+    from deepinfer.kernels import dense_linear as dl
 
     packed, w = _packed(fmt, 1000, 608, seed=21)
     limit = _group_max_m()

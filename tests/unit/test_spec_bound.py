@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from bench.spec_bound import make_proposer, replay
-from deepinfer.engine.spec.base import Proposal, Proposer, SpecContext
+from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
 
 
 class Scripted(Proposer):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from deepinfer.engine.spec.controller import MIN_GAIN, SAMPLES, STALE_STEPS, CostCurve, SpecController
+from deepinfer.engine.speculative.controller import MIN_GAIN, SAMPLES, STALE_STEPS, CostCurve, SpecController
 
 BUCKET_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.spec.base import SpecContext
-from deepinfer.engine.spec.ngram import NgramIndex, NgramProposer
+from deepinfer.engine.speculative.base import SpecContext
+from deepinfer.engine.speculative.ngram import NgramIndex, NgramProposer
 
 
 def ctx(rid: str, tokens: list[int], num_prompt: int | None = None) -> SpecContext:

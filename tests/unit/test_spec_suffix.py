@@ -8,8 +8,8 @@ import random
 import pytest
 
 from deepinfer.engine.request import SamplingParams
-from deepinfer.engine.spec.base import SpecContext
-from deepinfer.engine.spec.suffix import SuffixIndex, SuffixProposer, expected_accepted
+from deepinfer.engine.speculative.base import SpecContext
+from deepinfer.engine.speculative.suffix import SuffixIndex, SuffixProposer, expected_accepted
 
 PROMPT = [1, 2, 3, 10, 11, 12]
 

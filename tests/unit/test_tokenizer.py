@@ -17,8 +17,8 @@ from gguf import GGUFWriter
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
-from deepinfer.engine.gguf import metadata, open_gguf
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.config.gguf_metadata import metadata, open_gguf
+from deepinfer.text.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello, world!",

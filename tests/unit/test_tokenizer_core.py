@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.protocol.messages import (
     DetokenizeBatch,
     DetokenizeItem,
@@ -18,6 +17,7 @@ from deepinfer.protocol.messages import (
     TextDeltaItem,
 )
 from deepinfer.services.tokenizer_core import TokenizerCore
+from deepinfer.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.smollm2
 

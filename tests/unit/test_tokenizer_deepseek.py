@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers, trainers
 
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.text.tokenizer import Tokenizer
 from tests.unit.test_tokenizer import write_tokenizer_gguf
 
 _BYTE_LEVEL = '{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}'

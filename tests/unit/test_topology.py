@@ -49,24 +49,24 @@ def load(tmp_path: Path, text: str) -> Topology:
 
 # -- defaults, defined once ---------------------------------------------------------------------------------
 
-# Run in a fresh interpreter: deepinfer.engine.config is executed from its source with new constants before
+# Run in a fresh interpreter: deepinfer.config.engine is executed from its source with new constants before
 # anything imports it; every layer must then default to the new values, EngineConfig's fields included.
 CHANGED_DEFAULTS = textwrap.dedent("""
     import importlib.util, inspect, re, sys, tempfile, pathlib
-    import deepinfer.engine
+    import deepinfer.config
 
     CHANGED = dict(DEFAULT_BLOCK_SIZE=24, DEFAULT_KV_CACHE_MB=100, DEFAULT_MAX_NUM_SEQS=7,
                    DEFAULT_MAX_NUM_BATCHED_TOKENS=999, DEFAULT_NUM_SPECULATIVE_TOKENS=5, DEFAULT_DEVICE="meta")
-    path = pathlib.Path(deepinfer.engine.__file__).with_name("config.py")
+    path = pathlib.Path(deepinfer.config.__file__).with_name("engine.py")
     source = path.read_text()
     for name, value in CHANGED.items():
         source, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", source, flags=re.M)
         assert n == 1, name
-    spec = importlib.util.spec_from_loader("deepinfer.engine.config", loader=None, origin=str(path))
+    spec = importlib.util.spec_from_loader("deepinfer.config.engine", loader=None, origin=str(path))
     config = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = config
     exec(compile(source, str(path), "exec"), config.__dict__)
-    deepinfer.engine.config = config
+    deepinfer.config.engine = config
 
     from deepinfer.launch import cli
     from deepinfer.launch.mesh import engine_config

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.engine import fetch
-from deepinfer.engine.config import ModelConfig
-from deepinfer.engine.fetch import fetch_smollm2, resolve_model
-from deepinfer.engine.gguf import UnsupportedWeightError
-from deepinfer.engine.weights import check_state_dict, load_model_weights, model_fingerprint
+from deepinfer.config.model import ModelConfig
+from deepinfer.loading import fetch
+from deepinfer.loading.fetch import fetch_smollm2, resolve_model
+from deepinfer.loading.gguf import UnsupportedWeightError
+from deepinfer.loading.weights import check_state_dict, load_model_weights, model_fingerprint
 
 # Written out independently of the loader's table: the naming contract of weights.py.
 _LAYER = {
@@ -128,7 +128,7 @@ def test_fingerprint_is_stable_and_sensitive(tiny_hf_model) -> None:
     assert len(first.fingerprint) == 64 and int(first.fingerprint, 16) >= 0
 
     code = (
-        "import sys; from deepinfer.engine.weights import load_model_weights; "
+        "import sys; from deepinfer.loading.weights import load_model_weights; "
         "print(load_model_weights(sys.argv[1]).fingerprint)"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tiny.path)], capture_output=True, text=True, check=True)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from deepinfer.engine.kv_spec import KvSpec
+from deepinfer.config.kv import KvSpec
 from deepinfer.engine.request import FinishReason, InvalidRequestError, Logprob, RequestOutput, Usage
 from deepinfer.protocol.messages import (
     DetokenizeItem,

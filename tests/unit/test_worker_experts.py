@@ -10,8 +10,8 @@ from typing import Any
 
 import structlog
 
-from deepinfer.parallel.expert_move import MoveResult, PlacementRefused
-from deepinfer.parallel.placement import ExpertPlacement
+from deepinfer.engine.ep.move import MoveResult, PlacementRefused
+from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.protocol import messages as m
 from deepinfer.services.balancer import placement_of, table_of
 from deepinfer.services.worker_experts import ExpertLink, refuse_not_a_group

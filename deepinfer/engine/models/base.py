@@ -12,8 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from deepinfer.config.model import ModelConfig
 from deepinfer.engine.attention import AttentionMetadata
-from deepinfer.engine.config import ModelConfig
 
 
 @runtime_checkable

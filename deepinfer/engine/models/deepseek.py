@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deepinfer.config.model import ConfigError, ModelConfig, MoEConfig
 from deepinfer.engine.attention import AttentionMetadata
-from deepinfer.engine.config import ConfigError, ModelConfig, MoEConfig
 from deepinfer.engine.models.linear import linear
 from deepinfer.engine.models.llama import DenseMLP, FeedForward, LlamaModel, rms_norm
 from deepinfer.engine.models.mla import MLAttention

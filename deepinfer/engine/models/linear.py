@@ -1,5 +1,5 @@
 """Linear layers and embedding lookups over a weight held either as an fp32 tensor or packed in GGUF
-blocks (`PackedWeight`, see deepinfer.engine.packed_weights): the models call these and never look at
+blocks (`PackedWeight`, see deepinfer.loading.packed_weights): the models call these and never look at
 which one they hold.
 """
 
@@ -10,12 +10,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.huge_pages import huge_page_bytes
-from deepinfer.engine.kernels.dense_linear import AMX_MIN_ROWS as DENSE_AMX_MIN_ROWS
-from deepinfer.engine.kernels.dense_linear import MAX_ROWS as DENSE_MAX_ROWS
-from deepinfer.engine.kernels.dense_linear import dense_linear, dense_linear_amx
-from deepinfer.engine.kernels.quant_linear import PackedWeight, quant_linear
-from deepinfer.engine.packed_weights import Weight
+from deepinfer.kernels.dense_linear import AMX_MIN_ROWS as DENSE_AMX_MIN_ROWS
+from deepinfer.kernels.dense_linear import MAX_ROWS as DENSE_MAX_ROWS
+from deepinfer.kernels.dense_linear import dense_linear, dense_linear_amx
+from deepinfer.kernels.huge_pages import huge_page_bytes
+from deepinfer.kernels.quant_linear import PackedWeight, quant_linear
+from deepinfer.loading.packed_weights import Weight
 
 __all__ = ["SMALL_BATCH_ROWS", "Weight", "embed_rows", "fuse_rows", "in_one_arena", "linear", "to_device"]
 

@@ -1,6 +1,6 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral without sliding window) over a paged KV cache.
 
-Weights arrive in the engine's names (see `deepinfer.engine.weights`) and are fused here: Q/K/V into
+Weights arrive in the engine's names (see `deepinfer.loading.weights`) and are fused here: Q/K/V into
 one projection and gate/up into another, so each layer runs four matmuls. The model is stateless
 apart from its weights: the KV tensor and the step's attention metadata are passed in (the contract
 is `deepinfer.engine.models.base.CausalLM`).
@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from deepinfer.config.model import ModelConfig
 from deepinfer.engine.attention import AttentionMetadata, rope_attention
-from deepinfer.engine.config import ModelConfig
-from deepinfer.engine.kernels.decode_layers import DecodeStack, silu_mul
-from deepinfer.engine.kernels.rms_norm import rms_norm
 from deepinfer.engine.models.linear import Weight, embed_rows, fuse_rows, in_one_arena, linear, to_device
 from deepinfer.engine.models.rope import RotaryTable
+from deepinfer.kernels.decode_layers import DecodeStack, LayerWeights, silu_mul
+from deepinfer.kernels.rms_norm import rms_norm
 
 # A layer's MLP block: normed hidden states [T, hidden] -> output [T, hidden], each row from its own row.
 FeedForward = Callable[[torch.Tensor], torch.Tensor]
@@ -142,7 +142,7 @@ class LlamaModel:
             return None
         bound = self.__dict__.get("_decode_stack")
         if bound is None or bound[0] is not self.layers:
-            bound = self._decode_stack = (self.layers, DecodeStack.for_layers(self.layers))
+            bound = self._decode_stack = (self.layers, _bind_decode_loop(self.layers))
         return bound[1]
 
     @torch.inference_mode()
@@ -172,3 +172,13 @@ class LlamaModel:
         rows = x[logits_rows]  # a copy: only these rows need the last add and the final norm
         return linear(rms_norm(rows, self.norm, eps, residual=None if pending is None else pending[logits_rows]),
                       self.lm_head)
+
+
+def _bind_decode_loop(layers: Sequence[_Layer]) -> DecodeStack | None:
+    """The native loop over `layers`, when every MLP is a dense SwiGLU (the only MLP the loop computes)."""
+    if not layers or not all(isinstance(layer.mlp, DenseMLP) for layer in layers):
+        return None
+    return DecodeStack.for_layers([
+        LayerWeights(layer.input_norm, layer.post_attn_norm, layer.qkv, layer.qkv_bias, layer.o_proj,
+                     layer.mlp.gate_up, layer.mlp.down)
+        for layer in layers])

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine import kernels
+from deepinfer import kernels
+from deepinfer.config.model import ModelConfig
 from deepinfer.engine.attention import AttentionMetadata, PrefillChunk
-from deepinfer.engine.config import ModelConfig
 from deepinfer.engine.models.linear import linear
 from deepinfer.engine.models.llama import rms_norm
 from deepinfer.engine.models.rope import apply_rotary

@@ -14,7 +14,7 @@ The block is split where expert parallelism cuts it:
   output. `expert_outputs` returns each assignment's weighted output instead: what an expert-parallel
   rank computes for its peers, who add a token's outputs in ascending expert id, as `run_experts` does.
 
-`LocalExperts` runs one bank of every expert; `deepinfer.parallel.ep_moe.ExpertParallelExperts` (installed
+`LocalExperts` runs one bank of every expert; `deepinfer.engine.ep.experts.ExpertParallelExperts` (installed
 by `shard_experts` on every block `moe_blocks` finds) spreads them over ranks. Both count assignments per
 expert (`take_counts`).
 
@@ -31,21 +31,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.config import MoEConfig
-from deepinfer.engine.kernels.decode_layers import silu_mul
-from deepinfer.engine.kernels.dense_linear import MAX_ROWS as DENSE_MAX_ROWS
-from deepinfer.engine.kernels.dense_linear import dense_linear
+from deepinfer.config.model import MoEConfig
 from deepinfer.engine.models.linear import linear
 from deepinfer.engine.models.llama import DenseMLP, FeedForward, LlamaModel
-
-
-@dataclass(frozen=True)
-class Routing:
-    """Assignment a sends token row `token[a]` to logical expert `expert[a]` with weight `weight[a]`."""
-
-    token: torch.Tensor  # [A] int64
-    expert: torch.Tensor  # [A] int64
-    weight: torch.Tensor  # [A] fp32
+from deepinfer.kernels.decode_layers import silu_mul
+from deepinfer.kernels.dense_linear import MAX_ROWS as DENSE_MAX_ROWS
+from deepinfer.kernels.dense_linear import dense_linear
+from deepinfer.kernels.routing import Routing, count_assignments
 
 
 def route_softmax_topk(router_logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
@@ -260,11 +252,6 @@ class SoftmaxTopKRouter:
 
     def __call__(self, h: torch.Tensor) -> Routing:
         return route_softmax_topk(linear(h, self.weight), self.top_k, self.normalize)
-
-
-def count_assignments(routing: Routing, num_experts: int) -> torch.Tensor:
-    """Assignments per logical expert, [num_experts] int64: a token counts once for each expert it chose."""
-    return torch.bincount(routing.expert, minlength=num_experts)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.engine.config import ConfigError, ModelConfig
+from deepinfer.config.model import ConfigError, ModelConfig
 from deepinfer.engine.models.base import CausalLM
 from deepinfer.engine.models.deepseek import DeepseekModel
 from deepinfer.engine.models.llama import LlamaModel

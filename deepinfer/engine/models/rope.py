@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.engine.config import ModelConfig
+from deepinfer.config.model import ModelConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:

@@ -4,19 +4,17 @@ expert load. All children are bound once; a label value outside its known set is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, get_args
 
 from deepinfer.metrics import definitions as d
 from deepinfer.metrics.bind import TotalsFeed, bind
 from deepinfer.protocol import messages as m
-from deepinfer.services.router_state import Phase
 
 FINISH_REASONS: tuple[str, ...] = get_args(m.FinishReason)
 ERROR_CODES: tuple[str, ...] = get_args(m.ErrorCode)
 TIERS = ("device", "host", "disk")
 ROLES = ("tokenizer", "worker", "prefill", "decode", "kvcache", "balancer")
-PHASES = tuple(p.value for p in Phase)
 EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed")
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
 MAX_RANKS = 256
@@ -27,10 +25,12 @@ def _known(value: str, known: tuple[str, ...]) -> str:
 
 
 class RouterExport:
-    """The router's metrics (service "router", this instance)."""
+    """The router's metrics (service "router", this instance). `phases`: the names of the router's request
+    phases (the router's `Phase` values), each a label value of its in-flight gauge."""
 
-    def __init__(self, instance: str) -> None:
+    def __init__(self, instance: str, phases: Sequence[str]) -> None:
         who = ("router", instance)
+        self.phases = tuple(phases)
         self.who = who
         self.ttft = bind(d.TIME_TO_FIRST_TOKEN, *who)
         self.itl = bind(d.INTER_TOKEN_LATENCY, *who)
@@ -43,7 +43,7 @@ class RouterExport:
         self.hits = {t: bind(d.PREFIX_CACHE_HITS, *who, t) for t in (*TIERS, "other")}
         self.success = {r: bind(d.REQUEST_SUCCESS, *who, r) for r in (*FINISH_REASONS, "other")}
         self.errors = {c: bind(d.REQUEST_ERRORS, *who, c) for c in (*ERROR_CODES, "other")}
-        self.inflight = {p: bind(d.ROUTER_INFLIGHT, *who, p) for p in (*PHASES, "other")}
+        self.inflight = {p: bind(d.ROUTER_INFLIGHT, *who, p) for p in (*self.phases, "other")}
         self.slow_clients = bind(d.ROUTER_SLOW_CLIENTS, *who)
         self.live = {r: bind(d.MESH_LIVE_INSTANCES, *who, r) for r in (*ROLES, "other")}
         self.events = TotalsFeed(lambda e: bind(d.ROUTER_EVENTS, *who, e) if e in EVENTS else None)
@@ -85,7 +85,7 @@ class RouterExport:
         totals (monotonic), and its members (objects with `role` and `alive`)."""
         inflight = dict.fromkeys(self.inflight, 0)
         for phase, n in phases.items():
-            inflight[_known(phase, PHASES)] += n
+            inflight[_known(phase, self.phases)] += n
         for phase, n in inflight.items():
             self.inflight[phase].set(n)
         self.slow_clients.set(slow_clients)

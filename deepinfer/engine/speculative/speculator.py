@@ -1,0 +1,136 @@
+"""The engine's side of speculative decoding: one object between the scheduler and the model runner.
+
+Per step, on the engine thread:
+1. `plan(running, budget)` — before scheduling: for each running request in its decode phase, the
+   most drafts it may take (the cap, what `max_tokens` and the context limit leave), the guess itself
+   for a cheap guesser, then the controller's k; sets `Request.num_spec_tokens` (and keeps the guesses).
+2. the scheduler grants drafts where blocks and budget allow (`ScheduledChunk.num_spec`);
+3. `draft(sched)` — fills each granted chunk's `draft_token_ids` (running a draft model for a costly
+   guesser), shrinking a chunk whose guesser proposed fewer;
+4. the runner computes 1 + k rows per speculating chunk; `verify` picks the committed tokens;
+5. `record_step` / `record(chunk, accepted)` feed the controller's cost curve and acceptance.
+`finished(req)` ends a request's speculation state (and lets a learning guesser learn from it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer.config.engine import EngineConfig, parse_speculative
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
+from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
+from deepinfer.engine.speculative.controller import SpecController
+
+
+def context_of(req: Request) -> SpecContext:
+    return SpecContext(req.request_id, req.all_token_ids, len(req.prompt_token_ids), req.params, req.tenant,
+                       req.block_ids, req.num_preemptions)
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.controller = SpecController(self.max_k, adaptive=config.adaptive_speculation)
+        self._probs: dict[str, torch.Tensor] = {}  # request id -> q rows of this step's sampled drafts
+        self._planned: list[Request] = []
+        self._guesses: dict[str, list[int]] = {}  # a cheap guesser's drafts, planned for this step
+
+    def plan(self, running: Sequence[Request], budget: int) -> None:
+        candidates = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and not r.prefill_only]
+        caps = [self._cap(r) for r in candidates]
+        candidates = [r for r, c in zip(candidates, caps) if c > 0]
+        caps = [c for c in caps if c > 0]
+        if not candidates:
+            return
+        # Rows of the step without any drafts: every running request's next chunk, up to the budget.
+        base_rows = min(budget, sum(r.num_tokens - r.num_computed_tokens for r in running))
+        proposals: list[Proposal] = []
+        if self.proposer.cheap:
+            proposals = self.proposer.propose([context_of(r) for r in candidates], caps)
+            offers = [(r.request_id, len(p.token_ids), p.confidence) for r, p in zip(candidates, proposals)]
+        else:
+            offers = [(r.request_id, c, None) for r, c in zip(candidates, caps)]
+        ks = self.controller.choose(offers, base_rows, costly=not self.proposer.cheap)
+        for i, (req, k) in enumerate(zip(candidates, ks)):
+            req.num_spec_tokens = k
+            if proposals and k:
+                self._guesses[req.request_id] = proposals[i].token_ids[:k]
+        self._planned = candidates
+
+    def clear_plan(self) -> None:
+        """After scheduling: plans are for one step only."""
+        for req in self._planned:
+            req.num_spec_tokens = 0
+        self._planned = []
+
+    def draft(self, sched: SchedulerOutput) -> None:
+        self._probs.clear()
+        chunks = [c for c in sched.chunks if c.num_spec]
+        guesses, self._guesses = self._guesses, {}
+        if not chunks:
+            return
+        if self.proposer.cheap:
+            proposals = [Proposal(guesses.get(c.request.request_id, [])[: c.num_spec]) for c in chunks]
+        else:
+            started = time.perf_counter()
+            proposals = self.proposer.propose([context_of(c.request) for c in chunks], [c.num_spec for c in chunks])
+            steps = max(c.num_spec for c in chunks)
+            self.controller.record_draft(len(chunks), (time.perf_counter() - started) / steps)
+        for chunk, proposal in zip(chunks, proposals):
+            drafts = proposal.token_ids[: chunk.num_spec]
+            # A guesser may offer fewer than granted; the spare blocks go back at update.
+            chunk.num_new_tokens -= chunk.num_spec - len(drafts)
+            chunk.num_spec = len(drafts)
+            chunk.draft_token_ids = list(drafts)
+            if drafts and proposal.probs is not None:
+                self._probs[chunk.request.request_id] = proposal.probs[: len(drafts)]
+
+    def draft_probs(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+        return self._probs.get(chunk.request.request_id) if chunk.num_spec else None
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        self.controller.record_step(rows, seconds)
+
+    def record(self, chunk: ScheduledChunk, accepted: int, committed: int) -> None:
+        """A verified chunk: `accepted` drafts agreed with the target, `committed` of them were kept
+        (fewer when a stop ended the request inside the run)."""
+        req = chunk.request
+        self.controller.record_acceptance(req.request_id, chunk.num_spec, accepted)
+        self.proposer.observe(req.request_id, chunk.num_spec, accepted)
+        req.spec_proposed_tokens += chunk.num_spec
+        req.spec_accepted_tokens += committed
+
+    def finished(self, req: Request) -> None:
+        self.controller.forget(req.request_id)
+        self.proposer.finished(context_of(req))
+
+    def _cap(self, req: Request) -> int:
+        # The step commits up to k + 1 tokens: never draft past max_tokens or the context limit.
+        left = req.params.max_tokens - len(req.output_token_ids) - 1
+        return max(0, min(self.max_k, left, self.max_model_len - req.num_tokens))
+
+
+def build_proposer(config: EngineConfig, target: object | None = None, kv: torch.Tensor | None = None) -> Proposer:
+    """The guesser `config.speculative` names. `target` (the engine's model) and `kv` (its KV tensor)
+    are what a self-draft is built from."""
+    spec = parse_speculative(config.speculative or "")
+    if spec.kind == "ngram":
+        from deepinfer.engine.speculative.ngram import NgramProposer
+
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    if spec.kind == "suffix":
+        from deepinfer.engine.speculative.suffix import SuffixProposer
+
+        return SuffixProposer(ngram_min_n=config.ngram_min, ngram_max_n=config.ngram_max)
+    from deepinfer.engine.speculative.draft import DraftProposer
+
+    if spec.kind == "self":
+        return DraftProposer.self_draft(target, kv, spec.num_layers or 1, config)
+    return DraftProposer.from_path(spec.path or "", target, kv, config)

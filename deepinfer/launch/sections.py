@@ -1,0 +1,185 @@
+"""The topology's sections, one frozen dataclass per table of the file (see deepinfer.launch.topology):
+tokenizers, workers, cache daemons, security. A key left out takes the default declared here, itself taken
+from deepinfer.config.model's DEFAULT_* where the engine has the same setting, so a worker's settings and
+its engine's cannot drift apart."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepinfer.config.engine import (
+    DEFAULT_DEVICE,
+    DEFAULT_KV_CACHE_MB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_WEIGHTS,
+    MAX_SPECULATIVE_TOKENS,
+    MIN_SPECULATIVE_TOKENS,
+    WEIGHTS_MODES,
+)
+from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S
+
+ROLES = ("prefill", "decode", "worker")
+KVCACHE_DIR_ENV = "DEEPINFER_KVCACHE_DIR"
+DEFAULT_MODEL = "smollm2"  # fetched on first use
+DEFAULT_HOST_CACHE_MB, DEFAULT_DISK_CACHE_MB = 1024, 8192  # a cache daemon's DRAM and disk tiers
+# The devices an expert-parallel group may name: its ranks take one device each, rank R on `rank_device(R)`.
+EP_DEVICES = ("cpu", "cuda")
+
+
+def default_kvcache_dir() -> Path:
+    """`$DEEPINFER_KVCACHE_DIR`, else `kvcache/` in the user's cache directory."""
+    from deepinfer.config.paths import default_cache_dir
+
+    env = os.environ.get(KVCACHE_DIR_ENV)
+    return Path(env) if env else default_cache_dir() / "kvcache"
+
+
+def speculative_problem(method: str) -> str | None:
+    """Why `method` is not a speculative decoding method the engine knows, or None."""
+    from deepinfer.config.model import ConfigError
+    from deepinfer.engine.speculative.base import parse_speculative  # imports torch: only when a method is named
+
+    try:
+        parse_speculative(method)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """"host:port" (an IPv6 host in brackets) → (host, port); ValueError says what is wrong."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address:
+        raise ValueError("must be host:port, without a scheme")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be host:port, with a port in 1..65535")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker: its engine's settings default to EngineConfig's (the same DEFAULT_* constants)."""
+
+    name: str
+    role: str
+    kv: str  # the decode side's bound ROUTER endpoint (unused for pure prefill workers)
+    device: str = DEFAULT_DEVICE
+    threads: int | None = None
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    kvcache: str | None = None  # name of the cache daemon this worker reads from and writes to
+    prefix_caching: bool = True  # keep freed full blocks addressable in the device pool
+    speculative: str | None = None  # speculative decoding method (EngineConfig.speculative); None: off
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    adaptive_speculation: bool = True
+    # Expert parallelism: the worker is a group of `ep` ranks, one process each (rank 0 speaks for the group
+    # to the mesh); `ep_master` is the group's torch.distributed rendezvous, "host:port" (required when ep > 1,
+    # unused when ep = 1). Every rank runs on the worker's host; `threads` is the worker's, shared equally by
+    # its ranks (at least one each; mesh.engine_config divides it).
+    ep: int = 1
+    ep_master: str = ""
+    # An MoE group's redundant expert replicas per layer in its starting (static) placement, the slots the
+    # expert balancer moves hot experts into: None = automatic (EngineConfig: max(1, E // 8)), 0 = none.
+    redundant_experts: int | None = None
+    # How the engine holds projection weights (EngineConfig.weights): "auto", "native", "fp32" or "q8_0".
+    weights: str = DEFAULT_WEIGHTS
+    # New tokens go to the tokenizers at most this often (a request's first tokens and its finish at once;
+    # services/stream_coalescer.py); 0: after every engine step.
+    stream_interval_ms: float = STREAM_INTERVAL_S * 1000
+
+    def rank_device(self, rank: int) -> str:
+        """The device rank `rank` runs on: "cuda" gives rank R cuda:R (a group takes devices 0..ep-1 of its
+        host), "cpu" every rank the CPU; a single-rank worker runs on `device` as given (e.g. "cuda:1")."""
+        if not 0 <= rank < self.ep:
+            raise ValueError(f"worker {self.name}: rank {rank} is not in [0, {self.ep})")
+        return f"cuda:{rank}" if self.ep > 1 and self.device == "cuda" else self.device
+
+    def parallel_problem(self) -> str | None:
+        """What is wrong with this worker's expert-parallel keys, naming the key, or None (types already
+        checked; collisions with other endpoints are the topology's to find)."""
+        if self.ep < 1:
+            return f"ep = {self.ep}: must be an integer >= 1"
+        if self.redundant_experts is not None and self.redundant_experts < 0:
+            return f"redundant_experts = {self.redundant_experts}: must not be negative"
+        if self.ep == 1:
+            return None
+        if self.device not in EP_DEVICES:
+            return (f"device = {self.device!r}: the ranks of an expert-parallel group take one device each "
+                    f"(rank R on cuda:R), so give device = \"cuda\" or \"cpu\"")
+        if not self.ep_master:
+            return f"ep = {self.ep}: needs ep_master = \"host:port\" (the group's torch.distributed rendezvous)"
+        try:
+            split_host_port(self.ep_master)
+        except ValueError as exc:
+            return f"ep_master = {self.ep_master!r}: {exc}"
+        return None
+
+    def weights_problem(self) -> str | None:
+        """What is wrong with this worker's `weights` key, or None."""
+        if self.weights not in WEIGHTS_MODES:
+            return f"weights = {self.weights!r}: must be one of {', '.join(map(repr, WEIGHTS_MODES))}"
+        return None
+
+    def stream_problem(self) -> str | None:
+        """What is wrong with this worker's `stream_interval_ms`, or None."""
+        if not 0 <= self.stream_interval_ms <= 10_000:
+            return f"stream_interval_ms = {self.stream_interval_ms!r}: must be a number of milliseconds in [0, 10000]"
+        return None
+
+    def speculation_problem(self) -> str | None:
+        """What is wrong with this worker's speculation keys, naming the key, or None (types already checked)."""
+        k = self.num_speculative_tokens
+        if not MIN_SPECULATIVE_TOKENS <= k <= MAX_SPECULATIVE_TOKENS:
+            return f"num_speculative_tokens = {k!r}: must be an integer in [{MIN_SPECULATIVE_TOKENS}, " \
+                   f"{MAX_SPECULATIVE_TOKENS}]"
+        problem = None if self.speculative is None else speculative_problem(self.speculative)
+        return None if problem is None else f"speculative = {self.speculative!r}: {problem}"
+
+
+@dataclass(frozen=True)
+class KvCacheSpec:
+    """One cache daemon (one per host): a DRAM tier and a disk tier in `dir`."""
+
+    name: str
+    endpoint: str
+    dir: str | None = None  # None: default_kvcache_dir()
+    host_mb: int = DEFAULT_HOST_CACHE_MB
+    disk_mb: int = DEFAULT_DISK_CACHE_MB
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    name: str
+    detok: str
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """One OpenAI-compatible HTTP gateway (deepinfer.gateway): a client of the router's frontend that listens
+    for HTTP on `listen`, "HOST:PORT". It serves the topology's model under `served_model_name` (the `model`
+    clients must give; default: the topology's `model` as written). Stateless: several may run, on any hosts."""
+
+    name: str
+    listen: str
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            split_host_port(self.listen)
+        except ValueError as exc:
+            raise ValueError(f"listen = {self.listen!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SecuritySpec:
+    """Where the CURVE keys are (`deepinfer-launch keys`): `keys_dir/services/NAME.key` names each service's
+    public key, a host holds the `.key_secret` of its own services only; `client_keys` lists the tenants' public
+    keys (kept apart from the service keys: a tenant key never authenticates a service)."""
+
+    keys_dir: str
+    client_keys: str | None = None  # None: keys_dir/clients/allowed

@@ -1,0 +1,2 @@
+"""Text: the tokenizer (tokenizer.json or a GGUF vocabulary, with the chat template) and the streaming
+detokenizer."""
