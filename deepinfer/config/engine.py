@@ -22,6 +22,9 @@ DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_DEVICE = "cpu"
+# An expert-parallel group: how long a rank waits for the rendezvous and for any control-channel operation
+# before it declares the group broken (a rank that died is noticed at once; this bounds a hung one).
+DEFAULT_EP_TIMEOUT_S = 300.0
 # How projection weights are held (EngineConfig.weights): "native" keeps a GGUF file's Q8_0/Q4_0/Q4_1
 # blocks packed and multiplies from them (deepinfer.kernels.quant_linear); "fp32" dequantises every
 # tensor at load; "q8_0" quantises a checkpoint's fp32/fp16/bf16 projections to Q8_0 blocks at load;
@@ -99,6 +102,9 @@ class EngineConfig:
     num_threads: int | None = None
     # Use the compiled paged-attention kernel for decode rows when it builds; the torch path otherwise.
     use_native_kernels: bool = True
+    # Let a step of decode rows run every layer in one native call (kernels/decode_layers.py) where the model
+    # and its weights allow; False keeps every step per op (for comparisons: the outputs are the same bits).
+    decode_loop: bool = True
     # Keep freed full blocks addressable by their hash so later prompts with the same prefix reuse them.
     enable_prefix_caching: bool = True
     # Speculative decoding: None (off), "ngram", "suffix", "self:L" (the model's first L layers as the
@@ -117,6 +123,8 @@ class EngineConfig:
     # experts). None: max(1, num_experts // 8), capped at num_experts · (ranks - 1); 0: one copy of each
     # expert. More than the group can hold (num_experts · (ranks - 1)) is refused when the engine starts.
     redundant_experts: int | None = None
+    # Expert parallelism: the group's rendezvous and control-channel timeout (DEFAULT_EP_TIMEOUT_S).
+    ep_timeout_s: float = DEFAULT_EP_TIMEOUT_S
     # Weights: one of WEIGHTS_MODES (see there).
     weights: str = DEFAULT_WEIGHTS
     # KV element type: "float32" or "float16" ("fp32"/"fp16" are accepted and stored as those names).

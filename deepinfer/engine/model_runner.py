@@ -61,6 +61,8 @@ class ModelRunner:
         self.block_size = spec.block_size
         self.kv = spec.allocate(num_blocks, config.device)
         self.use_native = config.use_native_kernels and kernels.native_available()
+        if not config.decode_loop and hasattr(model, "use_decode_loop"):  # a model with the native layer loop
+            model.use_decode_loop(False)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step as attention segments: a speculating chunk (the last committed token plus k

@@ -12,14 +12,13 @@ is the per-op path's Python (about 75 us a layer at batch 1 on SmolLM2).
 both paths use on CPU fp32 (so the loop and the per-op MLP agree to the bit), torch's F.silu elsewhere. Its
 exp is a polynomial within a few ulp of torch's, not torch's own bits.
 
-DEEPINFER_DECODE_LOOP=0 keeps every step on the per-op path (for comparisons).
+`EngineConfig.decode_loop = False` keeps every step on the per-op path (for comparisons).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,8 +164,7 @@ class DecodeStack:
         """Bind to `layers` (each layer's weights, handed in by the model), or None when the loop does not
         apply: a projection neither packed nor contiguous fp32 on the CPU, a norm weight that is not a
         contiguous fp32 vector, or a kernel that cannot be built."""
-        if os.environ.get("DEEPINFER_DECODE_LOOP", "1") == "0" or not layers or not native_available() \
-                or not pa.native_available():
+        if not layers or not native_available() or not pa.native_available():
             return None
         table = (_Layer * len(layers))()
         kinds: set[str] = set()

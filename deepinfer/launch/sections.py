@@ -11,6 +11,7 @@ from pathlib import Path
 
 from deepinfer.config.engine import (
     DEFAULT_DEVICE,
+    DEFAULT_EP_TIMEOUT_S,
     DEFAULT_KV_CACHE_MB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -83,6 +84,8 @@ class WorkerSpec:
     # its ranks (at least one each; mesh.engine_config divides it).
     ep: int = 1
     ep_master: str = ""
+    # How long a rank waits for its group (rendezvous, every control round) before the group counts as broken.
+    ep_timeout_s: float = DEFAULT_EP_TIMEOUT_S
     # An MoE group's redundant expert replicas per layer in its starting (static) placement, the slots the
     # expert balancer moves hot experts into: None = automatic (EngineConfig: max(1, E // 8)), 0 = none.
     redundant_experts: int | None = None

@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
+from deepinfer.config.engine import EngineConfig
 from deepinfer.config.kv import KvSpec
 from deepinfer.engine.attention import Segment, layout
+from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.models.registry import build_model
 from deepinfer.kernels import build, decode_layers, paged_attention
 from deepinfer.kernels.decode_layers import DecodeStack, silu_mul, silu_mul_reference
@@ -242,3 +244,14 @@ def test_no_loop_without_the_attention_kernel(tiny_hf_model, tmp_path, monkeypat
     monkeypatch.setattr(paged_attention, "fused_decode_entry_point", lambda dtype: 0)
     model.use_decode_loop(True)
     assert model.decode_stack() is None  # the per-op path (and its torch fallback) takes every step
+
+
+def test_the_engine_config_turns_the_loop_off_for_its_model(tiny_hf_model):
+    """`EngineConfig.decode_loop` is the one switch (the launcher maps DEEPINFER_DECODE_LOOP=0 onto it): an engine
+    built with it off runs its model per op, and one built by default binds the loop."""
+    loaded = load_model_weights(tiny_hf_model("llama").path)
+    on = LLMEngine(loaded, None, EngineConfig(block_size=BLOCK, num_kv_blocks=16))
+    off = LLMEngine(load_model_weights(tiny_hf_model("llama").path), None,
+                    EngineConfig(block_size=BLOCK, num_kv_blocks=16, decode_loop=False))
+    assert on.runner.model.decode_stack() is not None
+    assert off.runner.model.decode_stack() is None

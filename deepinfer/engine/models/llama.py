@@ -130,8 +130,9 @@ class LlamaModel:
 
     def use_decode_loop(self, enabled: bool = True) -> None:
         """Let decode steps take the native layer loop (the default, where it applies) or keep every step
-        per op (for comparisons; DEEPINFER_DECODE_LOOP=0 does the latter process-wide). Either way the
-        current binding is dropped, so layers whose modules were replaced in place are bound anew."""
+        per op (for comparisons; `EngineConfig.decode_loop = False` does the latter for an engine's model).
+        Either way the current binding is dropped, so layers whose modules were replaced in place are bound
+        anew."""
         self._decode_loop_enabled = enabled
         self._decode_stack = None
 

@@ -7,8 +7,8 @@ Everything crosses as uint8 tensors (msgpack bytes, KV bytes), never as pickled 
 * `send_kv` / `recv_kv`: one KV tensor between the leader and one rank, as its raw bytes.
 
 Failure: a rank that died closes its sockets, and the next operation of every peer raises at once; a rank
-that hangs is noticed after `CONTROL_TIMEOUT_S`. Either way the operation raises `GroupBroken` and the
-group is over: the leader exits nonzero and the supervisor restarts every rank.
+that hangs is noticed after the group's timeout (`EngineConfig.ep_timeout_s`). Either way the operation
+raises `GroupBroken` and the group is over: the leader exits nonzero and the supervisor restarts every rank.
 
 The timeout bounds how long any rank waits for another, so it must exceed the longest engine step (a
 follower waits for the leader's next round while the leader steps) and the idle leader's keep-alive
@@ -17,15 +17,13 @@ period (`group_engine.KEEPALIVE_S`); 300 s does both with room to spare.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from deepinfer.config.engine import DEFAULT_EP_TIMEOUT_S
 from deepinfer.engine.ep.group import EpGroup, init_ep_group
-
-CONTROL_TIMEOUT_S = float(os.environ.get("DEEPINFER_EP_CONTROL_TIMEOUT_S", "300"))
 
 
 class GroupBroken(RuntimeError):
@@ -107,7 +105,7 @@ def _bytes_tensor(payload: bytes) -> torch.Tensor:
 
 
 def join_group(size: int, rank: int, master: str, device: str = "cpu",
-               timeout_s: float = CONTROL_TIMEOUT_S) -> tuple[ControlChannel, EpGroup]:
+               timeout_s: float = DEFAULT_EP_TIMEOUT_S) -> tuple[ControlChannel, EpGroup]:
     """Join the group of `size` ranks whose rendezvous is `master` ("host:port", served by rank 0); returns
     the control channel and the expert-parallel group the engine of an MoE model runs over. The channel
     uses the group's gloo control group (`EpGroup.cpu_group`), apart from the expert traffic, and closing

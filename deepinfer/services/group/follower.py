@@ -188,7 +188,7 @@ def run_follower(topology: Any, name: str, rank: int, config: EngineConfig) -> i
         spec = topology.worker(name)
         if not 1 <= rank < spec.ep:
             raise ValueError(f"rank {rank} is not a follower rank of worker {name!r} (ep = {spec.ep})")
-        channel, ep_group = join_group(spec.ep, rank, spec.ep_master, config.device)
+        channel, ep_group = join_group(spec.ep, rank, spec.ep_master, config.device, config.ep_timeout_s)
     except Exception:
         log.error("follower could not join its group", worker=name, rank=rank, error=traceback.format_exc())
         return EXIT_BROKEN
