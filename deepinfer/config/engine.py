@@ -48,40 +48,51 @@ def kv_cache_dtype_name(value: str) -> str:
 
 
 
-KINDS = ("ngram", "suffix", "self", "draft")
+# The `--speculative` grammar: a method is a kind, then the argument that kind takes after a colon —
+# none (""), a positive layer count ("L", as in self:8) or a path ("PATH", as in draft:/models/small).
+# This layer knows only the grammar; the guesser each kind builds is registered with the engine
+# (deepinfer.engine.speculative.registry), which refuses a kind with none, and a test keeps the two sets equal.
+NO_ARGUMENT, LAYERS, PATH = "", "L", "PATH"
+KINDS: dict[str, str] = {"ngram": NO_ARGUMENT, "suffix": NO_ARGUMENT, "self": LAYERS, "draft": PATH}
+
+
+def speculative_methods() -> str:
+    """The methods the grammar accepts, for messages and help: "ngram, suffix, self:L or draft:PATH"."""
+    forms = [f"{kind}:{arg}" if arg else kind for kind, arg in KINDS.items()]
+    return f"{', '.join(forms[:-1])} or {forms[-1]}" if len(forms) > 1 else forms[0]
 
 
 @dataclass(frozen=True)
 class SpeculativeSpec:
-    """A parsed `--speculative` value: "ngram", "suffix", "self:L" or "draft:PATH"."""
+    """A parsed `--speculative` value: a kind of `KINDS` and its argument, if the kind takes one."""
 
     kind: str
-    num_layers: int | None = None  # self:L
-    path: str | None = None  # draft:PATH
+    num_layers: int | None = None  # a LAYERS kind's count (self:L)
+    path: str | None = None  # a PATH kind's path (draft:PATH)
 
     def __str__(self) -> str:
-        if self.kind == "self":
-            return f"self:{self.num_layers}"
-        if self.kind == "draft":
-            return f"draft:{self.path}"
+        if KINDS.get(self.kind) == LAYERS:
+            return f"{self.kind}:{self.num_layers}"
+        if KINDS.get(self.kind) == PATH:
+            return f"{self.kind}:{self.path}"
         return self.kind
 
 
 def parse_speculative(text: str) -> SpeculativeSpec:
-    """Parse a `--speculative` value; ConfigError names what is wrong."""
+    """Parse a `--speculative` value per `KINDS`; ConfigError names what is wrong."""
     kind, _, arg = str(text).partition(":")
     if kind not in KINDS:
-        raise ConfigError(f"unknown speculative method {text!r}; expected ngram, suffix, self:L or draft:PATH")
-    if kind in ("ngram", "suffix"):
+        raise ConfigError(f"unknown speculative method {text!r}; expected {speculative_methods()}")
+    if KINDS[kind] == NO_ARGUMENT:
         if arg:
             raise ConfigError(f"speculative method {kind!r} takes no argument (got {text!r})")
         return SpeculativeSpec(kind)
-    if kind == "self":
+    if KINDS[kind] == LAYERS:
         if not arg.isdigit() or int(arg) < 1:
-            raise ConfigError(f"self-draft needs a positive layer count, as in self:8 (got {text!r})")
+            raise ConfigError(f"{kind}-draft needs a positive layer count, as in {kind}:8 (got {text!r})")
         return SpeculativeSpec(kind, num_layers=int(arg))
     if not arg:
-        raise ConfigError(f"a draft model needs a path, as in draft:/models/small (got {text!r})")
+        raise ConfigError(f"a {kind} model needs a path, as in {kind}:/models/small (got {text!r})")
     return SpeculativeSpec(kind, path=arg)
 
 

@@ -89,6 +89,7 @@ from deepinfer.engine.request import (
 )
 from deepinfer.engine.sampler import Sampler, make_generator, token_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from deepinfer.engine.speculative.registry import registration
 from deepinfer.engine.speculative.speculator import Speculator, build_proposer
 from deepinfer.engine.speculative.verify import VerifyGroup, VerifyResult, verify
 from deepinfer.loading.fetch import resolve_model
@@ -125,6 +126,9 @@ class EngineStats:
 
 
 class LLMEngine:
+    """One engine (see the module docstring). Implements `ServingEngine` (deepinfer.engine.interface), the
+    calls the services make of an engine; tests/unit/test_engine_interface.py checks it."""
+
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
                  ep_group: EpGroup | None = None, ep_placement: ExpertPlacement | None = None) -> None:
@@ -702,8 +706,8 @@ class LLMEngine:
         return self.prefix_cache.cached_prefix_blocks(hashes)
 
     def cache_route(self, request_id: str, hashes: Sequence[BlockHash]) -> LLMEngine:
-        """Where request `request_id`'s cached-prefix lookup and import go: this engine (a worker group
-        answers with the one rank it places the request on)."""
+        """Where request `request_id`'s cached-prefix lookup and import go (a `PrefixTarget`): this engine (a
+        worker group answers with the one rank it places the request on)."""
         return self
 
     def export_cached_blocks(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockHash], torch.Tensor | None]:
@@ -782,6 +786,6 @@ def _check_ep(config: EngineConfig, group: EpGroup) -> None:
     if torch.device(config.device).type != group.device.type:
         raise ConfigError(f"the engine's device {config.device!r} is not the expert-parallel group's "
                           f"{str(group.device)!r}")
-    if config.speculative is not None and parse_speculative(config.speculative).kind not in ("ngram", "suffix"):
+    if config.speculative is not None and not registration(parse_speculative(config.speculative).kind).cls.cheap:
         raise ConfigError(f"speculative {config.speculative!r} runs a draft model's forwards beside the step's, "
                           "which the expert-parallel group cannot join; use ngram or suffix speculation")

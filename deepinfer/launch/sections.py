@@ -41,8 +41,8 @@ def default_kvcache_dir() -> Path:
 
 def speculative_problem(method: str) -> str | None:
     """Why `method` is not a speculative decoding method the engine knows, or None."""
+    from deepinfer.config.engine import parse_speculative
     from deepinfer.config.model import ConfigError
-    from deepinfer.engine.speculative.base import parse_speculative  # imports torch: only when a method is named
 
     try:
         parse_speculative(method)

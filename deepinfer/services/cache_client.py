@@ -6,10 +6,10 @@ and a probe asks it every `PROBE_PERIOD_S` whether it is back. Write-behind runs
 path with a bounded number of stores in flight; past that, blocks are simply not offered (a cache may
 always forget).
 
-The engine is touched only through `EngineThread.call`; the hashes used for lookups are the engine's
-own chain over the request's tokens, so a block fetched here is one this engine would compute. A worker
-group's lookup and import go to the rank the request will be placed on (`GroupEngine.cache_route`, which
-places it then), its write-behind exports to the ranks holding the blocks.
+The engine (a `ServingEngine`) is touched only through `EngineThread.call`; the hashes used for lookups
+are the engine's own chain over the request's tokens, so a block fetched here is one this engine would
+compute. A request's lookup and import go to its `cache_route` (a worker group's: the rank the request will
+be placed on, which places it then), a group's write-behind exports to the ranks holding the blocks.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 import torch
 
-from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.interface import PrefixTarget, ServingEngine
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import ClientAuth
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
@@ -35,12 +35,6 @@ REPLY_SLACK_S = 1.0  # on top of a deadline, for the wire and the daemon's queue
 STORE_TIMEOUT_S = 10.0
 PROBE_PERIOD_S = 1.0
 MAX_STORES_IN_FLIGHT = 4
-
-if TYPE_CHECKING:
-    from deepinfer.services.group.cache import RankCache
-    from deepinfer.services.group.engine import GroupEngine
-
-    PrefixTarget = LLMEngine | RankCache  # what a request's lookup and import go to (a group: one rank)
 
 
 @dataclass
@@ -57,7 +51,7 @@ class CacheClientStats:
 
 
 class CacheClient:
-    def __init__(self, instance: str, endpoint: str, ctx: Any, engine: LLMEngine | GroupEngine, thread: EngineThread,
+    def __init__(self, instance: str, endpoint: str, ctx: Any, engine: ServingEngine, thread: EngineThread,
                  auth: ClientAuth | None = None) -> None:
         self.instance = instance
         self.engine = engine

@@ -5,11 +5,12 @@ with `call(fn)` (run between two steps, in submission order) and receives each s
 `on_outputs`, scheduled onto the event loop. A step takes tens to hundreds of milliseconds; commands
 wait at most one step.
 
-The engine is an LLMEngine or a worker group's `GroupEngine` (the same calls). A group needs two more
-things of this loop: `keepalive()` while idle (it sends queued commands to follower ranks and keeps them
-from timing out), and an end when the group breaks. Failure is fatal here: an exception out of `step()`
-or `keepalive()`, or of a command when it is one of `fatal` (a broken group), ends the loop; every
-command still queued, and every later `call`, fails with it, and `on_failure` is told on the event loop.
+The engine is any `ServingEngine` (an LLMEngine, or a worker group's `GroupEngine`). A group needs two
+more things of this loop, which its worker passes in: `keepalive` to call while idle (it sends queued
+commands to follower ranks and keeps them from timing out), and `fatal`, the exceptions that end the loop
+(a broken group). Failure is fatal here: an exception out of `step()` or `keepalive`, or of a command when
+it is one of `fatal`, ends the loop; every command still queued, and every later `call`, fails with it,
+and `on_failure` is told on the event loop.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.interface import ServingEngine
 from deepinfer.engine.request import RequestOutput
-from deepinfer.services.group.engine import GroupEngine
 
 T = TypeVar("T")
 
@@ -64,10 +64,12 @@ def load_on_a_passing_thread(load: Callable[[], T], name: str = "engine-load") -
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine | GroupEngine, loop: asyncio.AbstractEventLoop,
+    def __init__(self, engine: ServingEngine, loop: asyncio.AbstractEventLoop,
                  on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine", *,
                  on_failure: Callable[[BaseException], None] | None = None,
-                 fatal: tuple[type[BaseException], ...] = (), step_metrics: StepRecorder | None = None) -> None:
+                 fatal: tuple[type[BaseException], ...] = (), step_metrics: StepRecorder | None = None,
+                 keepalive: Callable[[], None] | None = None) -> None:
+        """`keepalive`: called at every idle turn of the loop (no unfinished work), e.g. a group's."""
         self.engine = engine
         self.step_metrics = step_metrics  # told each step's wall time, requests with output and tokens
         self.loop = loop
@@ -75,7 +77,7 @@ class EngineThread:
         self.on_failure = on_failure
         self.fatal = fatal
         self.failure: BaseException | None = None
-        self._keepalive = engine.keepalive if isinstance(engine, GroupEngine) else None
+        self._keepalive = keepalive
         self.steps = 0
         # Tokens computed per second of step, an EWMA over steps of at least RATE_MIN_TOKENS tokens: what
         # the router divides a prompt's uncached tokens by to predict its prefill time.

@@ -42,16 +42,14 @@ import zmq.asyncio
 
 from deepinfer.cache.hashing import HASH_BYTES
 from deepinfer.cache.store import TieredStore
-from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, kv_cache_dtype_name
-from deepinfer.config.kv import KvSpec
+from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE
 from deepinfer.loading.fetch import resolve_model
-from deepinfer.loading.identity import cache_namespace, model_config_at
+from deepinfer.loading.identity import model_identity
 from deepinfer.metrics.recorders.cache import CacheExport
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.base import Handler, Service
 from deepinfer.services.kv_events import KvEventPublisher
-from deepinfer.text.tokenizer import Tokenizer
 
 TIERS = ("host", "disk")
 EVENTS_PERIOD_S = 0.05
@@ -115,11 +113,10 @@ class KvCacheService(Service):
                  kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE, io_threads: int = 4,
                  max_fetches_in_flight: int = MAX_FETCHES_IN_FLIGHT,
                  max_stores_in_flight: int = MAX_STORES_IN_FLIGHT, **kw: Any) -> None:
-        path = resolve_model(model)
-        config = model_config_at(path)
+        identity = model_identity(resolve_model(model), block_size, kv_cache_dtype)
         # The engine's KV as the workers hold it: the daemon stores and serves blocks of exactly this spec.
-        self.kv = KvSpec.for_model(config, block_size, kv_cache_dtype_name(kv_cache_dtype))
-        self.namespace = cache_namespace(path, self.kv, Tokenizer.load(path).fingerprint)
+        self.kv = identity.kv
+        self.namespace = identity.namespace
         super().__init__(instance, backend, ctx, block_hash_scheme=self.namespace.handshake_scheme, **kw)
         self.endpoint = endpoint
         self.store = TieredStore(self.namespace.id, self.kv.block_nbytes, host_mb << 20, Path(directory),

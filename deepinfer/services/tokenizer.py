@@ -11,10 +11,9 @@ from typing import Any
 
 import zmq.asyncio
 
-from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE, kv_cache_dtype_name
-from deepinfer.config.kv import KvSpec
+from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE
 from deepinfer.loading.fetch import resolve_model
-from deepinfer.loading.identity import cache_namespace, model_config_at
+from deepinfer.loading.identity import model_identity
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_msg, make_pull
 from deepinfer.services.base import Handler, Service
@@ -28,11 +27,9 @@ class TokenizerService(Service):
     def __init__(self, instance: str, backend: str, detok_bind: str, ctx: zmq.asyncio.Context, model: str,
                  max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE, **kw: Any) -> None:
-        path = resolve_model(model)
-        self.tokenizer = Tokenizer.load(path)
-        config = model_config_at(path)
-        kv = KvSpec.for_model(config, block_size, kv_cache_dtype_name(kv_cache_dtype))
-        namespace = cache_namespace(path, kv, self.tokenizer.fingerprint)
+        identity = model_identity(resolve_model(model), block_size, kv_cache_dtype)
+        self.tokenizer = Tokenizer.load(identity.path)
+        config, namespace = identity.config, identity.namespace
         super().__init__(instance, backend, ctx, block_hash_scheme=namespace.handshake_scheme, **kw)
         self.core = TokenizerCore(self.tokenizer, instance, max_model_len or config.max_position_embeddings,
                                   namespace=namespace)

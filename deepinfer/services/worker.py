@@ -20,14 +20,15 @@ sockets to every tokenizer (one DetokenizeBatch per tokenizer per engine step), 
 ROUTER on decode-capable workers and one DEALER per decode peer on prefill workers. The engine steps on
 its own thread (`EngineThread`); this module only moves messages.
 
-A worker group (`ep` > 1, expert parallelism with data-parallel attention): this process is rank 0 and its
-engine is a `GroupEngine` spanning every rank (deepinfer.services.group.engine); the router sees one worker
-with the group's summed capacity. A group reports its load (`ExpertLoad`: tokens per rank and, for an
-MoE model, per expert, with the placement table the ranks run) every `EXPERT_LOAD_PERIOD_S`, and takes
-the expert balancer's placement updates (`worker_experts.ExpertLink`). When the group breaks (a rank
-died) the worker ends at once with `GroupBroken`, so its process exits nonzero: the supervisor restarts
-the whole group and the router moves its requests elsewhere, resumed (answering each with ErrorReply
-would instead end them at their clients).
+The engine is used through `ServingEngine` (deepinfer.engine.interface), which an LLMEngine and a group
+implement alike. A worker group (`ep` > 1, expert parallelism with data-parallel attention): this process
+is rank 0 and its engine is a `GroupEngine` spanning every rank (deepinfer.services.group.engine), also
+held as `group` for what only a group does; the router sees one worker with the group's summed capacity.
+A group reports its load (`ExpertLoad`: tokens per rank and, for an MoE model, per expert, with the
+placement table the ranks run) every `EXPERT_LOAD_PERIOD_S`, and takes the expert balancer's placement
+updates (`worker_experts.ExpertLink`). When the group breaks (a rank died) the worker ends at once with
+`GroupBroken`, so its process exits nonzero: the supervisor restarts the whole group and the router moves
+its requests elsewhere, resumed (answering each with ErrorReply would instead end them at their clients).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import zmq.asyncio
 
 from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.interface import ServingEngine
 from deepinfer.engine.request import InvalidRequestError, RequestOutput
 from deepinfer.metrics.recorders.worker import WorkerExport
 from deepinfer.protocol import messages as m
@@ -87,9 +89,11 @@ class WorkerService(Service):
                  tokenizers: dict[str, str], kvcache: tuple[str, str] | None = None, ep: int = 1,
                  ep_master: str = "", stream_interval_s: float = STREAM_INTERVAL_S, **kw: Any) -> None:
         # Rank 0 of a group waits here for every rank to join, then loads the model like each of them.
-        self.engine: LLMEngine | GroupEngine = (
-            GroupEngine.start(model, config, ep, ep_master) if ep > 1
-            else load_on_a_passing_thread(lambda: LLMEngine.load(model, config), f"{instance}-load"))
+        # `group`: the same engine, for a group's own calls (keepalive, close, load, expert placement); None
+        # when the engine is one LLMEngine.
+        self.group: GroupEngine | None = GroupEngine.start(model, config, ep, ep_master) if ep > 1 else None
+        self.engine: ServingEngine = self.group if self.group is not None else load_on_a_passing_thread(
+            lambda: LLMEngine.load(model, config), f"{instance}-load")
         super().__init__(instance, backend, ctx, model_fingerprint=self.engine.fingerprint,
                          block_hash_scheme=self.engine.cache_namespace.handshake_scheme, **kw)
         self.kvcache = kvcache  # (daemon name, endpoint)
@@ -130,10 +134,11 @@ class WorkerService(Service):
         self.worker_export = WorkerExport(self.role, self.instance)
         self._thread = EngineThread(self.engine, loop, self._on_outputs, self.instance,
                                     on_failure=self._on_engine_failure, fatal=(GroupBroken,),
-                                    step_metrics=self.worker_export.steps)
+                                    step_metrics=self.worker_export.steps,
+                                    keepalive=self.group.keepalive if self.group is not None else None)
         self._thread.start()
-        if isinstance(self.engine, GroupEngine):
-            self.experts = ExpertLink(self.instance, self.engine, self._thread.call, self.send_router, self.log)
+        if self.group is not None:
+            self.experts = ExpertLink(self.instance, self.group, self._thread.call, self.send_router, self.log)
         if self.kvcache is not None:
             self.cache = CacheClient(self.instance, self.kvcache[1], self.ctx, self.engine, self._thread,
                                      auth=self.auth.for_connect(self.kvcache[1], self.kvcache[0]))
@@ -148,18 +153,18 @@ class WorkerService(Service):
             self._thread.stop()
         if self.cache is not None:
             self.cache.close()
-        if isinstance(self.engine, GroupEngine):
-            self.engine.close()  # the followers exit 0 (or have gone with a broken group)
+        if self.group is not None:
+            self.group.close()  # the followers exit 0 (or have gone with a broken group)
 
     def capabilities(self) -> dict[str, str]:
         caps = {"kvcache": self.kvcache[0]} if self.kvcache is not None else {}
-        if isinstance(self.engine, GroupEngine):
-            caps["ep"] = str(self.engine.size)
+        if self.group is not None:
+            caps["ep"] = str(self.group.size)
         return caps
 
     def tasks(self) -> list[Any]:
         tasks: list[Any] = [self._lease_loop(), self._watch_engine()]
-        if isinstance(self.engine, GroupEngine):
+        if self.group is not None:
             tasks.append(self._expert_load_loop())
         if self.cache is not None:
             tasks.append(self.cache.recv_forever())
@@ -184,7 +189,10 @@ class WorkerService(Service):
 
     def load(self) -> Load:
         """The engine's load; a group's summed over its ranks (the router sees one worker of N ranks)."""
-        return self.engine.load() if isinstance(self.engine, GroupEngine) else engine_load(self.engine)
+        if self.group is not None:
+            return self.group.load()
+        assert isinstance(self.engine, LLMEngine)
+        return engine_load(self.engine)
 
     def heartbeat_fields(self) -> dict[str, Any]:
         e = self.engine
@@ -430,9 +438,10 @@ class WorkerService(Service):
     def _abort_all(self) -> int:
         """On the engine thread: abort everything it holds — requests, held handoffs, reservations."""
         engine = self.engine
-        if isinstance(engine, GroupEngine):
-            ids = engine.live_ids()
+        if self.group is not None:
+            ids = self.group.live_ids()
         else:
+            assert isinstance(engine, LLMEngine)
             ids = {*engine.scheduler.requests, *engine.scheduler.held, *engine.reservations.ids}
         return sum(engine.abort(rid) for rid in ids)
 

@@ -346,3 +346,19 @@ def tiny_draft_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-draft")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def test_a_registered_toy_guesser_runs_in_the_engine(tiny_llama, monkeypatch):
+    """A new guesser is one class and one registration (plus its grammar entry): the engine builds it
+    by its kind, proposes with it, and the output stays the plain output."""
+    from deepinfer.config.engine import NO_ARGUMENT
+    from tests.unit.test_spec_registry import RepeatProposer, add_kind
+
+    add_kind(monkeypatch, "toy", NO_ARGUMENT, RepeatProposer, lambda a: RepeatProposer(a.config.num_speculative_tokens))
+    batch = [[5, 6, 7, 7, 7, 7], [9, 10] * 10]
+    ref = run(engine(tiny_llama), batch, GREEDY)
+    e = engine(tiny_llama, "toy")
+    assert e.speculator is not None and isinstance(e.speculator.proposer, RepeatProposer)
+    same(run(e, batch, GREEDY), ref)
+    assert e.speculator.proposer.calls > 0 and e.stats.spec_proposed_tokens > 0
+    assert_whole(e)

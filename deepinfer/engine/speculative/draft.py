@@ -37,6 +37,7 @@ from deepinfer.engine.models import CausalLM, build_model
 from deepinfer.engine.models.llama import LlamaModel
 from deepinfer.engine.sampler import DRAFT, Sampler, SamplingRow, exponential_noise, make_generator
 from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
+from deepinfer.engine.speculative.registry import register_proposer
 
 
 class DraftProposer(Proposer):
@@ -147,3 +148,9 @@ class DraftProposer(Proposer):
         step = layout([Segment(tokens, start, blocks, num_logits=1) for tokens, start, blocks in segments],
                       self.block_size, self.use_native)
         return self.model.forward(step.input_ids, step.positions, self.kv, step.meta, step.logits_rows)
+
+
+register_proposer("self", DraftProposer,
+                  lambda a: DraftProposer.self_draft(a.target, a.kv, a.spec.num_layers or 1, a.config))
+register_proposer("draft", DraftProposer,
+                  lambda a: DraftProposer.from_path(a.spec.path or "", a.target, a.kv, a.config))

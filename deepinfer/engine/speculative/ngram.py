@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 
 from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
+from deepinfer.engine.speculative.registry import register_proposer
 
 
 class NgramIndex:
@@ -138,3 +139,6 @@ class NgramProposer(Proposer):
     def tracked_ids(self) -> set[str]:
         """The request ids that have an index."""
         return set(self._indexes)
+
+
+register_proposer("ngram", NgramProposer, lambda a: NgramProposer(a.config.ngram_min, a.config.ngram_max))

@@ -24,6 +24,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
 from deepinfer.engine.speculative.controller import SpecController
+from deepinfer.engine.speculative.registry import ProposerArgs, registration
 
 
 def context_of(req: Request) -> SpecContext:
@@ -118,19 +119,7 @@ class Speculator:
 
 
 def build_proposer(config: EngineConfig, target: object | None = None, kv: torch.Tensor | None = None) -> Proposer:
-    """The guesser `config.speculative` names. `target` (the engine's model) and `kv` (its KV tensor)
-    are what a self-draft is built from."""
+    """The guesser `config.speculative` names, built by its kind's registration (registry.py; ConfigError
+    if none). `target` (the engine's model) and `kv` (its KV tensor) are what a draft model is built from."""
     spec = parse_speculative(config.speculative or "")
-    if spec.kind == "ngram":
-        from deepinfer.engine.speculative.ngram import NgramProposer
-
-        return NgramProposer(config.ngram_min, config.ngram_max)
-    if spec.kind == "suffix":
-        from deepinfer.engine.speculative.suffix import SuffixProposer
-
-        return SuffixProposer(ngram_min_n=config.ngram_min, ngram_max_n=config.ngram_max)
-    from deepinfer.engine.speculative.draft import DraftProposer
-
-    if spec.kind == "self":
-        return DraftProposer.self_draft(target, kv, spec.num_layers or 1, config)
-    return DraftProposer.from_path(spec.path or "", target, kv, config)
+    return registration(spec.kind).build(ProposerArgs(spec, config, target, kv))

@@ -42,6 +42,7 @@ from itertools import islice
 
 from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
 from deepinfer.engine.speculative.ngram import NgramProposer
+from deepinfer.engine.speculative.registry import register_proposer
 
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
@@ -275,3 +276,7 @@ class SuffixProposer(Proposer):
     def num_tracked(self) -> int:
         """How many requests have per-request state (for tests and leak checks)."""
         return len(self._local.tracked_ids() | self._stats.keys() | self._last.keys())
+
+
+register_proposer("suffix", SuffixProposer,
+                  lambda a: SuffixProposer(ngram_min_n=a.config.ngram_min, ngram_max_n=a.config.ngram_max))

@@ -44,7 +44,8 @@ ROUTE_TTL_S = 60.0  # far above a fetch's deadline: a route older than this was 
 
 @dataclass
 class RankCache:
-    """The prefix-cache calls of `CacheClient` for one request, bound to the rank it was routed to."""
+    """One request's `PrefixTarget` (deepinfer.engine.interface): the lookup and import `CacheClient` makes
+    for it, on the rank it was routed to."""
 
     group: GroupEngine
     rank: int

@@ -1,6 +1,8 @@
 """A worker that is a group of N engine ranks (expert parallelism with data-parallel attention), seen
-from the worker as one engine: `GroupEngine` offers the LLMEngine calls the worker service and its
-engine thread make, and forwards each request's calls to the rank that owns it.
+from the worker as one engine: `GroupEngine` implements `ServingEngine` (deepinfer.engine.interface), the
+calls the worker service, its engine thread and its cache client make of an engine, as LLMEngine does, and
+forwards each request's calls to the rank that owns it. What only a group has (`keepalive`, `close`,
+`load`, `live_ids`, the expert placement calls) the worker calls on it as a group.
 
 Ranks. Rank 0 (this process, the leader) owns `local`, its own LLMEngine, and speaks for the group to
 the mesh; ranks 1..N-1 are follower processes (`follower.py`) holding an engine each, same model and
@@ -138,7 +140,7 @@ class GroupPool:
 
 
 class GroupEngine:
-    """Rank 0 of a worker group: the engine API over every rank (see the module docstring)."""
+    """Rank 0 of a worker group: a `ServingEngine` over every rank (see the module docstring)."""
 
     def __init__(self, local: LLMEngine, channel: ControlChannel, *, ep_group: Any = None) -> None:
         self.local = local
@@ -177,7 +179,7 @@ class GroupEngine:
     def start(cls, model: str, config: EngineConfig, size: int, master: str) -> GroupEngine:
         """Join the group as rank 0 (waits for every rank), load the model, and check every follower
         loaded the same one."""
-        channel, ep_group = join_group(size, 0, master, config.device)
+        channel, ep_group = join_group(size, 0, master, config.device, config.ep_timeout_s)
         group = cls(build_engine(model, config, ep_group), channel, ep_group=ep_group)
         group.greet()
         return group
@@ -200,6 +202,8 @@ class GroupEngine:
     def add_request(self, request_id: str | None, prompt: str | Sequence[int], params: SamplingParams,
                     priority: int = 0, *, prefill_only: bool = False, cache_salt: str | None = None,
                     resume_output_ids: Sequence[int] = ()) -> str:
+        """As LLMEngine.add_request, on the rank `cache_route` chose or else placed now; token ids under an
+        id only. A follower's add is validated here and sent with the next round."""
         self._check()
         if request_id is None or isinstance(prompt, str):
             raise InvalidRequestError("a group takes token ids under a request id")
@@ -238,6 +242,7 @@ class GroupEngine:
         return True
 
     def has_unfinished(self) -> bool:
+        """Whether any rank has work or an output is owed (a follower's as of its last report, plus adds since)."""
         return bool(self._failed) or self.local.has_unfinished() or any(
             self._loads[r].unfinished or self._queued_adds[r] for r in range(1, self.size))
 
@@ -287,6 +292,7 @@ class GroupEngine:
     # -- prefill side of a handoff ------------------------------------------------------------
 
     def export_kv(self, request_id: str) -> torch.Tensor:
+        """As LLMEngine.export_kv, from the rank holding the request (a follower's in one round)."""
         self._check()
         rank = self._owner.get(request_id)
         if rank is None or request_id not in self._held:
@@ -299,6 +305,7 @@ class GroupEngine:
         return kv
 
     def release(self, request_id: str) -> bool:
+        """As LLMEngine.release, on the rank holding the request (a follower's with the next round)."""
         self._check()
         if request_id not in self._held:
             return False
@@ -334,6 +341,7 @@ class GroupEngine:
         return expired
 
     def cancel_reservation(self, reservation_id: str) -> bool:
+        """As LLMEngine.cancel_reservation, on the rank holding it (a follower's with the next round)."""
         self._check()
         rank = self._reserved.pop(reservation_id, None)
         if rank is None:
