@@ -140,7 +140,12 @@ class InprocMesh:
 
 def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[], None] | None = None) -> None:
     """Run one service in this process until SIGINT/SIGTERM, or until the supervisor that started it is gone:
-    either drains it (see `Service.drain`; it ends by the drain timeout whether or not its peers are alive)."""
+    either drains it (see `Service.drain`; it ends by the drain timeout whether or not its peers are alive).
+    A signal that arrives while the service is still being built (imports, model load) is kept and drains it
+    as soon as it exists, so a stop during start-up ends the process as cleanly as a stop while serving."""
+    stop_asked: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stop_asked.append(signum))
     tune_malloc()
     try:
         import uvloop
@@ -156,6 +161,8 @@ def run_service(topology: Topology, role: str, name: str, on_ready: Callable[[],
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, service.drain)
         watch_lifeline(loop, service.drain)
+        if stop_asked:
+            service.drain()
         ready = asyncio.Event()
         task = asyncio.create_task(service.run(ready))
         waiter = asyncio.ensure_future(ready.wait())

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -330,3 +331,29 @@ def test_up_removes_its_run_directory_and_keeps_the_logs_asked_for(smollm2_path,
         assert code == 0
         assert list(Path(tmp).iterdir()) == []  # sockets, generated topology: all gone
     assert {p.name for p in (tmp_path / "logs").iterdir()} == {"router.log", "tokenizer-0.log", "worker-0.log"}
+
+
+SIGTERM_WHILE_BUILDING = textwrap.dedent("""
+    import os, signal, sys
+    from deepinfer.launch import mesh
+    from deepinfer.launch.topology import Topology
+
+    built = mesh.build_service
+
+    def build_after_a_sigterm(*args, **kwargs):  # the signal lands while the service is still being built
+        os.kill(os.getpid(), signal.SIGTERM)
+        return built(*args, **kwargs)
+
+    mesh.build_service = build_after_a_sigterm
+    mesh.run_service(Topology.local("unused", "ipc", sys.argv[1]), "router", "router")
+    print("returned")
+""")
+
+
+def test_a_sigterm_during_start_up_drains_the_service_once_built(tmp_path):
+    """systemd or the supervisor may stop a service before it has finished starting (imports, model load): the
+    signal is kept and drains the service as soon as it exists, a clean exit, not death by the default action."""
+    out = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_BUILDING, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "returned" in out.stdout and "draining" in out.stderr + out.stdout, out.stderr

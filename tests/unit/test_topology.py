@@ -247,8 +247,8 @@ def every_field(tmp_path: Path) -> Topology:
     worker: dict[str, Any] = dict(device="cuda", threads=3, kv_cache_mb=64, max_num_seqs=8,
                                   max_num_batched_tokens=256, prefix_caching=False,
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
-                                  ep=2, ep_master="10.0.0.3:29500", ep_timeout_s=42.0, redundant_experts=3, weights="q8_0",
-                                  stream_interval_ms=12.5)
+                                  ep=2, ep_master="10.0.0.3:29500", ep_timeout_s=42.0, redundant_experts=3,
+                                  weights="q8_0", stream_interval_ms=12.5)
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, max_moves_total=7,
