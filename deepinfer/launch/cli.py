@@ -35,7 +35,7 @@ from deepinfer.config.engine import (
     WEIGHTS_MODES,
 )
 
-# Every option default below is a named constant defined once (engine.config, launch.specs), the one the
+# Every option default below is a named constant defined once (config.engine, launch.sections), the one the
 # topology and the services use too; the light specs module keeps `--help` from importing the mesh.
 from deepinfer.launch.sections import DEFAULT_DISK_CACHE_MB, DEFAULT_HOST_CACHE_MB, DEFAULT_MODEL
 from deepinfer.services.balancer_config import BALANCER_DEFAULTS

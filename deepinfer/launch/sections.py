@@ -1,6 +1,6 @@
 """The topology's sections, one frozen dataclass per table of the file (see deepinfer.launch.topology):
 tokenizers, workers, cache daemons, security. A key left out takes the default declared here, itself taken
-from deepinfer.config.model's DEFAULT_* where the engine has the same setting, so a worker's settings and
+from deepinfer.config.engine's DEFAULT_* where the engine has the same setting, so a worker's settings and
 its engine's cannot drift apart."""
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ Every table is one frozen dataclass (TokenizerSpec, WorkerSpec, KvCacheSpec, Gat
 RouterConfig, BalancerConfig),
 read by `tables.from_table`: an unknown key or a value of the wrong type is refused when the file is read,
 naming the file, the entry and the key. A key left out takes its default, and every default is defined once
-(deepinfer.config.model's DEFAULT_*, the KvCacheSpec defaults here, RouterConfig's), so the file, the
+(deepinfer.config.engine's DEFAULT_*, the KvCacheSpec defaults here, RouterConfig's), so the file, the
 command line and the services cannot disagree.
 
 The long-lived side binds (router frontend/backend, tokenizer detok, decode kv, kvcache endpoint);
