@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from deepinfer.launch import cli
+from deepinfer.launch import cli, cli_up
 from deepinfer.launch.mesh import engine_config
 from deepinfer.launch.systemd import unit_files, write_units
 from deepinfer.launch.topology import Topology, TopologyError
@@ -49,7 +49,7 @@ def topology(tmp_path: Path) -> Path:
 
 def test_up_ep_makes_every_generated_worker_a_group(tmp_path, monkeypatch):
     seen: list[Topology] = []
-    monkeypatch.setattr(cli, "_supervise", lambda path, log_dir, logs: seen.append(Topology.load(path)))
+    monkeypatch.setattr(cli_up, "_supervise", lambda path, log_dir, logs: seen.append(Topology.load(path)))
     out = run("up", "--ep", "2", "--run-dir", str(tmp_path / "run"))
     assert out.exit_code == 0, out.output
     (topo,) = seen

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from deepinfer.launch import cli
+from deepinfer.launch import cli, cli_up
 from deepinfer.launch.keys import key_owners, make_keys, service_auth
 from deepinfer.launch.mesh import engine_config
 from deepinfer.launch.supervisor import Supervisor
@@ -156,7 +156,7 @@ def model_dir(tmp_path: Path, moe: bool) -> Path:
 def up_topology(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Topology:
     """The topology `up ARGS` would supervise (the supervisor itself is not started)."""
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(cli, "_supervise", lambda topology, log_dir, logs: seen.update(t=Topology.load(topology)))
+    monkeypatch.setattr(cli_up, "_supervise", lambda topology, log_dir, logs: seen.update(t=Topology.load(topology)))
     result = CliRunner().invoke(cli.main, ["up", "--run-dir", str(tmp_path / "run"), "--no-kvcache", *args])
     assert result.exit_code == 0, result.output + repr(result.exception)
     return seen["t"]

@@ -1,0 +1,158 @@
+"""deepinfer-launch generate and chat: the commands that send requests to a mesh, a running one (--endpoint)
+or an embedded one they start in this process."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from deepinfer.launch.cli_options import (
+    check_weights_for_model,
+    engine_options,
+    mesh_options,
+    sampling_options,
+    sampling_params,
+)
+
+
+def _check_keys(endpoint: str | None, keys_dir: Path | None) -> None:
+    if keys_dir is not None and not (endpoint or "").startswith("tcp://"):
+        raise click.UsageError("--keys secures a tcp:// --endpoint of a running mesh (ipc and embedded need none)")
+
+
+def _client(endpoint: str, api_key: str | None, keys_dir: Path | None, client_key: str) -> Any:
+    """A Client for `endpoint`; with `keys_dir`, CURVE as that directory's tenant key `client_key`."""
+    from deepinfer.protocol.auth import load_client_keys
+    from deepinfer.protocol.client import Client, MeshError
+
+    keys: dict[str, Any] = {}
+    if keys_dir is not None:
+        try:
+            pair, router_key = load_client_keys(keys_dir, client_key)
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"--keys {keys_dir}: {exc}") from exc
+        keys = dict(curve_keys=pair, server_key=router_key)
+    try:
+        return Client(endpoint, api_key=api_key, **keys)
+    except MeshError as exc:  # a secured front never completes a keyless handshake: it looks like no router
+        hint = " (if the mesh is secured, give --keys)" if keys_dir is None and endpoint.startswith("tcp://") else ""
+        raise click.ClickException(f"{exc}{hint}") from exc
+
+
+@contextlib.contextmanager
+def _mesh_endpoint(endpoint: str | None, model: str, options: dict[str, Any]) -> Iterator[str]:
+    """`endpoint`, else the endpoint of an embedded mesh built with `options` (see `mesh_options`)."""
+    if endpoint:
+        yield endpoint
+        return
+    from deepinfer.launch.mesh import EmbeddedMesh
+
+    try:
+        mesh = EmbeddedMesh(model, **options)
+        with mesh as ep:
+            yield ep
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.command()
+@engine_options
+@click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
+@click.option("--prompts-file", type=click.File("r"), default=None,
+              help="One prompt per line; all are submitted at once.")
+@sampling_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line, in input order.")
+def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+             threads: int | None, ep: int, weights: str | None, kv_cache_dtype: str | None,
+             speculative: str | None, num_speculative_tokens: int, no_adaptive_speculation: bool,
+             prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
+             temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
+             stop: tuple[str, ...], endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
+             as_json: bool) -> None:
+    """Generate completions through the mesh (a running one, or an embedded one)."""
+    from deepinfer.protocol.client import MeshError
+
+    _check_keys(endpoint, keys_dir)
+    if endpoint is None:
+        check_weights_for_model(model, weights)
+    texts = list(prompts)
+    if prompts_file is not None:
+        texts += [line.rstrip("\n") for line in prompts_file if line.strip()]
+    if not texts:
+        raise click.UsageError("give --prompt TEXT or --prompts-file FILE")
+    params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
+    specs = [dict(messages=[{"role": "user", "content": t}]) if chat else dict(prompt=t) for t in texts]
+    options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
+                           num_speculative_tokens, no_adaptive_speculation, weights, kv_cache_dtype)
+    with _mesh_endpoint(endpoint, model, options) as ep, _client(ep, api_key, keys_dir, client_key) as client:
+        results = client.generate_many([{**spec, **params} for spec in specs])
+    failed = False
+    for r in results:
+        if isinstance(r, MeshError):
+            failed = True
+            click.echo(f"error: {r}", err=True)
+            if as_json:
+                click.echo(json.dumps({"error": {"code": r.code, "message": str(r)}}))
+            continue
+        if as_json:
+            click.echo(json.dumps({
+                "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                "usage": dataclasses.asdict(r.usage),  # every UsageWire field: cache tiers, speculation
+                "timings": {"ttft_s": r.timings.ttft_s, "e2e_s": r.timings.e2e_s},
+            }, ensure_ascii=False))
+        else:
+            click.echo(r.text)
+            if len(results) > 1:
+                click.echo("-" * 40)
+    sys.stdout.flush()
+    if failed:
+        sys.exit(1)
+
+
+@click.command()
+@engine_options
+@sampling_options
+@click.option("--system", default=None, help="A system message.")
+def chat(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+         threads: int | None, ep: int, weights: str | None, kv_cache_dtype: str | None, speculative: str | None,
+         num_speculative_tokens: int, no_adaptive_speculation: bool, chat: bool, max_tokens: int,
+         temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None, stop: tuple[str, ...],
+         endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
+         system: str | None) -> None:
+    """Chat interactively (answers stream as they are generated; an empty line or Ctrl-D quits)."""
+    from deepinfer.protocol import messages as m
+    from deepinfer.protocol.client import MeshError
+
+    _check_keys(endpoint, keys_dir)
+    if endpoint is None:
+        check_weights_for_model(model, weights)
+    params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
+                           num_speculative_tokens, no_adaptive_speculation, weights, kv_cache_dtype)
+    with _mesh_endpoint(endpoint, model, options) as ep, _client(ep, api_key, keys_dir, client_key) as client:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            try:
+                for msg in client.stream(messages=history, **params):
+                    if isinstance(msg, m.StreamDelta):
+                        click.echo(msg.text, nl=False)
+                    else:
+                        click.echo()
+                        history.append({"role": "assistant", "content": msg.text})
+            except MeshError as exc:
+                click.echo(f"\nerror: {exc}", err=True)
+                history.pop()
