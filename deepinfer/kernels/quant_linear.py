@@ -113,7 +113,7 @@ class PackedWeight:
     @classmethod
     def from_raw(cls, raw: np.ndarray | bytes | memoryview | torch.Tensor, qtype: int | str,
                  shape: Sequence[int]) -> PackedWeight:
-        """From a GGUF tensor's stored bytes (`ReaderTensor.data`), its type (GGMLQuantizationType or
+        """From a GGUF tensor's stored bytes (`GgufTensor.data`), its type (GGMLQuantizationType or
         name) and its shape in numpy order [out_features, in_features] (GGUF's dims reversed).
         The bytes are copied (a reader's data is a read-only memory map)."""
         fmt = _GGML_TYPES.get(int(qtype), f"type {int(qtype)}") if not isinstance(qtype, str) else qtype

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from deepinfer.config.gguf_metadata import metadata
+from deepinfer.config.gguf_metadata import GgufFile, GgufTensor, metadata
 from deepinfer.config.model import ConfigError, MoEConfig
 
 QK = 32  # elements per block of every supported quantized type
@@ -139,7 +139,7 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=1).view(np.int8)
 
 
-def tensor_to_numpy(tensor: ReaderTensor) -> np.ndarray:
+def tensor_to_numpy(tensor: GgufTensor) -> np.ndarray:
     """A reader tensor as fp32 in numpy order ([out, in] for a projection)."""
     shape = tuple(reversed([int(d) for d in tensor.shape]))
     return dequantize(tensor.data, int(tensor.tensor_type), shape, tensor.name)
@@ -155,7 +155,7 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def required(reader: GGUFReader, arch: str, name: str) -> int:
+def required(reader: GgufFile, arch: str, name: str) -> int:
     """The integer metadata value `{arch}.{name}`; ConfigError naming the key when the file lacks it."""
     value = metadata(reader, f"{arch}.{name}")
     if value is None:
@@ -163,7 +163,7 @@ def required(reader: GGUFReader, arch: str, name: str) -> int:
     return int(value)
 
 
-def common_config_fields(reader: GGUFReader, arch: str) -> dict[str, Any]:
+def common_config_fields(reader: GgufFile, arch: str) -> dict[str, Any]:
     """The `ModelConfig` fields every architecture reads the same way: sizes, norm epsilon, rope base and
     scaling, context length, vocabulary (`vocab_size`, else the token list, else the embedding's rows),
     tied embeddings (no `output.weight`) and the special token ids."""
@@ -173,8 +173,8 @@ def common_config_fields(reader: GGUFReader, arch: str) -> dict[str, Any]:
 
     vocab = key("vocab_size")
     if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else _tensor_shape(reader, "token_embd.weight")[0]
+        tokens = metadata(reader, "tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else _tensor_shape(reader, "token_embd.weight")[0]
     eos_ids: list[int] = []
     for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
         token = metadata(reader, f"tokenizer.ggml.{name}")
@@ -196,7 +196,7 @@ def common_config_fields(reader: GGUFReader, arch: str) -> dict[str, Any]:
     )
 
 
-def moe_config_from_gguf(reader: GGUFReader, arch: str, names: set[str]) -> MoEConfig | None:
+def moe_config_from_gguf(reader: GgufFile, arch: str, names: set[str]) -> MoEConfig | None:
     """From `{arch}.expert_count`, `expert_used_count`, `expert_feed_forward_length` (Qwen2-MoE; a
     Mixtral's experts are `feed_forward_length` wide), `expert_shared_feed_forward_length` and
     `expert_weights_norm` (absent: llama.cpp renormalises Mixtral's top-k weights, not Qwen2-MoE's);
@@ -222,7 +222,7 @@ def moe_config_from_gguf(reader: GGUFReader, arch: str, names: set[str]) -> MoEC
     )
 
 
-def rope_scaling_from_gguf(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+def rope_scaling_from_gguf(reader: GgufFile, arch: str) -> dict[str, Any] | None:
     kind = metadata(reader, f"{arch}.rope.scaling.type")
     factor = metadata(reader, f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
@@ -240,7 +240,7 @@ def rope_scaling_from_gguf(reader: GGUFReader, arch: str) -> dict[str, Any] | No
     return scaling
 
 
-def _tensor_shape(reader: GGUFReader, name: str) -> tuple[int, ...]:
+def _tensor_shape(reader: GgufFile, name: str) -> tuple[int, ...]:
     for t in reader.tensors:
         if t.name == name:
             return tuple(reversed([int(d) for d in t.shape]))

@@ -33,9 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from gguf import GGUFReader
 
-from deepinfer.config.gguf_metadata import metadata
+from deepinfer.config.gguf_metadata import GgufFile, metadata
 from deepinfer.config.model import ConfigError, MLAConfig, ModelConfig, MoEConfig
 from deepinfer.loading.gguf import (
     UnsupportedWeightError,
@@ -50,7 +49,7 @@ GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func va
 YARN_LOG_MUL_UNIT = 0.1  # llama.cpp's converter stores 0.1 · mscale_all_dim
 
 
-def deepseek_config(reader: GGUFReader) -> ModelConfig:
+def deepseek_config(reader: GgufFile) -> ModelConfig:
     """The `ModelConfig` of a deepseek2 file: `deepseek_v3` for sigmoid gating, `deepseek_v2` otherwise."""
     shapes = {t.name: tuple(reversed([int(d) for d in t.shape])) for t in reader.tensors}
     _check_names(shapes)
@@ -75,7 +74,7 @@ def deepseek_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def _key(reader: GGUFReader, name: str, default: Any = None) -> Any:
+def _key(reader: GgufFile, name: str, default: Any = None) -> Any:
     return metadata(reader, f"{ARCH}.{name}", default)
 
 
@@ -89,7 +88,7 @@ def _check_names(shapes: dict[str, tuple[int, ...]]) -> None:
             raise ConfigError(f"GGUF deepseek2: tensor {name!r} has no place in a DeepSeek model") from None
 
 
-def _mla_config(reader: GGUFReader) -> MLAConfig:
+def _mla_config(reader: GgufFile) -> MLAConfig:
     """Per-head sizes from the `*_mla` keys, else from key_length/value_length (older files)."""
     rope = required(reader, ARCH, "rope.dimension_count")
     latent = required(reader, ARCH, "attention.kv_lora_rank")
@@ -132,7 +131,7 @@ def _check_attention_shapes(shapes: dict[str, tuple[int, ...]], mla: MLAConfig, 
             raise ConfigError(f"GGUF deepseek2: {p}attn_q_a.weight present but attention.q_lora_rank is unset")
 
 
-def _moe_config(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], layers: int) -> MoEConfig:
+def _moe_config(reader: GgufFile, shapes: dict[str, tuple[int, ...]], layers: int) -> MoEConfig:
     count = _key(reader, "expert_count")
     if not count:
         raise ConfigError(f"GGUF deepseek2 without routed experts (expert_count={count}) is not supported")
@@ -168,7 +167,7 @@ def _moe_config(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], layers: 
     )
 
 
-def _rope_scaling(reader: GGUFReader) -> dict[str, Any] | None:
+def _rope_scaling(reader: GgufFile) -> dict[str, Any] | None:
     """gguf.py's reading plus DeepSeek's YaRN magnitude (see the module docstring)."""
     scaling = rope_scaling_from_gguf(reader, ARCH)
     if scaling is None or scaling["rope_type"] != "yarn":

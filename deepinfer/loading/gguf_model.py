@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
-from deepinfer.config.gguf_metadata import metadata, open_gguf
+from deepinfer.config.gguf_metadata import GgufFile, metadata, open_gguf
 from deepinfer.config.model import ConfigError, ModelConfig
 from deepinfer.kernels.quant_linear import FORMATS, PackedWeight
 from deepinfer.loading.gguf import (
@@ -27,7 +27,7 @@ from deepinfer.loading.gguf import (
 from deepinfer.loading.gguf_deepseek import deepseek_config, join_kv_b
 
 
-def config_from_gguf(reader: GGUFReader) -> ModelConfig:
+def config_from_gguf(reader: GgufFile) -> ModelConfig:
     """The architecture described by a GGUF file's metadata (`{arch}.*` and tokenizer keys)."""
     arch = metadata(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -60,12 +60,12 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def load_gguf(source: GGUFReader | str | os.PathLike[str],
+def load_gguf(source: GgufFile | str | os.PathLike[str],
               keep_packed: Callable[[str, ModelConfig], bool] | None = None) -> tuple[ModelConfig, dict[str, Any]]:
     """Config and state dict (our names, Hugging Face rotary layout) of a GGUF file: fp32 tensors, except
     that a 2-D tensor stored as Q8_0/Q4_0/Q4_1 whose name `keep_packed(name, config)` accepts stays in its
     blocks, as a `PackedWeight` (its rows reordered like the fp32 ones: a row is whole blocks)."""
-    reader = source if isinstance(source, GGUFReader) else open_gguf(source)
+    reader = source if isinstance(source, GgufFile) else open_gguf(source)
     config = config_from_gguf(reader)
     arch = metadata(reader, "general.architecture")
     permuted = arch == "llama"  # Mixtral files too; deepseek2 keeps Hugging Face's row order

@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from gguf import GGUFReader
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from deepinfer.config.gguf_metadata import metadata, open_gguf
+from deepinfer.config.gguf_metadata import GgufFile, metadata, open_gguf
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -156,9 +155,9 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, source: GGUFReader | str | os.PathLike[str]) -> Tokenizer:
+    def from_gguf(cls, source: GgufFile | str | os.PathLike[str]) -> Tokenizer:
         """A byte-level BPE tokenizer from a GGUF file's `tokenizer.ggml.*` metadata."""
-        reader = source if isinstance(source, GGUFReader) else open_gguf(source)
+        reader = source if isinstance(source, GgufFile) else open_gguf(source)
         kind = metadata(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')")
