@@ -1,0 +1,184 @@
+"""The connection bookkeeping both clients share: the DEALER and its monitor, the Hello, and `Session`, which
+knows which request waits where and what the router connection's ups and downs mean for each. No I/O of its own:
+`Client`'s I/O thread and `AsyncClient`'s event loop drive it."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import deque
+from typing import Any, Protocol
+
+import zmq
+
+from deepinfer.protocol import messages as m
+from deepinfer.protocol.auth import ClientAuth, KeyPair, client_identity_prefix
+from deepinfer.protocol.client_errors import MeshError, RouterLostError
+from deepinfer.protocol.framing import encode_frames
+from deepinfer.protocol.sockets import make_dealer
+
+HEARTBEAT_IVL_MS = 1000  # a PING to the router this often
+HEARTBEAT_TIMEOUT_MS = 3000  # no traffic from the router for this long: the connection is dropped
+HEARTBEAT_TTL_MS = 10000  # the router may drop this client after this long without traffic from it
+CONNECT_TIMEOUT_S = 10.0  # how long a request waits for a connection to the router
+_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+TICK_S = 0.2  # how often requests waiting for a connection are checked against connect_timeout_s
+CLOSE_LINGER_MS = 100  # closing gives the aborts of in-flight requests this long to leave
+HELLO = ""  # the route of the Hello: its Welcome carries no request id (nor does a refusal of a bad message)
+
+
+class Ids:
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(4)
+        self._n = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}-{next(self._n)}"
+
+
+def hello() -> m.Hello:
+    return m.Hello(m.PROTOCOL_VERSION, "client", "client")
+
+
+def client_auth(curve_keys: KeyPair | None, server_key: bytes | str | None) -> ClientAuth | None:
+    if (curve_keys is None) != (server_key is None):
+        raise ValueError("give both curve_keys= and server_key= (or neither)")
+    if curve_keys is None or server_key is None:
+        return None
+    return ClientAuth(curve_keys, server_key.encode() if isinstance(server_key, str) else bytes(server_key))
+
+
+def open_dealer(ctx: zmq.Context, endpoint: str, auth: ClientAuth | None = None) -> tuple[Any, Any | None]:
+    """The client's DEALER and, except on inproc:// (no connection events there), its monitor socket. With
+    `auth` (tcp:// only) it authenticates with CURVE under a routing id that starts with its key's prefix."""
+    if auth is not None and endpoint.startswith("tcp://"):
+        identity = client_identity_prefix(auth.keypair.public) + secrets.token_hex(6)
+    else:
+        auth, identity = None, f"client-{secrets.token_hex(6)}"
+    sock = make_dealer(ctx, [], identity.encode(), auth=auth)  # connected below
+    # Options are copied into a connection when it is made, and the monitor must see the first handshake:
+    # both are set before connect.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
+    monitor = None if endpoint.startswith("inproc://") else sock.get_monitor_socket(_CONNECTION_EVENTS)
+    try:
+        sock.connect(endpoint)
+    except BaseException:  # a bad endpoint: leave no socket behind to block the context's term()
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        sock.close(linger=0)
+        raise
+    return sock, monitor
+
+
+# --- the bookkeeping both clients share ------------------------------------------------------------------
+
+
+class Sink(Protocol):
+    """Where a request's replies go: a queue.SimpleQueue (Client) or an asyncio.Queue (AsyncClient)."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
+
+class Session:
+    """Which request waits where, and what the connection's ups and downs mean for it. No I/O: the owner
+    (Client's I/O thread, AsyncClient's event loop) sends what lands in `outbox`, oldest first.
+
+    Invariant: a route exists exactly while its caller may still get a reply, so a reply without a route (a
+    request that finished, timed out, was aborted or failed) is dropped, and nothing outlives its request."""
+
+    def __init__(self, endpoint: str, connect_timeout_s: float, connected: bool) -> None:
+        self.endpoint = endpoint
+        self.connect_timeout_s = connect_timeout_s
+        self.connected = connected  # inproc:// has no connection events: always connected
+        self.routes: dict[str, Sink] = {}
+        # Requests sent while no router was connected (their messages wait in the socket), with the
+        # monotonic time they were sent: they fail if none connects within connect_timeout_s.
+        self.unconnected: dict[str, float] = {}
+        # Messages not yet handed to the socket, in order, with the route they belong to (None for aborts and
+        # Hellos). They wait here only while the socket refuses more (its HWM reached).
+        self.outbox: deque[tuple[str | None, list]] = deque()
+        self.refusal: str | None = None  # the reason a router (after a reconnect) refused our Hello
+        self.closed = False
+        self._was_lost = False
+
+    def send(self, msg: Any) -> None:
+        self.outbox.append((None, encode_frames(msg)))
+
+    def open(self, key: str, frames: list, sink: Sink, now: float) -> None:
+        """Send a request (or the Hello) whose replies go to `sink`; when it must not be sent, an error does."""
+        if self.closed:
+            sink.put_nowait(MeshError("the client is closed", key))
+        elif self.refusal is not None and key != HELLO:
+            sink.put_nowait(MeshError(f"router refused the connection: {self.refusal}", key))
+        else:
+            self.routes[key] = sink
+            if not self.connected:
+                self.unconnected[key] = now
+            self.outbox.append((key, frames))
+
+    def next_to_send(self) -> list | None:
+        """The frames of the oldest message still worth sending: requests nobody waits for are dropped."""
+        while self.outbox:
+            key, frames = self.outbox[0]
+            if key is None or key in self.routes:
+                return frames
+            self.outbox.popleft()
+        return None
+
+    def forget(self, key: str, reason: str) -> None:
+        """The caller stopped waiting: abort the request if the router may still hold it."""
+        if self.routes.pop(key, None) is not None and key != HELLO:
+            self.send(m.AbortRequest(key, reason))
+        self.unconnected.pop(key, None)
+
+    def fail(self, key: str, error: MeshError, abort_reason: str) -> None:
+        """End a request with the client's own verdict (the router may hold it: abort it)."""
+        sink = self.routes.get(key)
+        if sink is not None:
+            self.forget(key, abort_reason)
+            sink.put_nowait(error)
+
+    def deliver(self, msg: Any) -> None:
+        if isinstance(msg, m.Welcome):
+            self.refusal = None if msg.accepted else (msg.reason or "no reason given")
+        key = getattr(msg, "request_id", HELLO)
+        sink = self.routes.get(key)
+        if sink is None:
+            return  # a late reply to a request given up on, or the Welcome of a reconnect's Hello
+        if isinstance(msg, (m.Welcome, m.RequestFinished, m.ErrorReply)):  # the last message of its request
+            del self.routes[key]
+            self.unconnected.pop(key, None)
+        sink.put_nowait(msg)
+
+    def on_connected(self) -> None:
+        self.connected = True
+        self.unconnected.clear()  # their messages are on their way now
+        if self._was_lost:
+            # A new connection after a lost one may be a new router: introduce ourselves again (it does not
+            # require a Hello, but a refusal tells us early that it no longer speaks our protocol).
+            self.send(hello())
+
+    def on_disconnected(self) -> None:
+        """The router held every request sent on the dropped connection: they fail now. Their aborts wait in
+        the socket for the next connection, in case that is the same router."""
+        self.connected = False
+        self._was_lost = True
+        for key in [key for key in self.routes if key not in self.unconnected]:
+            self.fail(key, RouterLostError(f"lost the connection to the router at {self.endpoint}", key),
+                      "client lost the router")
+
+    def expire(self, now: float) -> None:
+        """Fail requests that waited connect_timeout_s for a router."""
+        for key in [key for key, since in self.unconnected.items() if now - since >= self.connect_timeout_s]:
+            self.fail(key, RouterLostError(
+                f"no router reachable at {self.endpoint} within {self.connect_timeout_s:g}s", key),
+                "client found no router")
+
+    def close(self) -> None:
+        """Fail every waiting caller and abort what the router may hold."""
+        for key in list(self.routes):
+            self.fail(key, MeshError("the client was closed", key), "client closed")
+        self.closed = True
