@@ -1,4 +1,4 @@
-"""The NVMe tier: a directory of block files, one per KV block, with an in-memory index in front of it.
+"""The KV cache's disk (NVMe) tier: a directory of block files, one per KV block, with an in-memory index.
 
 Layout under `root` (any directory or mount; a shared filesystem pools the cache across hosts):
 

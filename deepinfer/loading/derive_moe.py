@@ -1,4 +1,7 @@
-"""smollm2-moe: a Mixture-of-Experts model *derived* (not trained) from SmolLM2's dense weights.
+"""Derive smollm2-moe: a Mixture-of-Experts model made (not trained) from SmolLM2's dense weights.
+
+Three parts: the derivation, the Mixtral-format directory it is written to and read from, and the report that
+measures it against the dense model (a plain-torch forward).
 
 No MoE weights can be downloaded here, so this module turns a dense Llama-family model into a Mixtral-format
 Hugging Face directory, deterministically, with numpy and torch only. The result is a real-weight MoE to serve

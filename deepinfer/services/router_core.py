@@ -1,4 +1,4 @@
-"""The router's pure core: admission, placement and per-request state, fed events by the router shell.
+"""The router's decision core: each request's admission, placement, moves and end, decided event by event.
 
 No sockets, no asyncio, no clock reads: every event carries `now` (Unix seconds, as the shell read it;
 durations and deadlines are taken from it) and returns the messages to send as `Outbound` records.

@@ -1,8 +1,9 @@
-"""A worker that is a group of N engine ranks (expert parallelism with data-parallel attention), seen
-from the worker as one engine: `GroupEngine` implements `ServingEngine` (deepinfer.engine.interface), the
-calls the worker service, its engine thread and its cache client make of an engine, as LLMEngine does, and
-forwards each request's calls to the rank that owns it. What only a group has (`keepalive`, `close`,
-`load`, `live_ids`, the expert placement calls) the worker calls on it as a group.
+"""The group engine: a worker's N engine ranks (expert parallelism with data-parallel attention) as one engine.
+
+`GroupEngine` implements `ServingEngine` (deepinfer.engine.interface), the calls the worker service, its engine
+thread and its cache client make of an engine, as LLMEngine does, and forwards each request's calls to the rank
+that owns it. What only a group has (`keepalive`, `close`, `load`, `live_ids`, the expert placement calls) the
+worker calls on it as a group.
 
 Ranks. Rank 0 (this process, the leader) owns `local`, its own LLMEngine, and speaks for the group to
 the mesh; ranks 1..N-1 are follower processes (`follower.py`) holding an engine each, same model and
