@@ -4,16 +4,18 @@ A step's tokens are laid out row after row: first the single-token rows (decodes
 chunks of one token), then the multi-token prefill chunks. Every row reads its context through its
 block table straight from the KV tensor; nothing is concatenated per step.
 
-* Single-token rows go through one native call per layer, `rope_write_decode_attention`: it
-  rotates their q and k, stores their K/V and runs the decode attention kernel, which reads K/V in
-  place (bit-identical to `apply_rotary`, `rope_write.write_kv` and `paged_decode_attention` in
-  turn; a pure-torch gather is the fallback when the kernel cannot be built).
-* The multi-token rows go through one native call per layer too, `rope_write_prefill`: it rotates
+Which kernels run each op is the step's `AttentionBackend` (`attention_backend.py`), chosen once when
+the model runner is built and carried in `AttentionMetadata.backend`; this module only lays the step
+out and sequences the ops:
+
+* Single-token rows take one call per layer, the backend's `rope_write_decode_attention`: it rotates
+  their q and k, stores their K/V and runs decode attention, which reads K/V in place (natively one C
+  call, bit-identical to `apply_rotary`, `rope_write.write_kv` and `paged_decode_attention` in turn).
+* The multi-token rows take one call per layer too, the backend's `rope_write_prefill`: it rotates
   their q and k, stores their K/V and lays q, k, v out head-major (bit-identical to `apply_rotary`,
   `rope_write.write_kv` and `rope_write.as_cached`). Each chunk then gathers its own context blocks
-  once (a chunk with no earlier context attends to its fresh K/V directly) and attends causally: on AMX
-  tiles where the CPU has them (`kernels/attention_amx.py`, fp32's accuracy, ~1.8x SDPA on a
-  1,024-token chunk here), else with SDPA.
+  once (a chunk with no earlier context attends to its fresh K/V directly) and attends causally with
+  the backend's `prefill_attention` (natively on AMX tiles where the CPU has them, else SDPA).
 
 The cache may hold K/V in a narrower dtype than the step computes in (an fp16 KV cache, fp32
 activations): the store rounds on the way in, every reader widens what it reads, and all
@@ -38,11 +40,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from deepinfer import kernels
-from deepinfer.kernels import attention_amx
-from deepinfer.kernels.rope_write import rope_write_prefill, rope_write_prefill_reference
+from deepinfer.engine.attention_backend import NATIVE, AttentionBackend, backend_for
 
 if TYPE_CHECKING:
     from deepinfer.engine.models.rope import RotaryTable
@@ -68,7 +67,17 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] int32
     decode_context_lens: torch.Tensor | None = None  # [num_decode] int32
     prefills: list[PrefillChunk] = field(default_factory=list)
-    use_native: bool = True
+    # The kernels every op of the step runs on: the runner's, chosen once when it was built.
+    backend: AttentionBackend = NATIVE
+
+    @property
+    def use_native(self) -> bool:
+        """Whether the step runs on the native backend (a view of `backend`, for callers that pick by flag)."""
+        return self.backend.native
+
+    @use_native.setter
+    def use_native(self, native: bool) -> None:
+        self.backend = backend_for(native)
 
 
 @dataclass
@@ -91,8 +100,11 @@ class StepLayout:
     logits_rows: torch.Tensor
 
 
-def layout(segments: Sequence[Segment], block_size: int, use_native: bool = True) -> StepLayout:
-    """Rows first (decode-kernel rows), then prefill chunks; see the module docstring."""
+def layout(segments: Sequence[Segment], block_size: int, backend: AttentionBackend | bool = NATIVE) -> StepLayout:
+    """Rows first (decode-kernel rows), then prefill chunks; see the module docstring. `backend`: the
+    runner's (a bool picks the native or the torch backend, for callers that still choose by flag)."""
+    if isinstance(backend, bool):
+        backend = backend_for(backend)
     as_rows = [s for s in segments if len(s.token_ids) == 1 or s.rows]
     chunks = [s for s in segments if len(s.token_ids) > 1 and not s.rows]
     ids: list[int] = []
@@ -115,7 +127,7 @@ def layout(segments: Sequence[Segment], block_size: int, use_native: bool = True
         slots.extend(blocks[p // block_size] for p in range(start, start + n))
     pos = torch.tensor(positions, dtype=torch.int64)
     meta = AttentionMetadata(slot_blocks=torch.tensor(slots, dtype=torch.int64), slot_offsets=pos % block_size,
-                             num_decode=len(tables), prefills=prefills, use_native=use_native)
+                             num_decode=len(tables), prefills=prefills, backend=backend)
     if tables:
         contexts = [p + 1 for p in positions[: len(tables)]]
         lens = [-(-c // block_size) for c in contexts]
@@ -131,27 +143,27 @@ def layout(segments: Sequence[Segment], block_size: int, use_native: bool = True
 def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTable, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One layer's attention for the step: rotate q and k, store K/V, attend. qkv: the step's
-    [T, (heads + 2 * kv_heads) * head_dim] projections (q and k of the decode rows are rotated in
-    place); positions: [T] int64; k_cache, v_cache: the layer's cache views. Returns [T, heads, head_dim].
+    [T, (heads + 2 * kv_heads) * head_dim] projections (the backend may rotate the decode rows' q and k
+    in place); positions: [T] int64; k_cache, v_cache: the layer's cache views. Returns [T, heads, head_dim].
 
-    Decode rows take the one native call; prefill rows one call that rotates, stores and lays out their
-    q, k, v head-major (`rope_write_prefill`), then `paged_attention`'s causal attention per chunk (AMX
-    tiles or SDPA). When not
-    `meta.use_native`, every row takes the torch versions of those steps."""
+    Decode rows take the backend's one rope + write + decode attention call; prefill rows its call that
+    rotates, stores and lays out their q, k, v head-major, then `paged_attention`'s causal attention per
+    chunk. The decode rows' K/V are stored first; they belong to other sequences than the chunks', so
+    neither sees the other's."""
     if qkv.stride(-1) != 1:  # the kernel reads rows; a projection with a bias may come column-major
         qkv = qkv.contiguous()
     T, D, kvh = qkv.shape[0], rotary.cos.shape[1], k_cache.shape[2]
     heads = qkv.shape[1] // D - 2 * kvh
     out = qkv.new_empty((T, heads, D))
-    nd = meta.num_decode if meta.use_native else 0
+    backend, nd = meta.backend, meta.num_decode
     if nd:
-        kernels.rope_write_decode_attention(qkv, rotary.cos, rotary.sin, positions, meta.slot_blocks,
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        backend.rope_write_decode_attention(qkv, rotary.cos, rotary.sin, positions, meta.slot_blocks,
                                             meta.slot_offsets, k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, scale, out=out)
+                                            meta.decode_context_lens, scale, out[:nd])
     if nd < T:
-        rope_write = rope_write_prefill if meta.use_native else rope_write_prefill_reference
-        q, k, v = rope_write(qkv[nd:], rotary.cos, rotary.sin, positions[nd:], meta.slot_blocks[nd:],
-                             meta.slot_offsets[nd:], k_cache, v_cache)  # head-major, k and v as cached
+        q, k, v = backend.rope_write_prefill(qkv[nd:], rotary.cos, rotary.sin, positions[nd:], meta.slot_blocks[nd:],
+                                             meta.slot_offsets[nd:], k_cache, v_cache)  # head-major, k and v as cached
         paged_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), k_cache, v_cache, meta, scale,
                         out=out[nd:], start=nd)
     return out
@@ -160,19 +172,18 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryTab
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                     start: int = 0) -> torch.Tensor:
-    """Attention of the step's rows from `start` on. q: [T - start, heads, head_dim]; k, v: their
-    fresh [T - start, kv_heads, head_dim], already written to the cache and as it holds them (rounded
-    through its dtype, as `rope_write_prefill` returns them). Returns `out`
+    """Attention of the step's rows from `start` on, on the step's backend. q: [T - start, heads, head_dim];
+    k, v: their fresh [T - start, kv_heads, head_dim], already written to the cache and as it holds them
+    (rounded through its dtype, as `rope_write_prefill` returns them). Returns `out`
     ([T - start, heads, head_dim], allocated when None)."""
     out = torch.empty_like(q) if out is None else out
+    backend = meta.backend
     nd = meta.num_decode - start
     if nd > 0:
-        decode = kernels.paged_decode_attention if meta.use_native else kernels.paged_decode_attention_reference
-        decode(q[:nd], k_cache, v_cache, meta.decode_block_tables[start:], meta.decode_context_lens[start:], scale,
-               out=out[:nd])
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        backend.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables[start:],
+                                 meta.decode_context_lens[start:], scale, out=out[:nd])
     block_size = k_cache.shape[1]
-    tiles = bool(meta.prefills) and meta.use_native and q.dtype == torch.float32 and q.is_cpu and \
-        attention_amx.supports(q.shape[2], q.shape[1], k.shape[1])
     for chunk in meta.prefills:
         rows = slice(chunk.q_start - start, chunk.q_start - start + chunk.q_len)
         qh = q[rows].transpose(0, 1)  # [heads, q_len, D]
@@ -181,21 +192,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             kh = _gather(k_cache, chunk, block_size, q.dtype)
             vh = _gather(v_cache, chunk, block_size, q.dtype)
-        if tiles:  # query i at position context_len - q_len + i sees the keys up to there
-            attention_amx.prefill_attention(qh, kh, vh, scale, out=out[rows])
-            continue
-        # SDPA takes its fused (flash) CPU path only for 4-D inputs; 3-D falls back to the math
-        # path, which materialises every score and ran ~7x slower on a 1k-token prefill.
-        if chunk.context_len == chunk.q_len:
-            o = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), is_causal=True,
-                                               scale=scale, enable_gqa=True)
-        else:
-            mask = torch.ones(chunk.q_len, chunk.context_len, dtype=torch.bool).tril(
-                chunk.context_len - chunk.q_len
-            )
-            o = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=mask,
-                                               scale=scale, enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1)
+        backend.prefill_attention(qh, kh, vh, scale, out[rows])
     return out
 
 

@@ -6,6 +6,10 @@ latent component per token). A block is therefore one contiguous slab holding ev
 `block_size` tokens, which is the unit the cache tiers store and the P/D transfer moves; a layer's
 component c is the strided view `kv[:, layer, c]`. Its dtype is the spec's, one of
 `ENGINE_KV_DTYPES` (fp32, or fp16: the attention paths convert on write and widen on read).
+
+The runner also decides, once, which kernels its steps' attention runs on: its `AttentionBackend`
+(`attention_backend.select_backend`: native or torch, with or without the C layer loop), which every
+step's metadata carries to the model.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer import kernels
 from deepinfer.config.engine import EngineConfig
 from deepinfer.config.kv import ENGINE_KV_DTYPES, KvSpec
 from deepinfer.config.model import ConfigError
 from deepinfer.engine.attention import Segment, StepLayout, layout
+from deepinfer.engine.attention_backend import AttentionBackend, select_backend
 from deepinfer.engine.models.base import CausalLM
 from deepinfer.engine.models.moe import Routing, moe_blocks
 from deepinfer.engine.request import Request
@@ -60,9 +64,14 @@ class ModelRunner:
         self.spec = spec
         self.block_size = spec.block_size
         self.kv = spec.allocate(num_blocks, config.device)
-        self.use_native = config.use_native_kernels and kernels.native_available()
-        if not config.decode_loop and hasattr(model, "use_decode_loop"):  # a model with the native layer loop
-            model.use_decode_loop(False)
+        # Chosen here and nowhere else: every step of this runner runs on it.
+        self.backend: AttentionBackend = select_backend(config)
+        self.backend.bind(model)
+
+    @property
+    def use_native(self) -> bool:
+        """Whether this runner's steps run on the native kernels (its backend's, decided at construction)."""
+        return self.backend.native
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step as attention segments: a speculating chunk (the last committed token plus k
@@ -96,7 +105,7 @@ class ModelRunner:
             segments.append(Segment(tokens, start, req.block_ids, rows=chunk.num_spec > 0, num_logits=logits))
             if chunk.samples:
                 sampled.append(chunk)
-        step = layout(segments, self.block_size, self.use_native)
+        step = layout(segments, self.block_size, self.backend)
         if not prompt_rows:
             return StepInputs(step, sampled)
         return StepInputs(step, sampled, sample_rows, prompt_rows)

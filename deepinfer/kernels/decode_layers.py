@@ -12,7 +12,9 @@ is the per-op path's Python (about 75 us a layer at batch 1 on SmolLM2).
 both paths use on CPU fp32 (so the loop and the per-op MLP agree to the bit), torch's F.silu elsewhere. Its
 exp is a polynomial within a few ulp of torch's, not torch's own bits.
 
-`EngineConfig.decode_loop = False` keeps every step on the per-op path (for comparisons).
+Whether a step may take the loop at all is decided once per model runner, by its attention backend (the
+native one with `EngineConfig.decode_loop`, see `deepinfer/engine/attention_backend.py`); `run` only checks
+that the step fits. `EngineConfig.decode_loop = False` keeps every step on the per-op path (for comparisons).
 """
 
 from __future__ import annotations
@@ -208,10 +210,11 @@ class DecodeStack:
             sin: torch.Tensor, scale: float, eps: float, q_width: int) -> torch.Tensor | None:
         """All layers for a step of decode rows: updates the residual stream `x` [T, hidden] in place and
         returns the last MLP's output [T, hidden] (what the per-op loop leaves in `pending`), or None, having
-        changed nothing, when the step does not fit the loop. kv: the engine's pool [num_blocks, layers, 2,
+        changed nothing, when the step does not fit the loop (the caller's backend has already chosen the native
+        kernels and the loop). kv: the engine's pool [num_blocks, layers, 2,
         block_size, kv_heads, head_dim]. Raises ValueError (MemoryError) as the per-op path's kernels would."""
         T = x.shape[0]
-        if (meta.prefills or not meta.use_native or meta.num_decode != T or not 0 < T <= self.max_rows()
+        if (meta.prefills or meta.num_decode != T or not 0 < T <= self.max_rows()
                 or x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous() or x.shape[1] != self.hidden
                 or not kv.is_cpu or kv.dim() != 6 or kv.shape[1] < self.num_layers
                 or kv.dtype not in pa.KV_COMPUTE_DTYPES):

@@ -6,8 +6,10 @@ apart from its weights: the KV tensor and the step's attention metadata are pass
 is `deepinfer.engine.models.base.CausalLM`).
 
 A step whose rows are all decode rows runs the whole layer stack in one native call
-(`kernels/decode_layers.py`: the same kernels in the same order, so the same bits) when every layer is a
-dense SwiGLU one; other steps, and models with other blocks, take the per-op loop in `forward`.
+(`kernels/decode_layers.py`: the same kernels in the same order, so the same bits) when the step's
+attention backend takes that fast path (`AttentionBackend.layer_loop`: the native backend, unless
+`EngineConfig.decode_loop` is off) and every layer is a dense SwiGLU one; other steps, and models with
+other blocks, take the per-op loop in `forward`.
 
 Each layer's MLP is a pluggable block, any callable from the normed hidden states [T, hidden] to the
 MLP's output [T, hidden]: `LlamaModel.build_mlp` makes the dense SwiGLU one, and a subclass overrides
@@ -129,10 +131,10 @@ class LlamaModel:
         return short
 
     def use_decode_loop(self, enabled: bool = True) -> None:
-        """Let decode steps take the native layer loop (the default, where it applies) or keep every step
-        per op (for comparisons; `EngineConfig.decode_loop = False` does the latter for an engine's model).
-        Either way the current binding is dropped, so layers whose modules were replaced in place are bound
-        anew."""
+        """Let decode steps take the native layer loop (the default, where it applies and the step's backend
+        takes it) or keep every step per op (for comparisons; a runner whose backend does not take the loop
+        turns it off here when it is built, `AttentionBackend.bind`). Either way the current binding is
+        dropped, so layers whose modules were replaced in place are bound anew."""
         self._decode_loop_enabled = enabled
         self._decode_stack = None
 
@@ -159,8 +161,9 @@ class LlamaModel:
         # (rms_norm's residual=, in place), and `pending` is the last MLP's output, added at the end.
         x = embed_rows(input_ids, self.embed)
         # A step of decode rows runs every layer in one native call (the same kernels, the same bits) when
-        # the model and the step fit it; otherwise, or when it declines, the per-op loop below.
-        stack = self.decode_stack()
+        # the step's backend takes that fast path and the model and the step fit it; otherwise, or when it
+        # declines, the per-op loop below.
+        stack = meta.backend.layer_loop(self)
         pending = None if stack is None else stack.run(x, positions, kv, meta, self.rotary.cos, self.rotary.sin,
                                                        self.scale, eps, self._q_dim)
         if pending is None:

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer import kernels
 from deepinfer.config.model import ModelConfig
 from deepinfer.engine.attention import AttentionMetadata, PrefillChunk
 from deepinfer.engine.models.linear import linear
@@ -156,8 +155,8 @@ class MLAttention:
         q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
         query = torch.cat([q_lat, q_rope], dim=-1).contiguous()  # [nd, H, C+R]
         kv = cache.unsqueeze(2)  # [num_blocks, block_size, 1 KV head, C+R]: key and value alike
-        decode = kernels.paged_decode_attention if meta.use_native else kernels.paged_decode_attention_reference
-        o = decode(query, kv, kv, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        o = meta.backend.decode_attention(query, kv, kv, meta.decode_block_tables, meta.decode_context_lens,
+                                          self.scale)
         return torch.einsum("thc,hvc->thv", o[..., : self.kv_lora], self.w_uv)
 
     def _prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, fresh: torch.Tensor, cache: torch.Tensor,

@@ -16,6 +16,9 @@ or a preemption the whole context), each later one feeds the previous draft toke
   changes (a preemption rebuilt its blocks). Blocks shared through the prefix cache are rewritten by
   each request that starts (with the same values: same tokens, same draft weights).
 
+Both run on their own attention backend, chosen once from the engine's config as the target's runner
+chooses its own (`attention_backend.select_backend`).
+
 Greedy requests get the draft's argmax (a point-mass proposal); sampled requests get a draw from the
 draft's distribution under the request's own penalties, temperature and filters, with that
 distribution attached for the rejection rule (verify.py). Draft draws use the request's seeded
@@ -28,11 +31,11 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer import kernels
 from deepinfer.config.engine import EngineConfig
 from deepinfer.config.kv import KvSpec, kv_dtype_name
 from deepinfer.config.model import ConfigError
 from deepinfer.engine.attention import Segment, layout
+from deepinfer.engine.attention_backend import AttentionBackend, select_backend
 from deepinfer.engine.models import CausalLM, build_model
 from deepinfer.engine.models.llama import LlamaModel
 from deepinfer.engine.sampler import DRAFT, Sampler, SamplingRow, exponential_noise, make_generator
@@ -44,12 +47,15 @@ class DraftProposer(Proposer):
     cheap = False
 
     def __init__(self, model: CausalLM, kv: torch.Tensor, block_size: int, shares_target_kv: bool,
-                 use_native: bool = True) -> None:
+                 backend: AttentionBackend) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.shares_target_kv = shares_target_kv
-        self.use_native = use_native and kernels.native_available()
+        # Chosen once, like a model runner's: every draft forward runs on it. `bind` switches the draft model's
+        # own layer loop off where the backend does not take it (a self-draft's model is its own truncated copy).
+        self.backend = backend
+        backend.bind(model)
         self.sampler = Sampler()
         # request id -> (kv epoch, its token count when the draft last proposed, the drafts it proposed)
         self._seen: dict[str, tuple[int, int, list[int]]] = {}
@@ -68,7 +74,7 @@ class DraftProposer(Proposer):
             raise ConfigError(f"self:{num_layers}: the model has {target.config.num_layers} layers; "
                               f"a self-draft takes 1 to {target.config.num_layers - 1} of them")
         draft = target.truncated(num_layers)
-        return cls(draft, kv, config.block_size, shares_target_kv=True, use_native=config.use_native_kernels)
+        return cls(draft, kv, config.block_size, shares_target_kv=True, backend=select_backend(config))
 
     @classmethod
     def from_path(cls, path: str, target: object, kv: torch.Tensor | None, config: EngineConfig) -> DraftProposer:
@@ -87,7 +93,7 @@ class DraftProposer(Proposer):
         # target's KV dtype, shaped by the draft model's spec.
         draft_spec = KvSpec.for_model(c, config.block_size, kv_dtype_name(kv.dtype))
         draft_kv = draft_spec.allocate(kv.shape[0], kv.device)
-        return cls(model, draft_kv, config.block_size, shares_target_kv=False, use_native=config.use_native_kernels)
+        return cls(model, draft_kv, config.block_size, shares_target_kv=False, backend=select_backend(config))
 
     def propose(self, batch: Sequence[SpecContext], ks: Sequence[int]) -> list[Proposal]:
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -146,7 +152,7 @@ class DraftProposer(Proposer):
         """Run the draft over (tokens, first position, block ids) segments; logits [len(segments),
         vocab] at each segment's last token. A catch-up of several tokens is a prefill chunk."""
         step = layout([Segment(tokens, start, blocks, num_logits=1) for tokens, start, blocks in segments],
-                      self.block_size, self.use_native)
+                      self.block_size, self.backend)
         return self.model.forward(step.input_ids, step.positions, self.kv, step.meta, step.logits_rows)
 
 
