@@ -12,15 +12,15 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-from deepinfer.kernels.huge_pages import huge_page_zeros
-
 if TYPE_CHECKING:
+    import torch
+
     from deepinfer.config.model import ModelConfig
 
-# Wire name → torch dtype. The name is what the hash namespace and error messages carry.
-KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Wire name → bytes per value; the torch dtype of the same name holds the values. The name is what the
+# hash namespace and error messages carry. torch is imported only by the methods that make or read tensors:
+# a service that only names KV (the tokenizer, which hashes prompts in its namespace) never loads it.
+KV_DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 # The engine's default KV dtype, and the ones its attention reads (kernels.paged_attention and the
 # torch paths): K/V are stored in the spec's dtype and widened to fp32 as they are read; all attention
 # arithmetic is fp32. bfloat16 is a wire name only: a spec may describe it, the engine refuses it.
@@ -31,9 +31,9 @@ _SEPARATORS = ",="  # the layout string's separators: no dimension or axis name 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype the KV may have; ValueError for any other."""
-    for name, d in KV_DTYPES.items():
-        if d == dtype:
-            return name
+    name = _name(dtype)
+    if name in KV_DTYPES:
+        return name
     raise ValueError(f"{dtype} is not a KV dtype (one of {', '.join(KV_DTYPES)})")
 
 
@@ -97,7 +97,9 @@ class KvSpec:
 
     @property
     def dtype(self) -> torch.dtype:
-        return KV_DTYPES[self.dtype_name]
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def token_shape(self) -> tuple[int, ...]:
@@ -114,7 +116,7 @@ class KvSpec:
     @property
     def bytes_per_token(self) -> int:
         """Every layer's KV for one token."""
-        return self.num_layers * len(self.components) * math.prod(self.token_shape) * self.dtype.itemsize
+        return self.num_layers * len(self.components) * math.prod(self.token_shape) * KV_DTYPES[self.dtype_name]
 
     @property
     def block_nbytes(self) -> int:
@@ -150,6 +152,10 @@ class KvSpec:
         On the CPU the pool is in huge pages (huge_pages.py): decode reads every live row each step,
         and with 4 KiB pages one layer's rows of a block already span several pages. Its pages are
         faulted in here, at startup, not by the first step that reaches a block (see huge_page_zeros)."""
+        import torch
+
+        from deepinfer.kernels.huge_pages import huge_page_zeros
+
         if torch.device(device).type == "cpu":
             return huge_page_zeros(self.pool_shape(num_blocks), self.dtype, prefault=True)
         return torch.zeros(self.pool_shape(num_blocks), dtype=self.dtype, device=device)
@@ -161,6 +167,8 @@ class KvSpec:
     def problem(self, t: object, num_blocks: int | None = None) -> str | None:
         """Why `t` is not a batch of this spec's blocks ([num_blocks, *block_shape], any count when
         None) — a message naming what was expected — or None when it is one."""
+        import torch
+
         if not isinstance(t, torch.Tensor):
             return f"kv must be a torch.Tensor, got {type(t).__name__}"
         n = t.shape[0] if num_blocks is None and t.dim() > 0 else num_blocks
@@ -171,6 +179,8 @@ class KvSpec:
 
     def block_problem(self, t: object) -> str | None:
         """Why `t` is not one block (block_shape, dtype), or None."""
+        import torch
+
         if isinstance(t, torch.Tensor) and t.dtype == self.dtype and tuple(t.shape) == self.block_shape:
             return None
         got = f"{_name(t.dtype)} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -181,12 +191,13 @@ class KvSpec:
         reason = self.problem(t, num_blocks)
         if reason is not None:
             raise ValueError(reason)
-        assert isinstance(t, torch.Tensor)
-        return t
+        return t  # type: ignore[return-value]  # `problem` checked it is a tensor
 
     def view_block(self, buffer: bytes | bytearray | memoryview) -> torch.Tensor:
         """One block over a wire or store buffer of exactly `block_nbytes` bytes (no copy; the tensor
         aliases the buffer, which must outlive it, and a read-only buffer's tensor must only be read)."""
+        import torch
+
         if memoryview(buffer).nbytes != self.block_nbytes:
             raise ValueError(f"a block buffer has {memoryview(buffer).nbytes} bytes; expected {self.block_nbytes}")
         with warnings.catch_warnings():  # frombuffer warns about read-only memory: see above
@@ -195,6 +206,8 @@ class KvSpec:
 
     def block_payloads(self, blocks: torch.Tensor) -> list[bytes]:
         """Each block of a checked batch as `block_nbytes` bytes (copies, in the tensor's native byte order)."""
+        import torch
+
         raw = memoryview(blocks.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
         nb = self.block_nbytes
         return [bytes(raw[i * nb:(i + 1) * nb]) for i in range(blocks.shape[0])]
