@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if not (attention_amx.available() and dl.amx_available()):
-        raise SystemExit("this CPU has no AMX-BF16 tiles (or DEEPINFER_AMX=0): nothing to compare")
+        raise SystemExit("this CPU has no AMX-BF16 tiles (or the kernels cannot be built): nothing to compare")
     torch.set_num_threads(args.threads)
     attention_rows(args.lengths)
     product_rows(args.threads)

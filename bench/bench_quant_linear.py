@@ -26,12 +26,17 @@ exceeds 1e-4.
 torch splits across its OpenMP threads) with one q_proj kernel call, against either alone: whether
 switching between torch's parallel regions and the kernel's costs anything beyond the two (both use one
 OpenMP runtime in one process: torch's libgomp, which the kernel binds to since torch loads first).
+
+`DEEPINFER_AMX=0` in the environment switches the AMX tiles off for the run (read here, at the bench's edge,
+into `kernels.amx.allow_amx`, as the launcher maps it onto `EngineConfig.amx`): the dequantise + GEMM path
+for an A/B.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +47,7 @@ import torch
 from deepinfer.config.gguf_metadata import open_gguf
 from deepinfer.config.paths import default_cache_dir
 from deepinfer.kernels import quant_linear as ql
+from deepinfer.kernels.amx import allow_amx
 from deepinfer.loading.fetch import SMOLLM2_FILE
 
 SHAPES = [  # (label, GGUF tensors whose rows are stacked, default format, out_features, in_features)
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-mib", type=int, default=256, help="size of the streaming-read probe's buffer")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    allow_amx(os.environ.get("DEEPINFER_AMX", "1") != "0")  # the one environment override, at this edge
     if not ql.native_available():
         print(f"native kernel unavailable: {ql.native_unavailable_reason()}")
         return 1

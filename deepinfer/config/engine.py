@@ -116,6 +116,11 @@ class EngineConfig:
     # Let a step of decode rows run every layer in one native call (kernels/decode_layers.py) where the model
     # and its weights allow; False keeps every step per op (for comparisons: the outputs are the same bits).
     decode_loop: bool = True
+    # Let the kernels take their AMX-BF16 tile paths (prefill attention, products of many rows) where the CPU
+    # has them; False keeps every call off the tiles (for A/B runs, or a CPU whose tile path misbehaves). The
+    # switch is process-wide (kernels/amx.py: the kernels are loaded once per process), set when the engine is
+    # built; the launcher's DEEPINFER_AMX=0 sets this field to False.
+    amx: bool = True
     # Keep freed full blocks addressable by their hash so later prompts with the same prefix reuse them.
     enable_prefix_caching: bool = True
     # Speculative decoding: None (off), "ngram", "suffix", "self:L" (the model's first L layers as the

@@ -64,6 +64,7 @@ from deepinfer.engine.sampler import Sampler, token_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from deepinfer.engine.speculative.speculator import Speculator, build_proposer
 from deepinfer.engine.speculative.verify import VerifyGroup, VerifyResult, verify
+from deepinfer.kernels.amx import allow_amx
 from deepinfer.loading.identity import cache_namespace
 from deepinfer.loading.weights import LoadedModel
 from deepinfer.text.detokenizer import IncrementalDetokenizer
@@ -111,6 +112,7 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
             check_ep_config(self.config, ep_group)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        allow_amx(self.config.amx)  # process-wide, as the thread count is: the kernels are loaded once per process
         self.model_config: ModelConfig = loaded.config
         self.fingerprint = loaded.fingerprint
         self.tokenizer = tokenizer

@@ -8,19 +8,21 @@ chunk follows earlier context. Accuracy is fp32's (the C file says how bf16 tile
 agree with SDPA's to fp32 rounding, not bit for bit, and are as close to float64 attention as SDPA's.
 
 `available()` is False (and the caller keeps SDPA) where the CPU has no AMX-BF16, Linux refuses the tile
-state, the kernel cannot be built, or `DEEPINFER_AMX=0`.
+state, or the kernel cannot be built, and while the process-wide switch is off (`kernels/amx.py`:
+`EngineConfig.amx`, DEEPINFER_AMX=0 at the launcher); it is asked on every call, so turning it off after the
+kernel loaded holds from the next call.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from deepinfer.kernels import build
+from deepinfer.kernels.amx import amx_allowed
 
 __all__ = ["available", "prefill_attention", "supports"]
 
@@ -39,7 +41,7 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
     lib.fa_amx_ready.restype = ctypes.c_int
     lib.fa_max_head_dim.restype = ctypes.c_int
     fns: dict[str, object] = {"max_head_dim": lib.fa_max_head_dim()}
-    if os.environ.get("DEEPINFER_AMX", "1") != "0" and lib.fa_amx_ready():
+    if lib.fa_amx_ready():  # registered where the CPU has tiles; `available()` asks the switch per call
         fns["prefill"] = fn
     return lib, fns
 
@@ -50,7 +52,10 @@ _fns = _loader.fns
 
 
 def available() -> bool:
-    """True when the kernel is loaded and can run its tiles here (see the module docstring)."""
+    """True when the kernel is loaded, can run its tiles here and the AMX switch is on (see the module
+    docstring)."""
+    if not amx_allowed():
+        return False
     return "prefill" in _fns or (not _loader.state["tried"] and _loader.available() and "prefill" in _fns)
 
 
@@ -65,7 +70,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     """See the module docstring. Returns `out` (allocated [Tq, heads, D] when None). Raises ValueError on
     bad shapes, dtypes or strides and RuntimeError when the kernel is unavailable."""
     if not available():
-        raise RuntimeError(f"AMX prefill attention unavailable: {_loader.state['reason'] or 'no AMX tiles here'}")
+        why = "switched off (allow_amx(False))" if not amx_allowed() else _loader.state["reason"] or "no AMX tiles here"
+        raise RuntimeError(f"AMX prefill attention unavailable: {why}")
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be [heads, Tq, D] and k, v [kv_heads, Tk, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")

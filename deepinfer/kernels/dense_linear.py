@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from deepinfer.kernels import build
+from deepinfer.kernels.amx import amx_allowed
 
 __all__ = ["AMX_MIN_ROWS", "MAX_ROWS", "amx_available", "dense_linear", "dense_linear_amx", "entry_point",
            "native_available", "native_info"]
@@ -53,7 +53,7 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
     lib.dl_path.restype = ctypes.c_int
     fns["path"] = _PATHS.get(lib.dl_path(), "portable")
     lib.dl_amx_ready.restype = ctypes.c_int
-    if os.environ.get("DEEPINFER_AMX", "1") != "0" and lib.dl_amx_ready():
+    if lib.dl_amx_ready():  # registered where the CPU has tiles; each call asks the switch (kernels/amx.py)
         fn = lib.dl_linear_amx
         fn.argtypes = fns["native"].argtypes
         fn.restype = ctypes.c_int
@@ -86,6 +86,8 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, num_threads: int, *, impl: st
     """x [rows, in] @ w.T → new fp32 [rows, out], or None when the kernel does not apply (see the module
     docstring; `impl` "portable" / "avx2" picks that path of the kernel, for tests)."""
     fn = _fns.get(impl) if _fns or _loader.available() else None
+    if impl == "amx" and not amx_allowed():  # the tiles only with the switch on, whichever way they are asked for
+        fn = None
     if fn is None or x.dtype is not torch.float32 or w.dtype is not torch.float32 or x.dim() != 2 or w.dim() != 2:
         return None
     m, k = x.shape
@@ -101,16 +103,17 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, num_threads: int, *, impl: st
 
 
 def amx_available() -> bool:
-    """True when the kernel is loaded with its AMX tile path (AMX-BF16 here, the tile state granted by Linux,
-    DEEPINFER_AMX not "0")."""
-    return "amx" in _fns or (native_available() and "amx" in _fns)
+    """True when the kernel is loaded with its AMX tile path (AMX-BF16 here, the tile state granted by Linux) and
+    the process-wide switch lets calls take it (`kernels/amx.py`: `EngineConfig.amx`, DEEPINFER_AMX=0 at the
+    launcher)."""
+    return amx_allowed() and ("amx" in _fns or (native_available() and "amx" in _fns))
 
 
 def dense_linear_amx(x: torch.Tensor, w: torch.Tensor, num_threads: int) -> torch.Tensor | None:
     """x [rows, in] @ w.T on AMX tiles (dense_amx.h: three bf16 pieces per value, six piece products; errors
     against float64 at torch's GEMM's level), as a new fp32 [rows, out]; None where the path does not apply (no
-    tiles, another device or dtype, strides it cannot read), and the caller uses torch."""
-    fn = _fns.get("amx") if _fns or _loader.available() else None
+    tiles, the AMX switch off, another device or dtype, strides it cannot read), and the caller uses torch."""
+    fn = _fns.get("amx") if amx_allowed() and (_fns or _loader.available()) else None
     if fn is None or x.dtype is not torch.float32 or w.dtype is not torch.float32 or x.dim() != 2 or w.dim() != 2:
         return None
     m, k = x.shape

@@ -17,7 +17,8 @@ on first use by build.py):
   compute-bound and dequantising costs a few percent of it, so this runs at torch's fp32 speed, which
   on a CPU with AVX-512 is about twice what the kernel's AVX2 micro-kernel reaches
   (bench/bench_quant_linear.py).
-`auto_route(rows)` says which of these a call takes; DEEPINFER_AMX=0 keeps the tiles out.
+`auto_route(rows)` says which of these a call takes; the process-wide AMX switch (`kernels/amx.py`:
+`EngineConfig.amx`, DEEPINFER_AMX=0 at the launcher) keeps the tiles out, asked on every call.
 When the kernel cannot be built, or x lives on another device (CUDA), W is dequantised with torch
 (`quant_linear_reference`).
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from deepinfer.kernels import build
+from deepinfer.kernels.amx import amx_allowed
 
 __all__ = [
     "FORMATS",
@@ -178,7 +179,7 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
     fn.argtypes = fns["native"].argtypes
     fn.restype = ctypes.c_int
     lib.ql_amx_ready.restype = ctypes.c_int
-    if os.environ.get("DEEPINFER_AMX", "1") != "0" and lib.ql_amx_ready():
+    if lib.ql_amx_ready():  # registered where the CPU has tiles; each call asks the switch (`_tiles_on`)
         fns["amx"] = fn
     fn = lib.ql_dequantize_f32  # w, out, N, K, format, num_threads
     fn.argtypes = [vp, vp, i64, i64, ctypes.c_int, ctypes.c_int]
@@ -187,10 +188,8 @@ def _load(path: Path) -> tuple[ctypes.CDLL, dict[str, object]]:
     lib.ql_kernel_max_m.restype = ctypes.c_int
     # The kernel beats dequantise + GEMM up to its row limit on this CPU (quant_linear.c): 256 with the
     # AVX-512 group path, 128 on AVX2 alone (where torch's GEMM runs the same AVX2 FMAs).
+    # From AMX_MIN_ROWS rows, the tile path beats both where it may run (`_many_rows`).
     fns["gemm_min_rows"] = max(GEMM_MIN_ROWS, lib.ql_kernel_max_m() + 1)
-    # From AMX_MIN_ROWS rows, the tile path beats both (it packs W afresh each call, which fewer rows do
-    # not pay back).
-    fns["many_rows"] = AMX_MIN_ROWS if "amx" in fns else fns["gemm_min_rows"]
     lib.ql_block_bytes.argtypes = [ctypes.c_int]
     for name, (code, bsz) in FORMATS.items():
         if lib.ql_block_bytes(code) != bsz:
@@ -220,8 +219,23 @@ def native_info() -> dict[str, object] | None:
 
 def amx_available() -> bool:
     """True when the kernel is loaded with its AMX tile path (the CPU has AMX-BF16, Linux granted the tile
-    state, and DEEPINFER_AMX is not "0")."""
-    return native_available() and "amx" in _fns
+    state) and the process-wide switch lets calls take it (`kernels/amx.py`: `EngineConfig.amx`,
+    DEEPINFER_AMX=0 at the launcher)."""
+    return native_available() and _tiles_on()
+
+
+def _tiles_on() -> bool:
+    """The loaded kernel registered the tile path and the AMX switch is on (asked per call, so switching it off
+    after the kernel loaded holds from the next call)."""
+    return "amx" in _fns and amx_allowed()
+
+
+def _many_rows() -> int:
+    """The first row count the auto path takes past the register kernel: AMX_MIN_ROWS where the tiles may run
+    (they pack W afresh each call, which fewer rows do not pay back), else the kernel's crossover to
+    dequantise + GEMM on this CPU."""
+    # `_tiles_on()` inline: this runs on every call of the decode fast path.
+    return AMX_MIN_ROWS if "amx" in _fns and amx_allowed() else _fns.get("gemm_min_rows", GEMM_MIN_ROWS)  # type: ignore[return-value]
 
 
 def auto_route(rows: int) -> str:
@@ -229,9 +243,9 @@ def auto_route(rows: int) -> str:
     "amx" (tiles), "gemm" (dequantised chunks + torch) or "torch" (no kernel)."""
     if not native_available():
         return "torch"
-    if rows < _fns.get("many_rows", GEMM_MIN_ROWS):
+    if rows < _many_rows():
         return "kernel"
-    return "amx" if "amx" in _fns else "gemm"
+    return "amx" if _tiles_on() else "gemm"
 
 
 def entry_point() -> int:
@@ -242,7 +256,7 @@ def entry_point() -> int:
 def kernel_max_rows() -> int:
     """The most rows of x `quant_linear(..., impl="auto")` gives the kernel route (`auto_route`): below the
     many-rows route's threshold; 0 without the kernel."""
-    return int(_fns.get("many_rows", GEMM_MIN_ROWS)) - 1 if native_available() else 0
+    return _many_rows() - 1 if native_available() else 0
 
 
 def native_unavailable_reason() -> str | None:
@@ -290,7 +304,7 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
         m, k = x.shape
         ldx, unit = x.stride()
         blocks = packed.blocks
-        if (0 < m < _fns.get("many_rows", GEMM_MIN_ROWS) and k == packed.in_features and unit == 1
+        if (0 < m < _many_rows() and k == packed.in_features and unit == 1
                 and (ldx >= k or m == 1) and x.is_cpu and blocks.is_cpu):
             n = packed.out_features
             y = torch.empty((m, n), dtype=torch.float32)
@@ -320,11 +334,11 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int, *, imp
     if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
     code = FORMATS[packed.format][0]
-    if impl == "auto" and m >= _fns.get("many_rows", GEMM_MIN_ROWS):
-        impl = "amx" if "amx" in _fns else "gemm"
-    if impl == "amx" and "amx" not in _fns:
+    if impl == "auto" and m >= _many_rows():
+        impl = "amx" if _tiles_on() else "gemm"
+    if impl == "amx" and not _tiles_on():
         raise RuntimeError("the AMX tile path is unavailable: this CPU has no AMX-BF16, the OS refused the tile "
-                           "state, or DEEPINFER_AMX=0")
+                           "state, or the AMX switch is off (allow_amx(False): EngineConfig.amx, DEEPINFER_AMX=0)")
     if impl == "gemm":
         y = _dequantize_gemm(x2, packed, code, num_threads)
     else:

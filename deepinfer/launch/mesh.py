@@ -35,8 +35,9 @@ def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int
     A worker group (`ep` > 1) runs this engine on each of its ranks, one process each on the host: the
     worker's threads (all cores when unset) are shared out, each rank getting an equal share, at least one,
     and rank `rank` runs on its own device (`WorkerSpec.rank_device`)."""
-    # The launcher's environment may override three settings (the supervisor passes a group its threads this
-    # way; DEEPINFER_DECODE_LOOP=0 turns the native decode loop off for an A/B run).
+    # The launcher's environment may override four settings (the supervisor passes a group its threads this
+    # way; DEEPINFER_DECODE_LOOP=0 turns the native decode loop off, DEEPINFER_AMX=0 the AMX tile paths, for an
+    # A/B run).
     threads = w.threads or (int(os.environ["DEEPINFER_THREADS"]) if "DEEPINFER_THREADS" in os.environ else None)
     ep_timeout_s = float(os.environ.get("DEEPINFER_EP_CONTROL_TIMEOUT_S", w.ep_timeout_s))
     if w.ep > 1:
@@ -47,7 +48,8 @@ def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int
                         speculative=w.speculative, num_speculative_tokens=w.num_speculative_tokens,
                         adaptive_speculation=w.adaptive_speculation, redundant_experts=w.redundant_experts,
                         weights=w.weights, kv_cache_dtype=kv_cache_dtype, ep_timeout_s=ep_timeout_s,
-                        decode_loop=os.environ.get("DEEPINFER_DECODE_LOOP", "1") != "0")
+                        decode_loop=os.environ.get("DEEPINFER_DECODE_LOOP", "1") != "0",
+                        amx=os.environ.get("DEEPINFER_AMX", "1") != "0")
 
 
 def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Context) -> Service:

@@ -4,15 +4,15 @@ sizes; the same bits for any thread count and from concurrent callers; bad shape
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from deepinfer.engine.attention_backend import NATIVE
 from deepinfer.kernels import attention_amx
+from deepinfer.kernels.amx import allow_amx, amx_allowed
 
 needs_amx = pytest.mark.skipif(not attention_amx.available(),
                                reason="no AMX-BF16 tiles here (or the kernel could not be built)")
@@ -157,9 +157,39 @@ def test_bad_shapes_are_refused():
         attention_amx.prefill_attention(q, k, v, 0.125, out=torch.empty(8, 4, 32))
 
 
-def test_switched_off_by_environment():
-    """DEEPINFER_AMX=0 keeps SDPA (in a fresh process: the choice is made when the kernel loads)."""
-    code = ("from deepinfer.kernels import attention_amx as a; "
-            "import sys; sys.exit(1 if a.available() else 0)")
-    env = dict(os.environ, DEEPINFER_AMX="0")
-    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=300).returncode == 0
+@pytest.fixture
+def restore_amx_switch() -> Iterator[None]:
+    before = amx_allowed()
+    try:
+        yield
+    finally:
+        allow_amx(before)
+
+
+@pytest.mark.skipif(not attention_amx._loader.available(), reason="the kernel could not be built")
+def test_switched_off_by_the_amx_switch(monkeypatch, restore_amx_switch):
+    """`allow_amx(False)` (what `EngineConfig(amx=False)` sets; DEEPINFER_AMX=0 at the launcher) keeps SDPA, though
+    the kernel loaded with its tiles, from the next call on: `available()` and `supports()` are False, the
+    kernel's entry refuses, and the native backend's prefill never reaches the tiles. Where the CPU has none a
+    stand-in entry point is registered (it only counts its calls), so the test can fail anywhere."""
+    calls: list[int] = []
+    monkeypatch.setitem(attention_amx._fns, "prefill", lambda *a: calls.append(a[12]) or 0)  # a[12]: Tq
+    q, k, v = _inputs(4, 2, 24, 24, 64, seed=5)
+    out = torch.zeros(24, 4, 64)
+
+    allow_amx(True)
+    assert attention_amx.available() and attention_amx.supports(64, 4, 2)
+    NATIVE.prefill_attention(q, k, v, 0.125, out)
+    assert calls == [24]
+
+    allow_amx(False)
+    assert not attention_amx.available() and not attention_amx.supports(64, 4, 2)
+    with pytest.raises(RuntimeError, match="switched off"):
+        attention_amx.prefill_attention(q, k, v, 0.125)
+    NATIVE.prefill_attention(q, k, v, 0.125, out)  # SDPA
+    assert calls == [24]
+    torch.testing.assert_close(out.double(), _reference(q, k, v, 0.125), rtol=0, atol=1e-5)
+
+    allow_amx(True)  # asked per call: back on, the tiles take the prefill again
+    NATIVE.prefill_attention(q, k, v, 0.125, out)
+    assert calls == [24, 24]

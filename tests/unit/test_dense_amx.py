@@ -1,20 +1,19 @@
 """fp32 linear layers on AMX tiles (`kernels/dense_amx.h`, `dense_linear.dense_linear_amx`): each output within
 an fp32 GEMM's rounding of the float64 product (a bound that plain bf16 products miss), any shape (K off the
 32-input tile, partial row and feature tiles), the same bits for any thread count and from concurrent
-callers, and the models' routing from AMX_MIN_ROWS rows."""
+callers, and the models' routing from AMX_MIN_ROWS rows; the AMX switch keeps every call off them."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from deepinfer.engine.models import linear as linear_mod
 from deepinfer.kernels import dense_linear as dl
+from deepinfer.kernels.amx import allow_amx, amx_allowed
 
 needs_amx = pytest.mark.skipif(not dl.amx_available(), reason="no AMX-BF16 tiles here (or no kernel)")
 
@@ -100,7 +99,38 @@ def test_models_route_many_rows_to_the_tiles(monkeypatch):
     assert calls == [dl.AMX_MIN_ROWS]
 
 
-def test_switched_off_by_environment():
-    code = "from deepinfer.kernels import dense_linear as d; import sys; sys.exit(1 if d.amx_available() else 0)"
-    env = dict(os.environ, DEEPINFER_AMX="0")
-    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=300).returncode == 0
+@pytest.fixture
+def restore_amx_switch() -> Iterator[None]:
+    before = amx_allowed()
+    try:
+        yield
+    finally:
+        allow_amx(before)
+
+
+@pytest.mark.skipif(not dl.native_available(), reason="kernel could not be built")
+def test_switched_off_by_the_amx_switch(monkeypatch, restore_amx_switch):
+    """`allow_amx(False)` (what `EngineConfig(amx=False)` sets; DEEPINFER_AMX=0 at the launcher) keeps every call
+    off the tiles, though the kernel loaded with them, from the next call on: `amx_available()` is False,
+    `dense_linear_amx` declines and the models' `linear` takes torch's GEMM. Where the CPU has no tiles a stand-in
+    is registered (the kernel's own fp32 path, which takes the same arguments), so the test can fail anywhere."""
+    calls: list[int] = []
+    tiles = dl._fns.get("amx") or dl._fns["native"]
+    monkeypatch.setitem(dl._fns, "amx", lambda *a: calls.append(a[5]) or tiles(*a))  # a[5]: the row count
+    x, w = _case(dl.AMX_MIN_ROWS, 40, 64, seed=4)
+
+    allow_amx(True)
+    assert dl.amx_available()
+    torch.testing.assert_close(linear_mod.linear(x, w), x @ w.T, rtol=0, atol=1e-5)
+    assert calls == [dl.AMX_MIN_ROWS]
+
+    allow_amx(False)
+    assert dl.native_available() and not dl.amx_available()
+    assert dl.dense_linear_amx(x, w, 2) is None and dl.dense_linear(x[:4], w, 2, impl="amx") is None
+    torch.testing.assert_close(linear_mod.linear(x, w), x @ w.T, rtol=0, atol=1e-5)
+    assert dl.dense_linear(x[:4], w, 2) is not None  # the few-rows kernel is not a tile path: still there
+    assert calls == [dl.AMX_MIN_ROWS]
+
+    allow_amx(True)  # asked per call: back on, the tiles take the many rows again
+    linear_mod.linear(x, w)
+    assert calls == [dl.AMX_MIN_ROWS] * 2

@@ -4,19 +4,19 @@ It splits every activation into three bf16 pieces and every weight d * q into tw
 the products are the fp32 layer's and only the order of the sums differs. The tests hold it to the bound
 of test_quant_linear.py (an error of a few fp32 ulps of the sum of |terms|) and, on one block, to a bound
 that any dropped piece breaks. They run only on a CPU with AMX-BF16 (Sapphire Rapids and later), where the
-auto path takes this route from AMX_MIN_ROWS rows.
+auto path takes this route from AMX_MIN_ROWS rows; the switch-off test runs everywhere, on a stand-in for the
+tile entry point.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from deepinfer.kernels import quant_linear as ql
+from deepinfer.kernels.amx import allow_amx, amx_allowed
 from deepinfer.kernels.quant_linear import quant_linear
 from tests.unit.test_quant_linear import QTYPES, _assert_product, _packed
 
@@ -110,13 +110,47 @@ def test_amx_unavailable_is_a_clear_error(monkeypatch):
         quant_linear(torch.randn(70, 32), packed, 1, impl="amx")
 
 
+@pytest.fixture
+def restore_amx_switch() -> Iterator[None]:
+    before = amx_allowed()
+    try:
+        yield
+    finally:
+        allow_amx(before)
+
+
 @pytest.mark.skipif(not ql.native_available(), reason="kernel could not be built")
-def test_amx_can_be_switched_off():
-    """DEEPINFER_AMX=0 keeps the tiles out (for A/B runs, or a CPU whose tile path misbehaves)."""
-    code = "from deepinfer.kernels import quant_linear as q; print(q.native_available(), q.amx_available())"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DEEPINFER_AMX": "0"}, check=True,
-                         capture_output=True, text=True).stdout.split()
-    assert out == ["True", "False"]
+def test_amx_can_be_switched_off(monkeypatch, restore_amx_switch):
+    """`allow_amx(False)` (what `EngineConfig(amx=False)` sets; DEEPINFER_AMX=0 at the launcher) keeps every call
+    off the tiles, though the kernel loaded with them, from the next call on: no route, no threshold and no
+    explicit impl="amx" reaches the tile entry point. Where the CPU has no tiles a stand-in is registered (the
+    register kernel, which takes the same arguments), so the test can fail anywhere."""
+    calls: list[int] = []
+    tiles = ql._fns.get("amx") or ql._fns["native"]
+    monkeypatch.setitem(ql._fns, "amx", lambda *a: calls.append(a[5]) or tiles(*a))  # a[5]: the row count
+    packed, w = _packed("Q4_1", 40, 96, seed=13)
+    x = torch.randn(ql.AMX_MIN_ROWS + 6, 96, generator=torch.Generator().manual_seed(14))
+    gemm_min_rows = ql._fns["gemm_min_rows"]
+
+    allow_amx(True)
+    assert ql.amx_available() and ql.auto_route(ql.AMX_MIN_ROWS) == "amx"
+    assert ql.kernel_max_rows() == ql.AMX_MIN_ROWS - 1
+    _assert_product(quant_linear(x, packed, 2), x, w)
+    assert calls == [len(x)]
+
+    allow_amx(False)
+    assert ql.native_available() and not ql.amx_available()
+    assert ql.kernel_max_rows() == gemm_min_rows - 1  # the register kernel's own crossover again
+    assert ql.auto_route(len(x)) == ("kernel" if len(x) < gemm_min_rows else "gemm")
+    _assert_product(quant_linear(x, packed, 2), x, w)
+    assert torch.equal(quant_linear(x[:1], packed, 2), quant_linear(x[:1], packed, 2, impl="native"))
+    with pytest.raises(RuntimeError, match="AMX switch is off"):
+        quant_linear(x, packed, 2, impl="amx")
+    assert calls == [len(x)]
+
+    allow_amx(True)  # asked per call: back on, the tiles take the many rows again
+    quant_linear(x, packed, 2)
+    assert calls == [len(x), len(x)]
 
 
 @needs_amx

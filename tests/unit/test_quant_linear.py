@@ -144,7 +144,7 @@ def test_group_path_is_the_fp32_kernel_on_the_loaders_weights(fmt):
         assert torch.equal(y, ref), m
     assert ql._fns["gemm_min_rows"] == limit + 1
     # The auto path takes it up to that limit, or below AMX_MIN_ROWS where the AMX tiles take over.
-    top = min(limit, ql._fns["many_rows"] - 1)
+    top = min(limit, ql.kernel_max_rows())
     assert torch.equal(quant_linear(x[:top], packed, 2), full[:top])
     _assert_product(quant_linear(x[:top + 1], packed, 2), x[:top + 1], w)  # AMX tiles, or dequantise + GEMM
 
@@ -290,7 +290,7 @@ def test_the_auto_path_takes_the_kernel_up_to_this_cpus_crossover():
     kernel, to the bit; from there on, dequantise + GEMM (or the tiles)."""
     limit = int(ql._loader.lib.ql_kernel_max_m())
     assert ql._fns["gemm_min_rows"] == max(ql.GEMM_MIN_ROWS, limit + 1)
-    top = min(ql._fns["gemm_min_rows"], ql._fns["many_rows"]) - 1
+    top = min(ql._fns["gemm_min_rows"] - 1, ql.kernel_max_rows())
     packed, w = _packed("Q4_1", 200, 96, seed=5)
     x = torch.randn(top + 1, 96, generator=torch.Generator().manual_seed(6))
     assert ql.auto_route(top) == "kernel" and ql.auto_route(top + 1) in ("gemm", "amx")
