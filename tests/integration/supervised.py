@@ -4,6 +4,7 @@ it, for fault tests: dead children are restarted in the background while the tes
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -55,17 +56,24 @@ def wait_every_child_serving(sup: Supervisor, timeout_s: float) -> None:
     """`wait_ready` needs one path through the mesh; a fault test needs every service registered before its
     fault (on a loaded machine a second decode worker may still be loading its weights), or what it checks
     afterwards (e.g. that each service greets a restarted router) is about a service that never met the old
-    one. A service logs "serving" once the router has welcomed it (a gateway, which is no mesh service, and
-    a group's follower ranks, which meet the router through their leader, are left out)."""
+    one. A service logs "serving" once the router has welcomed it, once per incarnation (its log is appended
+    to across restarts), so a restarted child counts once its new incarnation has said it too, and a dead one
+not yet restarted does not count. A gateway,
+    which is no mesh service, and a group's follower ranks, which meet the router through their leader, are
+    left out."""
     services = [c for c in sup.children if c.role != "gateway" and c.rank == 0]
     deadline = time.monotonic() + timeout_s
     while True:
-        waiting = [c.name for c in services if "serving" not in (sup.log_dir / f"{c.name}.log").read_text()]
+        waiting = [c.name for c in services if c.proc is None or c.proc.poll() is not None
+                   or len(SERVING.findall((sup.log_dir / f"{c.name}.log").read_text())) < c.restarts + 1]
         if not waiting:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"not serving after {timeout_s}s: {waiting}")
         time.sleep(0.2)
+
+
+SERVING = re.compile(r"\] serving\b")  # the event itself, not a longer message that mentions serving
 
 
 def metric(run_dir: Path, name: str, **labels: str) -> float | None:

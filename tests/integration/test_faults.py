@@ -2,7 +2,8 @@
 router, all under load.
 
 The mesh runs as one process per service (ipc://) under the supervisor, as `deepinfer-launch up` runs it,
-with two decode workers and two tokenizers. A lost decode worker's or tokenizer's requests move to the
+with two decode workers and two tokenizers; the tests share it, each starting once the last one's victim is
+back. A lost decode worker's or tokenizer's requests move to the
 other one (the supervisor tells the router the moment a child exits; a stopped one is found by its missed
 heartbeats): every stream completes with the output of an undisturbed run, without a gap or a repeated
 token, seeded sampling included. A killed router loses its requests (their clients get RouterLostError);
@@ -27,7 +28,7 @@ from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.topology import RouterConfig, Topology
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient, Client, RouterLostError
-from tests.integration.supervised import metric, supervised_mesh
+from tests.integration.supervised import metric, supervised_mesh, wait_every_child_serving
 
 pytestmark = pytest.mark.smollm2
 
@@ -52,13 +53,25 @@ def prompts_and_reference(smollm2_path):
     return prompts, outs
 
 
-@pytest.fixture
-def mesh(smollm2_path, tmp_path):
-    topo = Topology.local(str(smollm2_path), "ipc", tmp_path, disaggregated=True, num_decode=2, num_tokenizers=2,
+@pytest.fixture(scope="module")
+def module_mesh(smollm2_path, tmp_path_factory):
+    """One mesh for the module's tests: each test's fault is one the mesh heals from (the supervisor restarts a
+    killed child, a stopped one is continued), which the `mesh` fixture waits for before the next test."""
+    run_dir = tmp_path_factory.mktemp("faults")
+    topo = Topology.local(str(smollm2_path), "ipc", run_dir, disaggregated=True, num_decode=2, num_tokenizers=2,
                           threads=1, kv_cache_mb=64)
     topo = dataclasses.replace(topo, router=RouterConfig(heartbeat_timeout_s=1.5))
-    with supervised_mesh(topo, tmp_path, metrics=True) as sup:
+    with supervised_mesh(topo, run_dir, metrics=True) as sup:
         yield sup
+
+
+@pytest.fixture
+def mesh(module_mesh):
+    """The module's mesh with every service alive and welcomed by the router (the last test's victim
+    included) and a path through it serving."""
+    wait_every_child_serving(module_mesh, timeout_s=300)
+    module_mesh.wait_ready(timeout_s=120)
+    return module_mesh
 
 
 async def streams_through_a_fault(endpoint: str, prompts: list[list[int]], fault,
@@ -104,6 +117,7 @@ def assert_undisturbed(results, want) -> None:
 def test_kill_9_decode_worker_moves_its_streams_to_the_other(mesh, prompts_and_reference):
     prompts, want = prompts_and_reference
     decode = mesh.child("decode-0")
+    restarts = decode.restarts
 
     async def kill() -> None:
         os.kill(decode.proc.pid, signal.SIGKILL)
@@ -114,9 +128,9 @@ def test_kill_9_decode_worker_moves_its_streams_to_the_other(mesh, prompts_and_r
     assert "service exited" in router_log and "decode-0" in router_log
     # The supervisor restarts the worker; it re-registers and serves again.
     deadline = time.monotonic() + 120
-    while decode.restarts == 0 and time.monotonic() < deadline:
+    while decode.restarts == restarts and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert decode.restarts >= 1
+    assert decode.restarts > restarts
     mesh.wait_ready(timeout_s=120)
     with Client(mesh.topology.frontend, timeout_s=60) as c:
         assert len(c.generate(prompt="Hello", max_tokens=5, ignore_eos=True).token_ids) == 5
@@ -172,6 +186,7 @@ def dropped_counts(log_dir, names) -> dict[str, list[int]]:
 def test_kill_9_router_then_its_successor_is_greeted_and_serves(mesh, prompts_and_reference):
     prompts, want = prompts_and_reference
     router = mesh.child("router")
+    restarts = router.restarts
 
     async def kill() -> None:
         os.kill(router.proc.pid, signal.SIGKILL)
@@ -187,7 +202,7 @@ def test_kill_9_router_then_its_successor_is_greeted_and_serves(mesh, prompts_an
         else:
             assert end.token_ids == want[i]
     deadline = time.monotonic() + 120
-    while router.restarts == 0 and time.monotonic() < deadline:
+    while router.restarts == restarts and time.monotonic() < deadline:
         time.sleep(0.1)
     restarted = time.monotonic()
     mesh.wait_ready(timeout_s=120)
