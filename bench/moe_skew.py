@@ -18,6 +18,7 @@ import sys
 import time
 
 from deepinfer.loading import derive_moe as dm
+from deepinfer.loading import moe_report as mr
 from deepinfer.loading.fetch import fetch_smollm2
 from deepinfer.loading.weights import load_model_weights
 from deepinfer.text.tokenizer import Tokenizer
@@ -43,7 +44,7 @@ def main() -> None:
     ids = tok.encode(dm.EVAL_TEXT.read_text())
     calibration = tok.encode(dm.CALIBRATION_TEXT.read_text())
     logits, _ = dm.forward(dense.config, dense.state_dict, ids)
-    dense_ppl = dm.perplexity(logits, ids)
+    dense_ppl = mr.perplexity(logits, ids)
     print(f"fixed text {dm.EVAL_TEXT.name}: {len(ids)} tokens; calibration {dm.CALIBRATION_TEXT.name}: "
           f"{len(calibration)} tokens; dense SmolLM2 perplexity {dense_ppl:.3f}")
     print(f"{'E':>3} {'k':>3} {'perplexity':>12} {'x dense':>8} {'skew worst':>11} {'skew mean':>10} {'derive s':>9}")
@@ -53,7 +54,7 @@ def main() -> None:
         moe = dm.derive_moe(dense.config, dense.state_dict, calibration, experts, top_k)
         took = time.perf_counter() - t0
         logits, routes = dm.forward(dense.config, dense.state_dict, ids, moe)
-        report = dm.MoeReport(len(ids), dense_ppl, dm.perplexity(logits, ids), dm.expert_load(routes, experts))
+        report = mr.MoeReport(len(ids), dense_ppl, mr.perplexity(logits, ids), mr.expert_load(routes, experts))
         skew = report.skew
         print(f"{experts:>3} {top_k:>3} {report.moe_perplexity:>12.3f} {report.moe_perplexity / dense_ppl:>8.2f} "
               f"{skew.max():>11.2f} {skew.mean():>10.2f} {took:>9.1f}", flush=True)

@@ -29,7 +29,8 @@ def fetch(name: str, cache_dir: Path | None, experts: int | None, top_k: int | N
             raise click.UsageError("--experts, --top-k and --report apply to smollm2-moe only")
         click.echo(str(fetch_smollm2(cache_dir=cache_dir, progress=True)))
     elif name == "smollm2-moe":
-        from deepinfer.loading.derive_moe import DEFAULT_NUM_EXPERTS, DEFAULT_TOP_K, moe_report
+        from deepinfer.loading.derive_moe import DEFAULT_NUM_EXPERTS, DEFAULT_TOP_K
+        from deepinfer.loading.moe_report import moe_report
 
         experts = DEFAULT_NUM_EXPERTS if experts is None else experts
         top_k = DEFAULT_TOP_K if top_k is None else top_k

@@ -1,7 +1,7 @@
 """Derive smollm2-moe: a Mixture-of-Experts model made (not trained) from SmolLM2's dense weights.
 
-Three parts: the derivation, the Mixtral-format directory it is written to and read from, and the report that
-measures it against the dense model (a plain-torch forward).
+Two parts: the derivation (with the plain-torch forward its calibration runs) and the Mixtral-format directory
+it is written to and read from. `moe_report.py` measures the result against the dense model.
 
 No MoE weights can be downloaded here, so this module turns a dense Llama-family model into a Mixtral-format
 Hugging Face directory, deterministically, with numpy and torch only. The result is a real-weight MoE to serve
@@ -63,7 +63,6 @@ Both texts in deepinfer/data/ were written for this project and are in the publi
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +84,9 @@ DEFAULT_SEED = 0
 ROUTER_SPREAD = 0.01
 RIDGE = 1e-2
 KMEANS_MAX_ITERS = 50
-# Recorded in config.json; change it when the derivation changes what it writes.
-DERIVE_METHOD = "gate-kmeans-balanced/lsq-lognorm-router/v1"
+# Recorded in config.json; change it when the derivation changes what it writes, so a cached directory is
+# derived again (v2 writes v1's weights; its README names the module's path under loading/).
+DERIVE_METHOD = "gate-kmeans-balanced/lsq-lognorm-router/v2"
 DATA = Path(__file__).resolve().parent.parent / "data"
 EVAL_TEXT = DATA / "moe_eval.txt"
 CALIBRATION_TEXT = DATA / "moe_calibration.txt"
@@ -215,7 +215,7 @@ def derive_moe(
     return DerivedMoe(config, num_experts, top_k, seed, base, layers)
 
 
-# ----- a plain-torch forward of the dense or the derived model (the report's measurements) -----
+# ----- a plain-torch forward of the dense or the derived model (calibration here, measurement in moe_report) -----
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -283,16 +283,6 @@ def forward(
         h = h + y
     head = state["embed_tokens"] if c.tie_word_embeddings else state["lm_head"]
     return F.linear(_rms_norm(h, state["norm"], c.rms_norm_eps), head), routes
-
-
-def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
-    """exp of the mean next-token cross-entropy over the sequence."""
-    return math.exp(F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).item())
-
-
-def expert_load(routes: list[torch.Tensor], num_experts: int) -> np.ndarray:
-    """[layers, E] tokens routed to each expert (a token counts once for each of its k experts)."""
-    return np.stack([np.bincount(r.reshape(-1).numpy(), minlength=num_experts) for r in routes])
 
 
 # ----- the Mixtral-format Hugging Face directory -----
@@ -488,44 +478,3 @@ text). With top-k below the number of experts it drops neurons and is worse than
 `deepinfer-launch fetch smollm2-moe --experts {e} --top-k {k} --report` measures its perplexity against the dense
 model and prints the expert-load histogram. The weights keep the source model's licence (SmolLM2: Apache-2.0).
 """
-
-
-@dataclass(frozen=True)
-class MoeReport:
-    tokens: int
-    dense_perplexity: float
-    moe_perplexity: float
-    load: np.ndarray  # [layers, E] tokens per expert
-
-    @property
-    def skew(self) -> np.ndarray:
-        """Per layer: the busiest expert's load over the mean load (1.0 = perfectly even)."""
-        return self.load.max(axis=1) / self.load.mean(axis=1)
-
-    def format(self) -> str:
-        lines = [
-            f"fixed text: {self.tokens} tokens ({EVAL_TEXT.name})",
-            f"perplexity: dense {self.dense_perplexity:.3f}  derived MoE {self.moe_perplexity:.3f} "
-            f"(x{self.moe_perplexity / self.dense_perplexity:.2f})",
-            f"expert load max/mean: worst layer {self.skew.max():.2f} (layer {int(self.skew.argmax())}), "
-            f"mean over layers {self.skew.mean():.2f}",
-            "tokens per expert, per layer:",
-        ]
-        lines += [f"  layer {i:2d}: {' '.join(f'{n:4d}' for n in row)}   max/mean {s:.2f}"
-                  for i, (row, s) in enumerate(zip(self.load, self.skew))]
-        return "\n".join(lines)
-
-
-def moe_report(gguf: str | os.PathLike[str], moe_dir: str | os.PathLike[str], text: str | None = None) -> MoeReport:
-    """Perplexity of the dense model and of the derived directory on the fixed text, and the expert load."""
-    from deepinfer.loading.weights import load_model_weights
-    from deepinfer.text.tokenizer import Tokenizer
-
-    dense = load_model_weights(gguf)
-    ids = Tokenizer.from_gguf(gguf).encode(EVAL_TEXT.read_text() if text is None else text)
-    dense_logits, _ = forward(dense.config, dense.state_dict, ids)
-    del dense
-    moe = load_moe_dir(moe_dir)
-    moe_logits, routes = forward(moe.config, moe.base, ids, moe)
-    return MoeReport(len(ids), perplexity(dense_logits, ids), perplexity(moe_logits, ids),
-                     expert_load(routes, moe.num_experts))

@@ -1,8 +1,9 @@
 """smollm2-moe: the MoE derived from SmolLM2 (deepinfer/loading/derive_moe.py), written as a Mixtral directory.
 
 The default directory (DEFAULT_NUM_EXPERTS experts, top DEFAULT_TOP_K) is built once per module through the
-CLI into a private cache; the other tests read it. Derivations in this module: that one, a second identical one
-(determinism) and an 8-expert top-8 one (equal to the dense model).
+CLI into a private cache; the other tests read it. Derivations in this module: that one, an 8-expert top-8 one
+(equal to the dense model), and the user cache's default directory if it is not there yet (the mesh tests on
+smollm2-moe read it too): the determinism test compares the two default directories byte for byte.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from click.testing import CliRunner
 
 from deepinfer.launch.cli import main as cli
 from deepinfer.loading import derive_moe as dm
-from deepinfer.loading.fetch import SMOLLM2_FILE, SMOLLM2_NAME, smollm2_moe_dir
+from deepinfer.loading.fetch import SMOLLM2_FILE, SMOLLM2_NAME, fetch_smollm2_moe, smollm2_moe_dir
+from deepinfer.loading.moe_report import expert_load
 from deepinfer.text.tokenizer import Tokenizer
 
 PROMPT = "The lighthouse keeper wrote in his ledger that the storm had lasted eleven days, and"
@@ -124,13 +126,15 @@ def test_fetch_refuses_bad_shapes(cache):
 
 
 @pytest.mark.smollm2
-def test_derivation_is_deterministic(smollm2_path, moe_dir, tmp_path):
-    again = tmp_path / "again"
-    dm.write_moe_dir(smollm2_path, again, source=json.loads((moe_dir / "config.json").read_text())
-                     ["deepinfer_derived"]["source"])
+def test_derivation_is_deterministic(moe_dir):
+    """This run's derivation into the private cache = the user cache's, derived by another fetch (in this run,
+    on a fresh machine, or in an earlier one: then a change to what the derivation writes that kept
+    DERIVE_METHOD fails here, since a stale cached directory would otherwise be served)."""
+    shared = fetch_smollm2_moe(progress=False)
+    assert shared != moe_dir
     names = sorted(f.name for f in moe_dir.iterdir())
-    assert names == sorted(f.name for f in again.iterdir())
-    assert {n: _sha256(moe_dir / n) for n in names} == {n: _sha256(again / n) for n in names}
+    assert names == sorted(f.name for f in shared.iterdir())
+    assert {n: _sha256(moe_dir / n) for n in names} == {n: _sha256(shared / n) for n in names}
 
 
 @pytest.mark.smollm2
@@ -199,7 +203,7 @@ def test_real_text_routes_unevenly(smollm2_path, moe_dir):
     ids = Tokenizer.from_gguf(smollm2_path).encode(dm.EVAL_TEXT.read_text())
     moe = dm.load_moe_dir(moe_dir)
     _, routes = dm.forward(moe.config, moe.base, ids, moe)
-    load = dm.expert_load(routes, moe.num_experts)
+    load = expert_load(routes, moe.num_experts)
     assert load.shape == (30, moe.num_experts) and (load.sum(axis=1) == len(ids) * moe.top_k).all()
     skew = load.max(axis=1) / load.mean(axis=1)
     low = load.min(axis=1) / load.mean(axis=1)
