@@ -18,8 +18,8 @@ Loads (per layer, tokens per logical expert; seeded):
 
 Figures, mean over the 58 layers (and the worst layer): max/mean of the rank loads under the static table
 (`ExpertPlacement.static`: contiguous blocks, replicas of the first experts of each block, blind to load),
-under `balancer_core.rebalance` (global policy), and the lower bound the loads allow with 288 replicas
-(`balancer_core.lower_bound` with the slots per rank: the mean, the heaviest replica under the best replica
+under `balancer_placement.rebalance` (global policy), and the lower bound the loads allow with 288 replicas
+(`balancer_placement.lower_bound` with the slots per rank: the mean, the heaviest replica under the best replica
 counts, and with few slots per rank the whole experts that must share a rank; a bound, not necessarily
 reachable). Time: wall seconds of one `rebalance` for all 58 layers
 (pure Python and numpy on one core); printed, never asserted.
@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from deepinfer.engine.ep.placement import ExpertPlacement
-from deepinfer.services.balancer_core import BalancerCore, lower_bound, max_over_mean, rank_loads, rebalance
+from deepinfer.services.balancer_core import BalancerCore
+from deepinfer.services.balancer_placement import lower_bound, max_over_mean, rank_loads, rebalance
 
 EXPERTS, LAYERS, REDUNDANT = 256, 58, 32
 SHAPES = ((32, 9), (64, 5), (144, 3), (144, 2))

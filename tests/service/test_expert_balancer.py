@@ -68,7 +68,7 @@ class FakeGroup:
 
 
 def _rank_loads(table: ExpertPlacement, loads: list[list[int]]) -> list[list[float]]:
-    from deepinfer.services.balancer_core import rank_loads
+    from deepinfer.services.balancer_placement import rank_loads
 
     return rank_loads(table, loads)
 

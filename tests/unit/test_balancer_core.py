@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.engine.ep.placement import EMPTY, ExpertPlacement
-from deepinfer.services.balancer_core import (
-    BalancerCore,
+from deepinfer.services.balancer_core import BalancerCore
+from deepinfer.services.balancer_placement import (
     lower_bound,
     max_over_mean,
     rank_loads,
