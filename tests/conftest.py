@@ -29,6 +29,7 @@ import structlog
 import torch
 from hypothesis import settings
 
+from deepinfer.kernels.amx import allow_amx, amx_allowed
 from deepinfer.loading.fetch import fetch_smollm2
 
 TINY_CONFIG: dict[str, Any] = {
@@ -90,6 +91,16 @@ def default_structlog() -> Iterator[None]:
     structlog.reset_defaults()
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+def restore_amx_switch() -> Iterator[None]:
+    """The process-wide AMX switch (deepinfer/kernels/amx.py) as it was before the test."""
+    before = amx_allowed()
+    try:
+        yield
+    finally:
+        allow_amx(before)
 
 
 @pytest.fixture(scope="session")

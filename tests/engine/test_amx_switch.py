@@ -3,28 +3,17 @@ and the launcher's environment (DEEPINFER_AMX=0) reaches it only through the fie
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from deepinfer.kernels import dense_linear as dl
-from deepinfer.kernels.amx import allow_amx, amx_allowed
+from deepinfer.kernels.amx import amx_allowed
 from deepinfer.launch.mesh import engine_config
 from deepinfer.launch.topology import WorkerSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def restore_amx_switch() -> Iterator[None]:
-    before = amx_allowed()
-    try:
-        yield
-    finally:
-        allow_amx(before)
 
 
 @pytest.mark.skipif(not dl.native_available(), reason="dense linear kernel could not be built")

@@ -5,14 +5,13 @@ sizes; the same bits for any thread count and from concurrent callers; bad shape
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from deepinfer.engine.attention_backend import NATIVE
 from deepinfer.kernels import attention_amx
-from deepinfer.kernels.amx import allow_amx, amx_allowed
+from deepinfer.kernels.amx import allow_amx
 
 needs_amx = pytest.mark.skipif(not attention_amx.available(),
                                reason="no AMX-BF16 tiles here (or the kernel could not be built)")
@@ -155,15 +154,6 @@ def test_bad_shapes_are_refused():
         attention_amx.prefill_attention(q.half(), k, v, 0.125)
     with pytest.raises(ValueError, match="out must be"):
         attention_amx.prefill_attention(q, k, v, 0.125, out=torch.empty(8, 4, 32))
-
-
-@pytest.fixture
-def restore_amx_switch() -> Iterator[None]:
-    before = amx_allowed()
-    try:
-        yield
-    finally:
-        allow_amx(before)
 
 
 @pytest.mark.skipif(not attention_amx._loader.available(), reason="the kernel could not be built")

@@ -6,14 +6,13 @@ callers, and the models' routing from AMX_MIN_ROWS rows; the AMX switch keeps ev
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from deepinfer.engine.models import linear as linear_mod
 from deepinfer.kernels import dense_linear as dl
-from deepinfer.kernels.amx import allow_amx, amx_allowed
+from deepinfer.kernels.amx import allow_amx
 
 needs_amx = pytest.mark.skipif(not dl.amx_available(), reason="no AMX-BF16 tiles here (or no kernel)")
 
@@ -97,15 +96,6 @@ def test_models_route_many_rows_to_the_tiles(monkeypatch):
     torch.testing.assert_close(y, x @ w.T + bias, rtol=0, atol=1e-5)
     linear_mod.linear(x[: dl.AMX_MIN_ROWS - 1], w)
     assert calls == [dl.AMX_MIN_ROWS]
-
-
-@pytest.fixture
-def restore_amx_switch() -> Iterator[None]:
-    before = amx_allowed()
-    try:
-        yield
-    finally:
-        allow_amx(before)
 
 
 @pytest.mark.skipif(not dl.native_available(), reason="kernel could not be built")

@@ -10,13 +10,11 @@ tile entry point.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from deepinfer.kernels import quant_linear as ql
-from deepinfer.kernels.amx import allow_amx, amx_allowed
+from deepinfer.kernels.amx import allow_amx
 from deepinfer.kernels.quant_linear import quant_linear
 from tests.unit.test_quant_linear import QTYPES, _assert_product, _packed
 
@@ -108,15 +106,6 @@ def test_amx_unavailable_is_a_clear_error(monkeypatch):
         monkeypatch.delitem(ql._fns, "amx", raising=False)
     with pytest.raises(RuntimeError, match="AMX tile path is unavailable|kernel unavailable"):
         quant_linear(torch.randn(70, 32), packed, 1, impl="amx")
-
-
-@pytest.fixture
-def restore_amx_switch() -> Iterator[None]:
-    before = amx_allowed()
-    try:
-        yield
-    finally:
-        allow_amx(before)
 
 
 @pytest.mark.skipif(not ql.native_available(), reason="kernel could not be built")
