@@ -38,6 +38,13 @@ DRAIN_POLL_S = 0.05  # how often a draining service asks idle()
 # send would then wait for it forever.
 SHUTDOWN_SEND_S = 1.0
 REHELLO_INTERVAL_S = 1.0  # least time between Hellos to a restarted router that has not answered yet
+# Fairness: a receive loop hands the event loop back after this many messages in a row. pyzmq's asyncio recv
+# completes at once while messages wait (its future is already done, so awaiting it never suspends): a loop
+# flooded on one socket would otherwise never let the service's other sockets, timers (heartbeats, the
+# router's liveness tick) or spawned tasks run until the flood stopped. 64 messages at the router's ~15k/s are
+# a few milliseconds; a yield costs a few microseconds.
+FAIR_BATCH = 64
+MALFORMED_LOG_PERIOD_S = 1.0  # a flood of malformed messages is logged once per period, with the count skipped
 
 
 class BaseService:
@@ -57,6 +64,8 @@ class BaseService:
       idle, or at its deadline whatever the peers do.
     * Handlers never raise into the loop: a failing handler is logged and the service keeps serving; a
       malformed message is counted (`malformed`), logged and skipped.
+    * Receive loops are fair: `dispatch_forever` yields to the event loop after every FAIR_BATCH messages,
+      so under a flood on one socket the others, the timers and the heartbeats keep their turns.
     * A task from `spawn()` is kept until done (the event loop holds tasks only weakly, so a fire-and-
       forget one could vanish mid-flight), its failure logged, and it is cancelled at stop.
     * A loop that raises ends `run()` with that exception; one that returns ends `run()` too.
@@ -72,6 +81,8 @@ class BaseService:
         self.auth = auth  # CURVE keys and allow-lists for its tcp:// sockets (NO_AUTH: none)
         self.log = structlog.get_logger("deepinfer").bind(service=self.role, instance=instance, pid=os.getpid())
         self.malformed = 0
+        self._malformed_logged_at = -MALFORMED_LOG_PERIOD_S
+        self._malformed_unlogged = 0  # malformed messages counted but not logged since the last line
         self.draining = False
         self._stopping = asyncio.Event()
         self._sockets: list[Any] = []
@@ -199,13 +210,18 @@ class BaseService:
                                on_malformed: Callable[[ProtocolError], Awaitable[None]] | None = None) -> None:
         """Receive from `sock` forever and run the handler for each message's type: `table`'s, else
         `otherwise` (default: log it as unexpected). A malformed message is counted, logged, then given to
-        `on_malformed` (e.g. to answer it)."""
+        `on_malformed` (e.g. to answer it). Fair (FAIR_BATCH): every FAIR_BATCH messages, malformed ones
+        included, it yields to the event loop once, whether or not a receive had to wait."""
+        turn = 0
         while True:
+            turn += 1
+            if turn >= FAIR_BATCH:
+                turn = 0
+                await asyncio.sleep(0)  # the other sockets, timers and tasks get their turn
             try:
                 msg = await recv(sock)
             except ProtocolError as exc:
-                self.malformed += 1
-                self.log.warning("malformed message", code=exc.code, detail=exc.detail, peer=exc.peer)
+                self._count_malformed(exc)
                 if on_malformed is not None:
                     await self._handle(on_malformed, (exc,), "malformed")
                 continue
@@ -216,6 +232,18 @@ class BaseService:
                 self.log.warning("unexpected message", type=name)
                 continue
             await self._handle(handler, args, name)
+
+    def _count_malformed(self, exc: ProtocolError) -> None:
+        """Count a malformed message; log it unless one was logged within MALFORMED_LOG_PERIOD_S (a flood
+        must not turn into a flood of log lines): the next line says how many went unlogged meanwhile."""
+        self.malformed += 1
+        now = time.monotonic()
+        if now - self._malformed_logged_at < MALFORMED_LOG_PERIOD_S:
+            self._malformed_unlogged += 1
+            return
+        self.log.warning("malformed message", code=exc.code, detail=exc.detail, peer=exc.peer,
+                         unlogged_before=self._malformed_unlogged, malformed=self.malformed)
+        self._malformed_logged_at, self._malformed_unlogged = now, 0
 
     async def _handle(self, handler: Handler, args: tuple[Any, ...], name: str) -> None:
         try:
