@@ -78,8 +78,19 @@ ROUTER_INFLIGHT = Gauge(
     "decoding, finishing.", (*WHO, "phase"), multiprocess_mode="livesum")
 ROUTER_EVENTS = Counter(
     "deepinfer_router_events",
-    "Router events by kind: admitted, retries, moves, stale, kv_events, resyncs, forged, malformed.",
+    "Router events by kind: admitted, retries, moves, stale, kv_events, resyncs, forged, malformed, "
+    "refused_deltas (text of a request from another worker than its own), handoffs_adopted (a request whose "
+    "prefill worker was lost after its KV reached the decode worker, decoding on).",
     (*WHO, "event"))
+ROUTER_SHED = Counter(
+    "deepinfer_router_shed",
+    "Requests refused with overloaded instead of queueing, by cause: predicted_wait (the prefill backlog's "
+    "predicted wait over max_queue_wait_s), queue_requests, queue_tokens, tenant_inflight, tenant_tokens, draining.",
+    (*WHO, "cause"))
+ROUTER_MIGRATIONS = Counter(
+    "deepinfer_router_migrations",
+    "Requests placed anew on other workers, by cause: prefill_death, decode_death, worker_death, "
+    "tokenizer_death, handoff_failure (a prefill or KV handoff failed without a death), drain.", (*WHO, "cause"))
 ROUTER_SLOW_CLIENTS = Gauge("deepinfer_router_slow_clients", "Clients whose messages wait in a backlog.", WHO,
                             multiprocess_mode="livesum")
 MESH_LIVE_INSTANCES = Gauge("deepinfer_router_live_instances", "Mesh members the router sees alive, by role.",

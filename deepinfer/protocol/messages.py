@@ -404,10 +404,13 @@ class DetokenizeBatch:
 @message(0x23)
 class TextDeltas:
     """Tokenizer → router, batched per received DetokenizeBatch: text deltas, and finishes (including stop
-    strings found by the tokenizer, which the router turns into an AbortRequest to the decode worker)."""
+    strings found by the tokenizer, which the router turns into an AbortRequest to the decode worker).
+    `worker` names the worker whose DetokenizeBatch the items came from: the router takes a request's items
+    only from the worker it placed the request on (None, from a tokenizer that does not say: not checked)."""
 
     tokenizer: str
     items: list[TextDeltaItem]
+    worker: str | None = None
 
 
 # --- router → prefill ↔ decode 0x30–0x3F ----------------------------------------------------------------------

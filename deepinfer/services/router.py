@@ -265,7 +265,7 @@ class RouterService(BaseService):
             m.EncodeResult: core.on_encode_result,
             m.PrefillDone: lambda _, done, now: core.on_prefill_done(done, now),
             m.KvEvents: self._kv_events,
-            m.TextDeltas: lambda _, deltas, now: core.on_text_deltas(deltas, now),
+            m.TextDeltas: core.on_text_deltas,
             m.ErrorReply: core.on_error,
             m.ExpertLoad: self._keep_expert_load,
             m.PlacementResult: lambda _, result, now: self._to_balancer(result),
@@ -398,8 +398,10 @@ class RouterService(BaseService):
         metrics = self.core.metrics
         events = {"admitted": metrics.admitted, "retries": metrics.retries, "moves": metrics.moves,
                   "stale": metrics.stale, "kv_events": metrics.kv_events, "resyncs": metrics.resyncs,
-                  "forged": self.forged, "malformed": self.malformed}
+                  "forged": self.forged, "malformed": self.malformed, "refused_deltas": metrics.refused_deltas,
+                  "handoffs_adopted": metrics.handoffs_adopted}
         self.export.state(self.core.phase_counts(), len(self._backlog), events, self.core.table.instances.values())
+        self.export.by_cause(metrics.shed, metrics.migrations)
 
     def _log_state(self) -> None:
         """One line per period: what an operator (or bench/soak.py) watches for leaks and stalls."""

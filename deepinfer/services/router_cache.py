@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from deepinfer.cache.prefix_index import DAEMON_TIERS, DEVICE, DISK, HOST, TIERS, PrefixIndex
 from deepinfer.protocol.messages import PrefillDone
-from deepinfer.services.router_placement import Instance, InstanceTable, Placement
+from deepinfer.services.router_placement import PREFILL, WORKER, Instance, InstanceTable, Placement
 from deepinfer.services.router_state import CACHE_AWARE, RouterConfig
 
 
@@ -43,6 +43,7 @@ class Prediction:
         return sum(self.blocks.values())
 
 
+PREFILL_ROLES = frozenset({PREFILL, WORKER})  # the roles that prefill prompts
 Chosen = tuple[Placement, Prediction]  # a placement and the prediction for its prefill worker
 
 
@@ -106,6 +107,19 @@ class PrefillCostModel:
             return None
         chosen = placement.prefill
         return placement, predictions.get(chosen.name) or self.predict(chosen, block_hashes, prompt_tokens)
+
+    def backlog_s(self, table: InstanceTable, unplaced_tokens: int, now: float) -> float | None:
+        """The predicted wait of a request arriving now before its prefill starts: every prompt token ahead of
+        it — queued on the live prefill-capable workers, and `unplaced_tokens` the router holds that no worker
+        has yet (tokenizing, or waiting for a worker) — over those workers' summed prefill rates, as the
+        placement balances them. None with no live prefill-capable worker."""
+        tokens, rate = unplaced_tokens, 0.0
+        for inst in table.instances.values():
+            if inst.role in PREFILL_ROLES and inst.placeable(now, table.heartbeat_timeout_s):
+                measured = inst.load.tokens_per_s if inst.load is not None else 0.0
+                rate += measured if measured > 0 else self.rate(inst.name)
+                tokens += inst.queued_tokens
+        return tokens / rate if rate > 0 else None
 
     def observe(self, done: PrefillDone) -> None:
         """Learn from a finished prefill. Reports without timings (0 s) teach nothing."""

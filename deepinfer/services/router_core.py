@@ -15,20 +15,35 @@ Decisions:
   quarter of the characters). "Queued" means not yet decoding: tokenizing, waiting for placement or in
   prefill. Past `max_queued_requests`, or past `max_queued_prompt_tokens` with anything else queued
   (a lone prompt is never refused for its size: the tokenizer bounds it by the context), the request is
-  refused at once with `overloaded` (as with a tenant at its in-flight cap, or a draining router); with no
-  live tokenizer or worker it is refused with `unavailable` (both carry retry_after_s). When the encoding
-  gives the exact count, it replaces the estimate, and a request that then breaks the token limit
-  (with others queued) ends with `overloaded` before any prefill is spent on it.
+  refused at once with `overloaded` (as with a tenant at its in-flight cap or its queued prompt-token cap,
+  or a draining router); with no live tokenizer or worker it is refused with `unavailable` (both carry
+  retry_after_s). When the encoding gives the exact count, it replaces the estimate, and a request that
+  then breaks a token limit (with others queued) ends with `overloaded` before any prefill is spent on it.
+* Load shedding: while the prefill backlog's predicted wait (every prompt token ahead — queued on the
+  live prefill-capable workers and not yet placed — over their summed measured rates:
+  `PrefillCostModel.backlog_s`) is over `max_queue_wait_s`, a new request is refused at once with
+  `overloaded` and a retry_after_s of the excess (at least `retry_after_s`, at most a minute), instead of
+  joining a queue it would wait in for longer. Every `overloaded` refusal is counted by cause (`shed`).
 * Tenancy: `config.tenants` maps api_key → cache salt; an unknown or missing key gets
-  `default_cache_salt`, or `unauthorized` when `require_api_key`. Clients never send a salt.
+  `default_cache_salt`, or `unauthorized` when `require_api_key`. Clients never send a salt. A key that
+  no tenant setting names falls under the one anonymous tenant (`RouterConfig.known_tenant`): made-up
+  keys share its quotas instead of each getting fresh ones.
 * A request that finds no live worker after encoding waits (parked) up to `placement_timeout_s` for
-  one to appear or come back, then ends with `worker_lost`; its deadline applies throughout.
+  one to appear or come back (a restarted worker, e.g. the only prefill worker), then ends with
+  `worker_lost`; its deadline applies throughout.
 * Prefill placement (`config.placement`): "cache_aware" picks the least predicted prefill time (queue
   ahead, uncached tokens, fetching the cached ones: `router_cache`) from a prefix index fed by KvEvents
   (a broken event stream gets one KvResync; a dead or restarted publisher's blocks are forgotten);
   "least_loaded" the fewest queued prompt tokens. The decode worker is chosen alike either way.
-* An `overloaded` ErrorReply from the prefill worker (the decode worker refused the KV reservation) is
-  retried once, placed anew avoiding that decode worker.
+* A failed prefill or KV handoff that is not a death — an ErrorReply from the prefill or decode worker
+  while the request is prefilling, other than the request's own fault (`RETRIED_CODES`) — is retried
+  once elsewhere before the client sees it: a refused KV reservation (`overloaded` from the prefill
+  worker: nothing reached the decode worker) goes under the same id to another decode worker; anything
+  else is moved (below: the decode worker may have streamed the first token), its next placement
+  avoiding both workers of the failed handoff, or whichever of them it can. With no other worker to try,
+  the error goes to the client.
+* Text: a request's deltas count only from its tokenizer, and only of the token batches of the worker it
+  was placed on (`TextDeltas.worker`): another worker's are refused, counted (`refused_deltas`), logged.
 * Client abort ends the request with RequestFinished(finish_reason="abort") carrying the output so far.
   A gone client's requests end the same way but nothing is sent: there is no one to send to.
 * Losing a service (its heartbeats stop, it restarts, or the supervisor reports its exit) moves every
@@ -38,7 +53,10 @@ Decisions:
   with prompt + that output, which the worker prefills (cheap where the prefix cache has it) before
   continuing at the next output position. Greedy output, and a seeded request's draws (keyed by output
   position), are those of an undisturbed run; the client's stream continues without a gap or a repeat.
-  After `max_moves` moves, or with no live tokenizer, it ends with `worker_lost`.
+  After `max_moves` moves, or with no live tokenizer, it ends with `worker_lost`. Moves are counted by
+  cause (`migrations`). A prefill worker is no longer needed once its KV is installed on the decode
+  worker: a request whose decode worker made a token of its own (past the first, which it streams before
+  installing the KV) is not moved when its prefill worker is lost before PrefillDone came; it decodes on.
 * Decode can finish before PrefillDone reaches us (they travel different paths). The request then waits
   in FINISHING for PrefillDone (for its cached-token usage); losing the prefill worker, timing out or an
   abort in that state delivers the finished result without those numbers, as the output is complete.
@@ -53,8 +71,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable
+
+import structlog
 
 from deepinfer.protocol.messages import (
     AbortRequest,
@@ -94,6 +115,16 @@ from deepinfer.services.router_state import (
 
 __all__ = ["ClientId", "Outbound", "Phase", "RouterConfig", "RouterCore", "RouterMetrics", "RouterRequest"]
 
+log = structlog.get_logger("deepinfer.router")
+
+UNPLACED = (Phase.TOKENIZING, Phase.PARKED)  # phases in which no worker has the request
+# A failed prefill or KV handoff is retried (once) for these codes; the others are the request's own fault
+# (invalid_request) or not a worker's to give.
+RETRIED_CODES = frozenset({"overloaded", "internal", "worker_lost", "unavailable", "timeout"})
+MAX_HANDOFF_RETRIES = 1
+HANDOFF_FAILURE = "handoff_failure"  # the migration cause of a retried handoff
+MAX_RETRY_AFTER_S = 60.0  # the longest retry_after_s a shed request is given
+
 
 class RouterCore:
     def __init__(self, config: RouterConfig) -> None:
@@ -110,6 +141,9 @@ class RouterCore:
         self._parked: dict[str, None] = {}  # encoded, waiting for a live worker (insertion-ordered)
         self._counter = 0
         self._inflight_by_tenant: Counter[str] = Counter()
+        self._queued_tokens_by_tenant: Counter[str] = Counter()  # of queued requests, like queued_tokens
+        self.unplaced_tokens = 0  # queued tokens of requests no worker has yet (tokenizing or parked)
+        self._refusal_logged_at = -math.inf  # refused deltas are logged at most once a second
 
     @property
     def num_inflight(self) -> int:
@@ -131,9 +165,13 @@ class RouterCore:
     # ----- client events -----
 
     def on_generate(self, client: ClientId, req: GenerateRequest, now: float) -> list[Outbound]:
-        def refuse(code: ErrorCode, message: str) -> list[Outbound]:
+        def refuse(code: ErrorCode, message: str, shed: str | None = None,
+                   retry: float | None = None) -> list[Outbound]:
             self.metrics.rejected[code] += 1
-            retry = self.config.retry_after_s if code in ("overloaded", "unavailable") else None
+            if shed is not None:
+                self.metrics.shed[shed] += 1
+            if retry is None and code in ("overloaded", "unavailable"):
+                retry = self.config.retry_after_s
             return [Outbound(client, ErrorReply(req.request_id, code, message, retry))]
 
         cfg = self.config
@@ -147,20 +185,30 @@ class RouterCore:
             return refuse("unauthorized", "unknown or missing api_key")
         estimate = estimate_tokens(req)
         if self.draining:
-            return refuse("overloaded", "the router is shutting down")
+            return refuse("overloaded", "the router is shutting down", "draining")
         if self.queued_requests >= cfg.max_queued_requests:
-            return refuse("overloaded", f"queue full: {self.queued_requests} requests waiting")
+            return refuse("overloaded", f"queue full: {self.queued_requests} requests waiting", "queue_requests")
         if self.queued_requests and self.queued_tokens + estimate > cfg.max_queued_prompt_tokens:
-            return refuse("overloaded", f"queue full: {self.queued_tokens} prompt tokens waiting")
-        tenant = req.api_key or ""
+            return refuse("overloaded", f"queue full: {self.queued_tokens} prompt tokens waiting", "queue_tokens")
+        tenant = cfg.known_tenant(req.api_key)
         cap = cfg.max_inflight_per_tenant.get(tenant, cfg.default_max_inflight_per_tenant)
         if cap is not None and self._inflight_by_tenant[tenant] >= cap:
-            return refuse("overloaded", f"this tenant already has {cap} requests in flight")
+            return refuse("overloaded", f"this tenant already has {cap} requests in flight", "tenant_inflight")
+        tenant_queued, tenant_cap = self._queued_tokens_by_tenant[tenant], self._tenant_token_cap(tenant)
+        if tenant_cap is not None and tenant_queued and tenant_queued + estimate > tenant_cap:
+            return refuse("overloaded", f"this tenant already has {tenant_queued} prompt tokens waiting",
+                          "tenant_tokens")
         if self.table.place(estimate, req.params.max_tokens, now) is None:
             return refuse("unavailable", "no live prefill/decode workers")
         tokenizer = self.table.pick_tokenizer(now)
         if tokenizer is None:
             return refuse("unavailable", "no live tokenizer")
+        wait = self.cache.backlog_s(self.table, self.unplaced_tokens, now)
+        if cfg.max_queue_wait_s is not None and wait is not None and wait > cfg.max_queue_wait_s:
+            # The hint: how long the backlog takes to drain below the bound at the predicted rate.
+            retry = min(MAX_RETRY_AFTER_S, max(cfg.retry_after_s, wait - cfg.max_queue_wait_s))
+            msg = f"overloaded: the predicted wait is {wait:.1f}s (the bound is {cfg.max_queue_wait_s:g}s)"
+            return refuse("overloaded", msg, "predicted_wait", retry)
 
         rid = f"{cfg.id_prefix}{self._counter}"
         deadline = now + (req.timeout_s if req.timeout_s is not None else cfg.request_timeout_s)
@@ -169,11 +217,10 @@ class RouterCore:
         self._reqs[rid] = st
         self._by_client.setdefault(client, {})[req.request_id] = rid
         heapq.heappush(self._deadlines, (deadline, rid))
-        st.queued_charge, st.cache_salt = estimate, salt
+        st.cache_salt = salt
         st.tenant, st.priority = tenant, max(req.priority, cfg.priority_floor.get(tenant, cfg.default_priority_floor))
         self._inflight_by_tenant[tenant] += 1
-        self.queued_requests += 1
-        self.queued_tokens += estimate
+        self._enqueue(st, estimate)
         self.table.hold(st.where, {tokenizer.name})
         self.metrics.admitted += 1
         encode = EncodeRequest(rid, req.prompt, req.messages, req.prompt_token_ids, cache_salt=salt,
@@ -255,13 +302,15 @@ class RouterCore:
         if st is None or st.phase is not Phase.TOKENIZING or sender != st.where.tokenizer:
             return self._stale()
         st.prompt_ids, st.block_hashes = res.token_ids, res.block_hashes
-        self.queued_tokens += len(st.job_tokens) - st.queued_charge
-        st.queued_charge = len(st.job_tokens)
+        self._recharge(st, len(st.job_tokens))
         # (A request that moved was admitted already: it is never refused for the queue it rejoined.)
-        if not st.moves and self.queued_requests > 1 and self.queued_tokens > self.config.max_queued_prompt_tokens:
-            msg = f"queue full: {self.queued_tokens} prompt tokens waiting"
-            return self._error(st, "overloaded", msg, now, retry_after_s=self.config.retry_after_s)
-        st.phase, st.parked_since = Phase.PARKED, now
+        if not st.moves:
+            refusal = self._over_token_limits(st)
+            if refusal is not None:
+                self.metrics.shed[refusal[0]] += 1
+                return self._error(st, "overloaded", refusal[1], now, retry_after_s=self.config.retry_after_s)
+        self._set_phase(st, Phase.PARKED)
+        st.parked_since = now
         self._parked[st.rid] = None
         return self._place(st, now)
 
@@ -276,7 +325,7 @@ class RouterCore:
         if st.phase is Phase.FINISHING:
             self.table.hold(st.where, ())  # the prefill worker is done with it too
             return self._finish(st, now)
-        st.phase = Phase.DECODING
+        self._set_phase(st, Phase.DECODING)
         self._dequeue(st)
         self.table.hold(st.where, {st.where.tokenizer, st.where.decode})
         return []
@@ -294,16 +343,22 @@ class RouterCore:
         self.metrics.resyncs += 1
         return [Outbound(ev.publisher, KvResync(applied.resync))]
 
-    def on_text_deltas(self, deltas: TextDeltas, now: float) -> list[Outbound]:
+    def on_text_deltas(self, sender: str, deltas: TextDeltas, now: float) -> list[Outbound]:
+        """Text from tokenizer `sender`. Each item counts only from the request's tokenizer, and only when
+        it comes of the token batch of the worker the request was placed on (`deltas.worker`, when the
+        tokenizer names it): any other worker's are refused, counted and logged."""
         out: list[Outbound] = []
         for item in deltas.items:
             st = self._reqs.get(item.request_id)
             if (
                 st is None
                 or st.phase not in (Phase.PREFILLING, Phase.DECODING)
-                or deltas.tokenizer != st.where.tokenizer
-                or item.offset < len(st.output_ids)  # a duplicate
+                or sender != st.where.tokenizer
             ):
+                out += self._stale()
+            elif deltas.worker is not None and deltas.worker != st.where.decode:
+                self._refuse_delta(sender, deltas.worker, st, now)
+            elif item.offset < len(st.output_ids):  # a duplicate
                 out += self._stale()
             elif item.offset > len(st.output_ids):
                 msg = f"tokenizer {st.where.tokenizer} skipped tokens {len(st.output_ids)}..{item.offset - 1}"
@@ -312,6 +367,14 @@ class RouterCore:
                 out += self._on_item(st, item, now)
         return out
 
+    def _refuse_delta(self, tokenizer: str, worker: str, st: RouterRequest, now: float) -> None:
+        self.metrics.refused_deltas += 1
+        if now - self._refusal_logged_at >= 1.0:
+            self._refusal_logged_at = now
+            log.warning("text deltas from another worker than the request's refused", tokenizer=tokenizer,
+                        worker=worker, placed_on=st.where.decode, request_id=st.rid,
+                        refused=self.metrics.refused_deltas)
+
     def on_error(self, sender: str, err: ErrorReply, now: float) -> list[Outbound]:
         st = self._reqs.get(err.request_id)
         if st is None or sender not in st.where.holders:
@@ -319,15 +382,45 @@ class RouterCore:
         if st.phase is Phase.FINISHING:
             return self._finish(st, now)  # the output is complete already
         where = st.where
-        if err.code == "overloaded" and st.phase is Phase.PREFILLING and sender == where.prefill and st.attempts == 1:
-            refused = where.decode
-            self.table.hold(where, {where.tokenizer})  # back to parked: the prefill worker dropped the job
-            st.phase = Phase.PARKED
-            chosen = self._choose(st, now, exclude={refused})
-            if chosen is not None:
-                self.metrics.retries += 1
-                return self._send_job(st, *chosen, now)
+        if (st.phase is Phase.PREFILLING and sender in (where.prefill, where.decode) and err.code in RETRIED_CODES
+                and st.handoff_retries < MAX_HANDOFF_RETRIES):
+            retried = self._retry_handoff(st, sender, err, now)
+            if retried is not None:
+                return retried
         return self._error(st, err.code, err.message, now, skip={sender}, retry_after_s=err.retry_after_s)
+
+    def _retry_handoff(self, st: RouterRequest, sender: str, err: ErrorReply, now: float) -> list[Outbound] | None:
+        """A prefill, or its KV handoff, failed without a death: place the request once more elsewhere. None
+        when no other worker can take it (the client gets the error then)."""
+        where = st.where
+        if err.code == "overloaded" and sender == where.prefill:
+            # The decode worker refused the reservation: no KV or token reached it, so the request keeps its
+            # id and goes straight to another decode worker (the prefill worker dropped the job).
+            refused = where.decode
+            self.table.hold(where, {where.tokenizer})
+            self._set_phase(st, Phase.PARKED)
+            chosen = self._choose(st, now, exclude={refused})
+            if chosen is None:
+                return None
+            self.metrics.retries += 1
+            st.handoff_retries += 1
+            self.metrics.migrations[HANDOFF_FAILURE] += 1
+            return self._send_job(st, *chosen, now)
+        # Anything else may have happened after the decode worker pushed the first token to the tokenizer:
+        # move the request (a new id, the tokenizer resynced from what the client saw), avoiding the
+        # workers of the failed handoff — both if it can, else whichever of them it can.
+        if st.moves >= self.config.max_moves:
+            return None
+        pair = [n for n in (where.prefill, where.decode) if n is not None]
+        avoid = next((frozenset(a) for a in ([*pair], pair[-1:], pair[:1])
+                      if self._choose(st, now, exclude=a) is not None), None)
+        if avoid is None:
+            return None
+        out = [Outbound(n, AbortRequest(st.rid, f"retried: {err.message}")) for n in sorted(where.holders - {sender})]
+        self.table.hold(where, ())
+        st.handoff_retries += 1
+        st.avoid = avoid
+        return out + self._move(st, f"{sender}: {err.code}: {err.message}", now, HANDOFF_FAILURE)
 
     def tick(self, now: float) -> list[Outbound]:
         """Periodic: dead instances, deadlines, parked requests."""
@@ -352,7 +445,8 @@ class RouterCore:
     # ----- internals: placement -----
 
     def _place(self, st: RouterRequest, now: float) -> list[Outbound]:
-        chosen = self._choose(st, now)
+        # After a failed handoff it avoids that handoff's workers, unless only they can take it now.
+        chosen = (self._choose(st, now, exclude=st.avoid) if st.avoid else None) or self._choose(st, now)
         return [] if chosen is None else self._send_job(st, *chosen, now)
 
     def _choose(self, st: RouterRequest, now: float, exclude: Iterable[str] = ()) -> Chosen | None:
@@ -369,7 +463,8 @@ class RouterCore:
             params = dataclasses.replace(params, prompt_logprobs=None)
         self.table.assign(st.where, placement, len(st.job_tokens), compute)
         st.predicted_blocks = prediction.blocks
-        st.phase, st.attempts = Phase.PREFILLING, st.attempts + 1
+        self._set_phase(st, Phase.PREFILLING)
+        st.attempts, st.job_output, st.avoid = st.attempts + 1, len(st.output_ids), frozenset()
         st.job_sent_at = st.job_sent_at or now
         job = PrefillJob(
             st.rid,
@@ -397,11 +492,54 @@ class RouterCore:
                 out += self._place(st, now)
         return out
 
+    # ----- internals: the queue's accounting -----
+    # A queued request (admitted, not decoding yet) counts once in queued_requests, its queued_charge in
+    # queued_tokens and in its tenant's queued tokens, and also in unplaced_tokens while no worker has it
+    # (TOKENIZING, PARKED). Every change of those goes through the four methods below.
+
+    def _enqueue(self, st: RouterRequest, charge: int) -> None:
+        assert not st.queued
+        st.queued, st.queued_charge = True, charge
+        self.queued_requests += 1
+        self._count_charge(st, charge)
+
+    def _recharge(self, st: RouterRequest, charge: int) -> None:
+        if st.queued:
+            self._count_charge(st, charge - st.queued_charge)
+        st.queued_charge = charge
+
     def _dequeue(self, st: RouterRequest) -> None:
         if st.queued:
             self.queued_requests -= 1
-            self.queued_tokens -= st.queued_charge
+            self._count_charge(st, -st.queued_charge)
             st.queued = False
+
+    def _set_phase(self, st: RouterRequest, phase: Phase) -> None:
+        if st.queued:
+            self.unplaced_tokens += st.queued_charge * ((phase in UNPLACED) - (st.phase in UNPLACED))
+        st.phase = phase
+
+    def _count_charge(self, st: RouterRequest, tokens: int) -> None:
+        self.queued_tokens += tokens
+        if st.phase in UNPLACED:
+            self.unplaced_tokens += tokens
+        self._queued_tokens_by_tenant[st.tenant] += tokens
+        if not self._queued_tokens_by_tenant[st.tenant]:
+            del self._queued_tokens_by_tenant[st.tenant]
+
+    def _tenant_token_cap(self, tenant: str) -> int | None:
+        cfg = self.config
+        return cfg.max_queued_prompt_tokens_per_tenant.get(tenant, cfg.default_max_queued_prompt_tokens_per_tenant)
+
+    def _over_token_limits(self, st: RouterRequest) -> tuple[str, str] | None:
+        """(shed cause, message) when the queue, counting `st` exactly, breaks the router's or its tenant's
+        prompt-token limit while others wait too (a lone prompt is never refused for its size); else None."""
+        if self.queued_requests > 1 and self.queued_tokens > self.config.max_queued_prompt_tokens:
+            return "queue_tokens", f"queue full: {self.queued_tokens} prompt tokens waiting"
+        cap, mine = self._tenant_token_cap(st.tenant), self._queued_tokens_by_tenant[st.tenant]
+        if cap is not None and mine > cap and mine > st.queued_charge:
+            return "tenant_tokens", f"this tenant has {mine} prompt tokens waiting"
+        return None
 
     # ----- internals: output and endings -----
 
@@ -440,7 +578,7 @@ class RouterCore:
         st.finish_reason, st.stop_string = item.finish_reason or "stop", item.stop_string
         self.table.decode_over(st.where)  # (a co-located worker still holds it as the prefill worker)
         if st.phase is Phase.PREFILLING:  # PrefillDone is still on its way
-            st.phase = Phase.FINISHING
+            self._set_phase(st, Phase.FINISHING)
             self._dequeue(st)
             self.table.hold(st.where, {st.where.prefill})
             return out
@@ -468,16 +606,20 @@ class RouterCore:
         return self._end(st, err, f"{code}: {message}", now, skip or set())
 
     def _lose(self, inst: Instance, why: str, now: float, tell_instance: bool,
-              reset: Callable[[], None] | None = None) -> list[Outbound]:
-        """End or move every request `inst` held. `reset` (a restart: adopt the new incarnation) runs after
-        they are off it and before the moved ones are placed, so a restarted tokenizer can take them."""
+              reset: Callable[[], None] | None = None, cause: str | None = None) -> list[Outbound]:
+        """End or move every request `inst` held (`cause`, for the metrics: default "<its role>_death").
+        `reset` (a restart: adopt the new incarnation) runs after they are off it and before the moved ones
+        are placed, so a restarted tokenizer can take them."""
         out: list[Outbound] = []
         moving: list[RouterRequest] = []
         skip = set() if tell_instance else {inst.name}
+        cause = cause or f"{inst.role}_death"
         for rid in sorted(inst.held):
             st = self._reqs[rid]
             if st.phase is Phase.FINISHING:
                 out += self._finish(st, now)
+            elif self._handed_off(st, inst.name):
+                out += self._adopt(st, why, tell_instance)
             elif st.moves >= self.config.max_moves:
                 out += self._error(st, "worker_lost", f"{why} (moved {st.moves} times already)", now, skip=skip)
             else:  # off every holder first: the moves may land on the same instances
@@ -488,12 +630,31 @@ class RouterCore:
         if reset is not None:
             reset()
         for st in moving:
-            out += self._move(st, why, now)
+            out += self._move(st, why, now, cause)
         return out
 
-    def _move(self, st: RouterRequest, why: str, now: float) -> list[Outbound]:
+    def _handed_off(self, st: RouterRequest, lost: str) -> bool:
+        """Whether `lost`, the prefill worker of `st` (disaggregated), is no longer needed: its KV is installed
+        on the decode worker. PrefillDone (the acknowledged handoff) may not have come; the proof is a token
+        the decode worker's engine made — past the first one, which it streams before installing the KV."""
+        where = st.where
+        return (st.phase is Phase.PREFILLING and lost == where.prefill and where.decode not in (None, lost)
+                and len(st.output_ids) >= st.job_output + 2)
+
+    def _adopt(self, st: RouterRequest, why: str, tell_prefill: bool) -> list[Outbound]:
+        """Its prefill worker is lost after the handoff: the request decodes on, as if PrefillDone had come
+        (without the prefill's cache usage, which went with the worker)."""
+        where = st.where
+        out = [Outbound(where.prefill, AbortRequest(st.rid, why))] if tell_prefill and where.prefill else []
+        self.table.hold(where, {where.tokenizer, where.decode})  # the KV in transit is installed
+        self._set_phase(st, Phase.DECODING)
+        self._dequeue(st)
+        self.metrics.handoffs_adopted += 1
+        return out
+
+    def _move(self, st: RouterRequest, why: str, now: float, cause: str) -> list[Outbound]:
         """Continue `st`, held by no one now, under a new id (see the module docstring): its tokenizer if it
-        is alive (a restarted one is), else another live one."""
+        is alive (a restarted one is), else another live one. `cause` names why, for the metrics."""
         tokenizer = self.table.get(st.where.tokenizer)
         if tokenizer is None or not tokenizer.alive:
             tokenizer = self.table.pick_tokenizer(now)
@@ -502,17 +663,16 @@ class RouterCore:
         del self._reqs[st.rid]
         st.moves += 1
         self.metrics.moves += 1
+        self.metrics.migrations[cause] += 1
         st.rid = f"{st.rid.split('~')[0]}~{st.moves}"
         self._reqs[st.rid] = st
         self._by_client[st.client][st.req.request_id] = st.rid
         heapq.heappush(self._deadlines, (st.deadline, st.rid))
         st.where = Assignment(st.rid, tokenizer.name)
         self.table.hold(st.where, {tokenizer.name})
-        st.phase = Phase.TOKENIZING
+        self._set_phase(st, Phase.TOKENIZING)
         if not st.queued:  # it waits for a worker again
-            st.queued, st.queued_charge = True, len(st.job_tokens)
-            self.queued_requests += 1
-            self.queued_tokens += st.queued_charge
+            self._enqueue(st, len(st.job_tokens))
         req, stop, budget = st.req, list(st.req.params.stop), st.req.params.max_tokens
         if st.prompt_ids:
             encode = EncodeRequest(st.rid, prompt_token_ids=st.prompt_ids, cache_salt=st.cache_salt, stop=stop,

@@ -28,6 +28,7 @@ from deepinfer.services.wire import to_engine_params
 ClientId = bytes
 CACHE_AWARE, LEAST_LOADED = "cache_aware", "least_loaded"
 PLACEMENTS = (CACHE_AWARE, LEAST_LOADED)
+ANONYMOUS = ""  # the tenant of every request whose api_key the configuration does not name
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class RouterRequest:
     deadline: float
     where: Assignment
     phase: Phase = Phase.TOKENIZING
-    queued: bool = True  # counted in the router's queue (until decoding starts or it ends)
+    queued: bool = False  # counted in the router's queue (from admission until decoding starts or it ends)
     queued_charge: int = 0  # prompt tokens it counts for in the queue: estimated, then exact
     cache_salt: str | None = None  # the tenant's, from the api_key
     prompt_ids: list[int] = field(default_factory=list)
@@ -89,9 +90,12 @@ class RouterRequest:
     finish_reason: FinishReason | None = None
     stop_string: str | None = None
     client_gone: bool = False
-    tenant: str = ""  # its api_key ("" without one): whose policy and in-flight count it falls under
+    tenant: str = ""  # its api_key if configured, else ANONYMOUS: whose policy and quotas it falls under
     priority: int = 0  # the client's, raised to the tenant's floor
     moves: int = 0  # times it continued elsewhere after losing a worker or its tokenizer
+    job_output: int = 0  # output tokens it had when its current prefill job was sent (the job's resume point)
+    handoff_retries: int = 0  # times it was placed anew after its prefill or KV handoff failed
+    avoid: frozenset[str] = frozenset()  # workers its next placement avoids (where its handoff failed)
 
     @property
     def params(self) -> SamplingParamsWire:
@@ -118,7 +122,9 @@ class RouterConfig:
     heartbeat_timeout_s: float = 5.0
     progress_timeout_s: float | None = 60.0  # a worker with work whose progress stalls this long is dead
     request_timeout_s: float = 600.0  # when the client gives no timeout_s
-    placement_timeout_s: float = 10.0  # how long an encoded request waits for a live worker
+    # How long an encoded request waits for a live worker: long enough for a supervised worker to restart
+    # and load its model (seconds here, tens of seconds with large weights), e.g. the only prefill worker.
+    placement_timeout_s: float = 30.0
     max_moves: int = 3  # times a request may continue elsewhere after losing a worker before worker_lost
     block_size: int = DEFAULT_BLOCK_SIZE  # KV block size of the workers (tokens), for free-block placement
     tenants: Mapping[str, str] = field(default_factory=dict)  # api_key → cache salt
@@ -132,6 +138,15 @@ class RouterConfig:
     max_inflight_per_tenant: Mapping[str, int] = field(default_factory=dict)
     default_max_inflight_per_tenant: int | None = None
     retry_after_s: float = 1.0  # suggested to clients refused with "overloaded"
+    # Load shedding: new requests are refused ("overloaded", with a retry_after_s of the excess) while the
+    # prefill backlog's predicted wait (router_cache.PrefillCostModel.backlog_s) is over this; None: never.
+    # 60 s is what HTTP proxies commonly wait for a first byte (nginx's proxy_read_timeout): a request
+    # predicted to wait longer for its first token would mostly be cut off by one anyway.
+    max_queue_wait_s: float | None = 60.0
+    # Prompt tokens one tenant may have queued (admitted, not decoding yet), by api_key; past it its new
+    # requests get "overloaded" (a lone prompt is never refused for its size). None: only the global limit.
+    max_queued_prompt_tokens_per_tenant: Mapping[str, int] = field(default_factory=dict)
+    default_max_queued_prompt_tokens_per_tenant: int | None = None
     id_prefix: str = ""
     max_ttft_samples: int = 1024
     # Prefill placement: "cache_aware" (least predicted prefill time, from the prefix index and measured
@@ -144,7 +159,7 @@ class RouterConfig:
     kv_resync_interval_s: float = 5.0  # least time between KvResyncs to one publisher awaiting a snapshot
 
     def __post_init__(self) -> None:
-        for name in ("tenants", "priority_floor", "max_inflight_per_tenant"):
+        for name in ("tenants", "priority_floor", "max_inflight_per_tenant", "max_queued_prompt_tokens_per_tenant"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
@@ -153,6 +168,19 @@ class RouterConfig:
             raise ValueError("prior rates must be finite, the prefill rate positive and fetch costs non-negative")
         if not 0 < self.estimate_alpha <= 1:
             raise ValueError(f"estimate_alpha must be in (0, 1], got {self.estimate_alpha}")
+        if self.max_queue_wait_s is not None and not (math.isfinite(self.max_queue_wait_s) and
+                                                      self.max_queue_wait_s > 0):
+            raise ValueError(f"max_queue_wait_s must be a positive number of seconds, got {self.max_queue_wait_s}")
+
+    def known_tenant(self, api_key: str | None) -> str:
+        """Whose quota and policy a request falls under: its api_key when the configuration names that key
+        (a salt or any per-tenant setting), else the one anonymous tenant "" — every unknown or missing key
+        shares it, so rotating made-up keys cannot escape the per-tenant limits."""
+        if api_key and any(api_key in table for table in (self.tenants, self.priority_floor,
+                                                           self.max_inflight_per_tenant,
+                                                           self.max_queued_prompt_tokens_per_tenant)):
+            return api_key
+        return ANONYMOUS
 
 
 @dataclass
@@ -167,6 +195,16 @@ class RouterMetrics:
     stale: int = 0  # messages dropped as stale
     retries: int = 0  # placements retried after a decode worker refused
     moves: int = 0  # requests that continued elsewhere after losing a worker or tokenizer
+    # Requests placed anew elsewhere, by cause: "<role>_death" (prefill, decode, worker, tokenizer: its
+    # process died, restarted or stopped heartbeating), "handoff_failure" (the prefill or its KV handoff
+    # failed without a death: moved, or a refused reservation retried), "drain".
+    migrations: Counter[str] = field(default_factory=Counter)
+    # Admission refusals with "overloaded", by cause: queue_requests, queue_tokens, predicted_wait,
+    # tenant_inflight, tenant_tokens, draining (also counted in `rejected`, or in `errors` when the exact
+    # prompt length, known once encoded, broke a token limit).
+    shed: Counter[str] = field(default_factory=Counter)
+    refused_deltas: int = 0  # text deltas of a request from another worker than the one it was placed on
+    handoffs_adopted: int = 0  # prefill worker lost after its KV reached the decode worker: decoding went on
     kv_events: int = 0  # KvEvents applied to the prefix index
     resyncs: int = 0  # KvResync sent
     # The prefix index's accuracy, over requests whose PrefillDone came: predicted cached blocks × block

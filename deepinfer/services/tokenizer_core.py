@@ -156,7 +156,7 @@ class TokenizerCore:
     def on_detokenize(self, batch: DetokenizeBatch) -> TextDeltas:
         """Text for every item that brought new tokens or a finish (items may be empty: send nothing then)."""
         items = [out for item in batch.items if (out := self._item(item)) is not None]
-        return TextDeltas(self.instance, items)
+        return TextDeltas(self.instance, items, batch.worker)
 
     def on_abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -32,7 +32,7 @@ from deepinfer.protocol.messages import (
     TextDeltas,
 )
 from deepinfer.services.router import MeshPins
-from deepinfer.services.router_core import Outbound, Phase, RouterConfig, RouterCore
+from deepinfer.services.router_core import UNPLACED, Outbound, Phase, RouterConfig, RouterCore
 
 C1, C2 = b"client-1", b"client-2"
 
@@ -87,8 +87,8 @@ class Mesh:
         kw.setdefault("num_cached_tokens", 0)
         return self.core.on_prefill_done(PrefillDone(job.request_id, worker, len(job.token_ids), **kw), self.now)
 
-    def deltas(self, *items: TextDeltaItem, tokenizer: str = "tok0") -> list[Outbound]:
-        return self.core.on_text_deltas(TextDeltas(tokenizer, list(items)), self.now)
+    def deltas(self, *items: TextDeltaItem, tokenizer: str = "tok0", worker: str | None = None) -> list[Outbound]:
+        return self.core.on_text_deltas(tokenizer, TextDeltas(tokenizer, list(items), worker), self.now)
 
 
 def msgs(out: list[Outbound], kind: type | None = None) -> list[Any]:
@@ -102,7 +102,7 @@ def dests(out: list[Outbound], kind: type) -> list[str | bytes]:
 def assert_clean(core: RouterCore) -> None:
     """Nothing in flight, and every piece of accounting back to zero."""
     assert core.num_inflight == 0 and core.queued_requests == 0 and core.queued_tokens == 0
-    assert not core._inflight_by_tenant
+    assert core.unplaced_tokens == 0 and not core._inflight_by_tenant and not core._queued_tokens_by_tenant
     for inst in core.table.instances.values():
         assert not inst.held and inst.prefill_tokens == inst.pending_blocks == inst.assigned == 0, inst.name
     m = core.metrics
@@ -1117,7 +1117,8 @@ class Model:
         stop = "##" if reason == "stop" and self.draw(st.booleans()) else None
         item = TextDeltaItem(r.rid, offset, "t", [7] * self.draw(st.integers(0, 3)), finished, reason, stop)
         tokenizer = r.where.tokenizer if self.draw(st.integers(0, 4)) else self.instance()
-        return self.mesh.deltas(item, tokenizer=tokenizer)
+        worker = self.draw(st.sampled_from([None, r.where.decode, r.where.decode, self.instance()]))
+        return self.mesh.deltas(item, tokenizer=tokenizer, worker=worker)
 
     def do_error(self) -> list[Outbound]:
         r = self.pick()
@@ -1213,6 +1214,13 @@ class Model:
                 assert not w.prefill_tokens or w.prefill in w.holders
                 assert not (w.pending_blocks or w.assigned) or w.decode in w.holders
         assert core.num_inflight == len(self.live)
+        queued = [r for r in reqs if r.queued]
+        assert core.queued_requests == len(queued) == sum(r.phase not in (Phase.DECODING, Phase.FINISHING)
+                                                          for r in reqs)
+        assert core.queued_tokens == sum(r.queued_charge for r in queued)
+        assert core.unplaced_tokens == sum(r.queued_charge for r in queued if r.phase in UNPLACED)
+        tenants = {t: sum(r.queued_charge for r in queued if r.tenant == t) for t in {r.tenant for r in queued}}
+        assert core._queued_tokens_by_tenant == {t: n for t, n in tenants.items() if n}
         m = core.metrics
         assert m.admitted == sum(m.finished.values()) + sum(m.errors.values()) + core.num_inflight == self.ended + len(
             self.live

@@ -15,7 +15,10 @@ FINISH_REASONS: tuple[str, ...] = get_args(m.FinishReason)
 ERROR_CODES: tuple[str, ...] = get_args(m.ErrorCode)
 TIERS = ("device", "host", "disk")
 ROLES = ("tokenizer", "worker", "prefill", "decode", "kvcache", "balancer")
-EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed")
+EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed", "refused_deltas",
+          "handoffs_adopted")
+SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_inflight", "tenant_tokens", "draining")
+MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain")
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
 MAX_RANKS = 256
 
@@ -47,6 +50,8 @@ class RouterExport:
         self.slow_clients = bind(d.ROUTER_SLOW_CLIENTS, *who)
         self.live = {r: bind(d.MESH_LIVE_INSTANCES, *who, r) for r in (*ROLES, "other")}
         self.events = TotalsFeed(lambda e: bind(d.ROUTER_EVENTS, *who, e) if e in EVENTS else None)
+        self.shed = TotalsFeed(lambda c: bind(d.ROUTER_SHED, *who, _known(c, SHED_CAUSES)))
+        self.migrations = TotalsFeed(lambda c: bind(d.ROUTER_MIGRATIONS, *who, _known(c, MIGRATION_CAUSES)))
         self._groups: dict[str, tuple[Any, Any, list[Any], list[Any]]] = {}
 
     # -- per message to a client ------------------------------------------------------------------------
@@ -96,6 +101,11 @@ class RouterExport:
                 live[_known(inst.role, ROLES)] += 1
         for role, n in live.items():
             self.live[role].set(n)
+
+    def by_cause(self, shed: Mapping[str, int], migrations: Mapping[str, int]) -> None:
+        """The router's totals of shed requests and of migrations, each by cause (monotonic)."""
+        self.shed.update(shed)
+        self.migrations.update(migrations)
 
     # -- expert parallelism -------------------------------------------------------------------------------
 
