@@ -80,7 +80,8 @@ ROUTER_EVENTS = Counter(
     "deepinfer_router_events",
     "Router events by kind: admitted, retries, moves, stale, kv_events, resyncs, forged, malformed, "
     "refused_deltas (text of a request from another worker than its own), handoffs_adopted (a request whose "
-    "prefill worker was lost after its KV reached the decode worker, decoding on).",
+    "prefill worker was lost after its KV reached the decode worker, decoding on), drains_begun, drains_finished "
+    "and drains_timed_out (members that drained, and those that left still holding requests: moved, cause drain).",
     (*WHO, "event"))
 ROUTER_SHED = Counter(
     "deepinfer_router_shed",

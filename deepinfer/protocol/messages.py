@@ -2,7 +2,7 @@
 
 Type bytes are grouped by edge; a range is reserved for each part still to come:
 
-  0x01–0x0F  session and control (handshake, heartbeats, abort, errors, shutdown)
+  0x01–0x0F  session and control (handshake, heartbeats, abort, errors, shutdown, drain)
   0x10–0x1F  client ↔ router
   0x20–0x2F  router ↔ tokenizer ↔ decode worker
   0x30–0x3F  router → prefill worker ↔ decode worker (P/D handoff)
@@ -23,7 +23,8 @@ Heartbeat); 6 added ExpertLoad; 7 added the expert balancer's messages (Placemen
 PlacementUpdate, PlacementResult); 8 added prompt logprobs (SamplingParamsWire.prompt_logprobs, the
 prompt_logprobs of DetokenizeItem, TextDeltaItem, KvTransfer, StreamDelta and RequestFinished, the latter two
 with prompt_token_ids), logit_bias, per-item logprobs on every DetokenizeItem, and the error codes
-"unauthorized" and "unavailable".
+"unauthorized" and "unavailable"; 9 added graceful drain: DrainService, ServiceQuery, ServiceStatus and
+Shutdown.timeout_s.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "CacheStoreAck",
     "DetokenizeBatch",
     "DetokenizeItem",
+    "DrainService",
     "EncodeRequest",
     "EncodeResult",
     "ErrorCode",
@@ -69,6 +71,8 @@ __all__ = [
     "RequestFinished",
     "SamplingParamsWire",
     "ServiceExited",
+    "ServiceQuery",
+    "ServiceStatus",
     "Shutdown",
     "StreamDelta",
     "TextDeltaItem",
@@ -78,7 +82,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -270,10 +274,13 @@ class Heartbeat:
 
 @message(0x04)
 class Shutdown:
-    """Launcher or router → any service: stop; with drain, finish in-flight work first."""
+    """Launcher or router → any service: stop; with drain, finish in-flight work first (within `timeout_s`,
+    None: the service's own drain timeout). To a service that is draining, `drain=False` is the router's
+    release: it holds none of the service's requests any more, so the service may stop once idle."""
 
     drain: bool = True
     reason: str = ""
+    timeout_s: float | None = None
 
 
 @message(0x05)
@@ -300,11 +307,46 @@ class ErrorReply:
 class ServiceExited:
     """Supervisor → router, the moment a child process it runs exits: its requests move on at once
     instead of waiting out the heartbeat timeout. `pid` (the Hello's "pid" capability) names the process
-    that exited, so a note that arrives after its successor's Hello changes nothing."""
+    that exited, so a note that arrives after its successor's Hello changes nothing. A draining service
+    also sends it about itself as it stops (its goodbye): what it still holds then moves at once."""
 
     instance: str
     pid: int
     returncode: int
+
+
+@message(0x08)
+class DrainService:
+    """Operator (the `drain` command, a supervisor identity) → router: place no new work on `instance` from
+    now on and tell it to drain: finish what it holds, move what is left after `timeout_s` (None: the
+    service's own drain timeout) to other workers, then exit 0. Answered with a ServiceStatus."""
+
+    instance: str
+    timeout_s: float | None = None
+
+
+@message(0x09)
+class ServiceQuery:
+    """Operator → router: how is `instance`? Answered with a ServiceStatus."""
+
+    instance: str
+
+
+@message(0x0A)
+class ServiceStatus:
+    """Router → operator: one mesh member as the router sees it. `known`: it ever registered; `alive`: its
+    process (`incarnation`, `pid`) counts as running; `serving`: it may be given new work now; `held`:
+    requests it holds state for."""
+
+    instance: str
+    known: bool
+    role: str = ""
+    incarnation: str = ""
+    pid: int = 0
+    alive: bool = False
+    draining: bool = False
+    serving: bool = False
+    held: int = 0
 
 
 # --- client ↔ router 0x10–0x1F ---------------------------------------------------------------------------------

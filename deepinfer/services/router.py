@@ -41,12 +41,13 @@ from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.balancer_config import BALANCER_NAME
 from deepinfer.services.base import DRAIN_TIMEOUT_S, BaseService, Handler
 from deepinfer.services.router_core import Outbound, RouterConfig, RouterCore
+from deepinfer.services.router_drain import DrainDesk
 from deepinfer.services.router_state import Phase
 
 __all__ = ["ExpertStatus", "MeshPins", "RouterConfig", "RouterService"]
 
 TICK_S = 0.1
-SUPERVISOR_PREFIX = "supervisor"  # the backend identities a supervisor's exit notes come from
+SUPERVISOR_PREFIX = "supervisor"  # the backend identities of supervisors' exit notes and operators' drains
 REHELLO_ASK_S = 1.0
 MAX_ASKED = 4096
 STATE_LOG_S = 10.0  # how often the router logs the mesh's state
@@ -145,6 +146,7 @@ class RouterService(BaseService):
         self.balancer: bytes | None = None  # the welcomed expert balancer's identity, if any
         # Prometheus: each request's end, the router's state, expert load
         self.export = RouterExport(instance, [p.value for p in Phase])
+        self.drains = DrainDesk(self.core.table)  # graceful drains of members (router_drain)
 
     async def open(self) -> bool:
         self.frontend = self.socket(make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,
@@ -261,7 +263,7 @@ class RouterService(BaseService):
     def _service_table(self) -> dict[type, Handler]:
         core = self.core
         from_members: dict[type, Callable[[str, Any, float], list[Outbound]]] = {
-            m.Heartbeat: lambda _, hb, now: core.on_heartbeat(hb, now),
+            m.Heartbeat: lambda _, hb, now: core.on_heartbeat(hb, now) + self.drains.on_heartbeat(hb),
             m.EncodeResult: core.on_encode_result,
             m.PrefillDone: lambda _, done, now: core.on_prefill_done(done, now),
             m.KvEvents: self._kv_events,
@@ -272,7 +274,8 @@ class RouterService(BaseService):
         }
         table = {kind: self._from_member(event) for kind, event in from_members.items()}
         return {**table, m.Hello: self._welcome, m.ServiceExited: self._service_exited,
-                m.PlacementUpdate: self._placement_update}
+                m.PlacementUpdate: self._placement_update, m.DrainService: self._operator,
+                m.ServiceQuery: self._operator}
 
     def _from_member(self, event: Callable[[str, Any, float], list[Outbound]] | None) -> Handler:
         """A handler for what only a welcomed service may send, and only about itself, fed to the core
@@ -336,9 +339,31 @@ class RouterService(BaseService):
             await self._send([Outbound(update.worker, update)])
 
     async def _service_exited(self, ident: bytes, note: m.ServiceExited) -> None:
-        if ident.startswith(SUPERVISOR_PREFIX.encode()):  # only a supervisor may say a service exited
-            self.log.info("service exited", instance=note.instance, pid=note.pid, code=note.returncode)
-            await self._send(self.core.on_service_exited(note, self._now()))
+        # A supervisor may say that any service exited; a service, only that it exits itself (a drain's goodbye).
+        own = ident in self.greeted and ident == note.instance.encode()
+        if own or ident.startswith(SUPERVISOR_PREFIX.encode()):
+            self.log.info("service exited", instance=note.instance, pid=note.pid, code=note.returncode, own=own)
+            cause = self.drains.on_exit(note)  # "drain" for a draining member's leftovers, else a death
+            await self._send(self.core.on_service_exited(note, self._now(), cause))
+
+    async def _operator(self, ident: bytes, msg: m.DrainService | m.ServiceQuery) -> None:
+        """An operator's drain or question (the `drain` command), answered with the member's ServiceStatus.
+        Only from a supervisor identity (on a secured backend only the supervisor's key may claim one)."""
+        sender = ident.decode(errors="replace")
+        if not ident.startswith(SUPERVISOR_PREFIX.encode()):
+            self.forged += 1
+            self.log.warning("operator message not from a supervisor refused", type=type(msg).__name__,
+                             sender=sender)
+            return
+        now = self._now()
+        if isinstance(msg, m.DrainService):
+            status, out = self.drains.on_drain_service(msg, now)
+            self.log.info("drain asked", instance=msg.instance, timeout_s=msg.timeout_s, alive=status.alive,
+                          held=status.held)
+        else:
+            status, out = self.drains.status(msg.instance, now), []
+        await self._send([*out, Outbound(sender, status)])
+
 
     async def _ask_hello(self, ident: bytes) -> None:
         """A service this incarnation has not welcomed: it spoke to the router before this one. Ask it for a
@@ -399,7 +424,8 @@ class RouterService(BaseService):
         events = {"admitted": metrics.admitted, "retries": metrics.retries, "moves": metrics.moves,
                   "stale": metrics.stale, "kv_events": metrics.kv_events, "resyncs": metrics.resyncs,
                   "forged": self.forged, "malformed": self.malformed, "refused_deltas": metrics.refused_deltas,
-                  "handoffs_adopted": metrics.handoffs_adopted}
+                  "handoffs_adopted": metrics.handoffs_adopted, "drains_begun": self.drains.begun,
+                  "drains_finished": self.drains.finished, "drains_timed_out": self.drains.timed_out}
         self.export.state(self.core.phase_counts(), len(self._backlog), events, self.core.table.instances.values())
         self.export.by_cause(metrics.shed, metrics.migrations)
 

@@ -270,15 +270,17 @@ class RouterCore:
         inst.pid = int(pid) if pid.isdigit() else None
         return out
 
-    def on_service_exited(self, note: ServiceExited, now: float) -> list[Outbound]:
-        """The supervisor saw the process exit: its requests move now, not at the heartbeat timeout. Only
-        the process the note names (by pid) is retired: a note about a predecessor changes nothing."""
+    def on_service_exited(self, note: ServiceExited, now: float, cause: str | None = None) -> list[Outbound]:
+        """The supervisor saw the process exit (or a draining service says it exits: `cause` "drain"): its
+        requests move now, not at the heartbeat timeout. Only the process the note names (by pid) is retired:
+        a note about a predecessor changes nothing."""
         inst = self.table.get(note.instance)
         if inst is None or inst.pid is None or inst.pid != note.pid or not inst.alive:
             return self._stale()
         self.table.retire(inst)
         self.cache.index.forget(inst.name)
-        return self._lose(inst, f"{inst.role} {inst.name} exited with code {note.returncode}", now, tell_instance=False)
+        return self._lose(inst, f"{inst.role} {inst.name} exited with code {note.returncode}", now, tell_instance=False,
+                          cause=cause)
 
     def on_heartbeat(self, hb: Heartbeat, now: float) -> list[Outbound]:
         beat = self.table.heartbeat(hb, now)

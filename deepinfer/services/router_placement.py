@@ -10,10 +10,11 @@ a request placed on it is prefilled and decoded there). Other roles (kvcache, ba
 tracked for liveness but never placed on.
 
 Liveness: an instance is placeable once it has sent a heartbeat, while its last heartbeat is at most
-`heartbeat_timeout_s` old, it is not draining, and `expire` has not declared it dead. `expire` declares
-dead an instance whose heartbeats stopped, or a worker that reports queued or running work while its
-progress counter has not moved for `progress_timeout_s` (wedged, not busy). A heartbeat with a new
-incarnation is a restart. Heartbeats from a retired incarnation, or not newer than the last seq, are stale.
+`heartbeat_timeout_s` old, it is not draining (as the router was told, or as its heartbeat says), and
+`expire` has not declared it dead. `expire` declares dead an instance whose heartbeats stopped, or a worker
+that reports queued or running work while its progress counter has not moved for `progress_timeout_s`
+(wedged, not busy). A heartbeat with a new incarnation is a restart. Heartbeats from a retired incarnation,
+or not newer than the last seq, are stale.
 """
 
 from __future__ import annotations
@@ -61,10 +62,15 @@ class Instance:
     assigned: int = 0  # requests this router decodes here (placed or running)
     kvcache: str | None = None  # the cache daemon this worker reads from (its Hello's "kvcache" capability)
     pid: int | None = None  # its process id (the Hello's "pid" capability), as a supervisor names it
+    # Draining (router_drain): set when an operator asks the router to drain it, or its heartbeat says so;
+    # from then on it gets no new work. `drain_acked`: the router told it so, and it waits for the release.
+    draining: bool = False
+    drain_acked: bool = False
 
     def placeable(self, now: float, timeout_s: float) -> bool:
         return (
             self.alive
+            and not self.draining
             and self.load is not None
             and not self.load.draining
             and self.last_heartbeat is not None
@@ -176,6 +182,7 @@ class InstanceTable:
         inst.held.clear()
         inst.prefill_tokens = inst.pending_blocks = inst.assigned = 0
         inst.alive, inst.last_progress = True, now
+        inst.draining = inst.drain_acked = False  # a new process: the old one's drain is over
         if hb is not None:
             self._apply(inst, hb, now)
 

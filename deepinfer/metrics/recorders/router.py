@@ -16,7 +16,7 @@ ERROR_CODES: tuple[str, ...] = get_args(m.ErrorCode)
 TIERS = ("device", "host", "disk")
 ROLES = ("tokenizer", "worker", "prefill", "decode", "kvcache", "balancer")
 EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed", "refused_deltas",
-          "handoffs_adopted")
+          "handoffs_adopted", "drains_begun", "drains_finished", "drains_timed_out")
 SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_inflight", "tenant_tokens", "draining")
 MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain")
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
