@@ -5,8 +5,8 @@
     deepinfer-launch generate --model smollm2 --prompt "Hello" --chat --max-tokens 64
     deepinfer-launch generate --model smollm2 --prompts-file prompts.txt --json
 
-The commands live by job: cli_fetch (fetch), cli_generate (generate, chat), cli_up (up), cli_deploy (service,
-systemd, metrics, keys); cli_options holds the option sets they share.
+The commands live by job: cli_fetch (fetch), cli_generate (generate, chat), cli_up (up), cli_drain (drain),
+cli_deploy (service, systemd, metrics, keys); cli_options holds the option sets they share.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import sys
 import click
 
 from deepinfer.launch.cli_deploy import keys, metrics, service, systemd
+from deepinfer.launch.cli_drain import drain
 from deepinfer.launch.cli_fetch import fetch
 from deepinfer.launch.cli_generate import chat, generate
 from deepinfer.launch.cli_options import mesh_options
 from deepinfer.launch.cli_up import up
 
-__all__ = ["chat", "configure_logging", "fetch", "generate", "keys", "main", "mesh_options", "metrics", "service",
-           "systemd", "up"]
+__all__ = ["chat", "configure_logging", "drain", "fetch", "generate", "keys", "main", "mesh_options", "metrics",
+           "service", "systemd", "up"]
 
 
 def configure_logging(as_json: bool, level: str) -> None:
@@ -48,7 +49,7 @@ def main(log_json: bool, log_level: str) -> None:
     configure_logging(log_json, log_level)
 
 
-for _command in (fetch, generate, chat, up, service, systemd, metrics, keys):
+for _command in (fetch, generate, chat, up, drain, service, systemd, metrics, keys):
     main.add_command(_command)
 
 

@@ -80,13 +80,10 @@ class BalancerService(Service):
         self.balancer_export.decisions(self.decisions, self.adopted, self.abandoned)
 
     def handlers(self) -> dict[type, Handler]:
-        return {m.ExpertLoad: self._on_load, m.PlacementResult: self._on_result, m.Shutdown: self._on_shutdown}
+        return {m.ExpertLoad: self._on_load, m.PlacementResult: self._on_result}
 
     def tasks(self) -> list[Any]:
         return [self._plan_loop()]
-
-    async def _on_shutdown(self, msg: m.Shutdown) -> None:
-        self.stop()
 
     # -- reports and results ------------------------------------------------------------------
 

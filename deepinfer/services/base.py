@@ -56,12 +56,13 @@ class BaseService:
     * `tasks()`: the coroutines it serves with (receive loops, timers). A receive loop is usually
       `dispatch_forever(sock, recv, table)`, its handler table mapping a message type to a coroutine.
     * `idle()`: nothing in flight, so a draining service may stop now.
-    * optionally `on_drain()` (announce the drain; bounded) and `on_stop()` (take down what `open()`
-      started besides sockets).
+    * optionally `on_drain()` (announce the drain; bounded), `drained()` (more than idle() before a drain
+      may end), `on_drain_end()` (say goodbye; bounded) and `on_stop()` (take down what `open()` started
+      besides sockets).
 
     Invariants:
     * `drain()` sets `draining` (the subclass refuses new work while it is set) and ends in `stop()` once
-      idle, or at its deadline whatever the peers do.
+      `drained()`, or at its deadline whatever the peers do.
     * Handlers never raise into the loop: a failing handler is logged and the service keeps serving; a
       malformed message is counted (`malformed`), logged and skipped.
     * Receive loops are fair: `dispatch_forever` yields to the event loop after every FAIR_BATCH messages,
@@ -109,6 +110,14 @@ class BaseService:
 
     async def on_drain(self, timeout_s: float) -> None:
         """When a drain begins, before waiting for idle(): e.g. tell peers. Cut off after `timeout_s`."""
+
+    async def drained(self) -> bool:
+        """Whether a draining service may stop now (polled every DRAIN_POLL_S): by default once idle()."""
+        return self.idle()
+
+    async def on_drain_end(self, timed_out: bool) -> None:
+        """As a drain ends (`timed_out`: with work still in flight), just before stop(): e.g. say goodbye.
+        It must bound its own sends: the peers may be gone."""
 
     async def on_stop(self) -> None:
         """After serving ends (also by a loop's failure), before the sockets close."""
@@ -195,9 +204,15 @@ class BaseService:
         deadline = time.monotonic() + timeout_s
         self.log.info("draining", timeout_s=timeout_s)
         try:
-            await asyncio.wait_for(self.on_drain(timeout_s), timeout_s)  # bounded whatever the hook does
-            while not self.idle() and time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(self.on_drain(timeout_s), timeout_s)  # bounded whatever the hook does
+            except TimeoutError:
+                self.log.warning("the drain's announcement was cut off at the drain's deadline")
+            while not (done := await self.drained()) and time.monotonic() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
+            if not done:
+                self.log.warning("drain timed out with work in flight", timeout_s=timeout_s)
+            await self.on_drain_end(timed_out=not done)
         except Exception:
             self.log.exception("drain failed; stopping now")
         finally:  # invariant: a drain ends in stop() by its deadline
@@ -261,8 +276,16 @@ class Service(BaseService):
 
     A subclass provides `handlers()` (the router's messages: type → coroutine), `heartbeat_fields()`,
     optionally `tasks()` (extra loops such as a second socket's receive loop), `on_start()` (open those
-    sockets, after the handshake) and `on_router_restart()`. Its drain first sends a heartbeat saying
-    `draining` (so the router stops placing here), bounded as the router may be gone.
+    sockets, after the handshake) and `on_router_restart()`.
+
+    Draining (the router's side: `router_drain`): a drain starts on SIGTERM or on the router's
+    `Shutdown(drain=True)` (an operator's `drain` command), and first sends a heartbeat saying `draining`
+    (so the router stops placing here), bounded as the router may be gone. Once the router has said it
+    knows (that Shutdown), the service, idle, waits for the router's release (`Shutdown(drain=False)`: the
+    router holds none of its requests, so none is on its way here or still being finished elsewhere)
+    before it stops; a drain the router never acknowledged ends once idle. Either way, as it stops it says
+    goodbye (a ServiceExited about itself), so the router moves at once what it still held at a timeout.
+    `Shutdown(drain=False)` to a service that is not draining stops it.
     """
 
     def __init__(self, instance: str, backend: str, ctx: zmq.asyncio.Context | None = None,
@@ -278,6 +301,9 @@ class Service(BaseService):
         self.router: Any = None
         self._seq = 0
         self._rehello_at: float | None = None  # when we last said Hello to a restarted router, until welcomed
+        self._drain_acked = False  # the router knows this service drains: once idle, it waits for the release
+        self._released = False  # the router's release: it holds none of this service's requests
+        self._asked_release = False
 
     # -- to override ------------------------------------------------------------------------
 
@@ -315,6 +341,36 @@ class Service(BaseService):
     async def on_drain(self, timeout_s: float) -> None:
         # Tell the router now, not at the next period; bounded, as the router may be gone.
         await self._beat(timeout_s=min(SHUTDOWN_SEND_S, timeout_s))
+
+    async def drained(self) -> bool:
+        """Idle and, once the router acknowledged the drain, released by it. Idle but not released yet, it
+        asks at once (a heartbeat: the router releases at a draining heartbeat), not at the next period."""
+        if not self.idle():
+            return False
+        if self._released or not self._drain_acked:
+            return True
+        if not self._asked_release:
+            self._asked_release = True
+            await self._beat(timeout_s=SHUTDOWN_SEND_S)
+        return False
+
+    async def on_drain_end(self, timed_out: bool) -> None:
+        # The goodbye: the router retires this process now, and moves what it still holds (after a timeout)
+        # at once rather than at the supervisor's exit note or the heartbeat timeout.
+        await self.send_router_within(m.ServiceExited(self.instance, os.getpid(), 0), SHUTDOWN_SEND_S)
+
+    async def _on_shutdown(self, msg: m.Shutdown) -> None:
+        """The router's word: drain (within `msg.timeout_s`, else the default), or stop; to a draining
+        service, `drain=False` is the release."""
+        if msg.drain:
+            self._drain_acked = True
+            self.drain(DRAIN_TIMEOUT_S if msg.timeout_s is None else msg.timeout_s)
+        elif self.draining:
+            self.log.info("released by the router", reason=msg.reason)
+            self._released = True
+        else:
+            self.log.info("stopped by the router", reason=msg.reason)
+            self.stop()
 
     def hello(self) -> m.Hello:
         # The pid lets a supervisor's exit note (ServiceExited) name this very process.
@@ -356,7 +412,8 @@ class Service(BaseService):
             return False
 
     async def _recv_loop(self) -> None:
-        await self.dispatch_forever(self.router, arecv_msg, {**self.handlers(), m.Welcome: self._on_welcome})
+        await self.dispatch_forever(self.router, arecv_msg, {**self.handlers(), m.Welcome: self._on_welcome,
+                                                             m.Shutdown: self._on_shutdown})
 
     async def _on_welcome(self, welcome: m.Welcome) -> None:
         """After the handshake a Welcome is news: a router that asks for a Hello has restarted (drop the old

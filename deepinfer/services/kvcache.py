@@ -158,7 +158,7 @@ class KvCacheService(Service):
         return [self.dispatch_forever(self.sock, arecv_routed, cache_table), self._flush_loop(), self._events_loop()]
 
     def handlers(self) -> dict[type, Handler]:
-        return {m.Shutdown: self._on_shutdown, m.KvResync: self._on_resync}
+        return {m.KvResync: self._on_resync}
 
     def record_metrics(self, beat: m.Heartbeat) -> None:
         super().record_metrics(beat)
@@ -169,9 +169,6 @@ class KvCacheService(Service):
 
     def idle(self) -> bool:
         return not self.fetches.tasks and not self.stores.tasks and not self.store.pending_writes()
-
-    async def _on_shutdown(self, msg: m.Shutdown) -> None:
-        self.stop()
 
     def _io(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         return asyncio.get_running_loop().run_in_executor(self.io, fn, *args)

@@ -45,7 +45,7 @@ class TokenizerService(Service):
         return [self.dispatch_forever(self.pull, arecv_msg, {m.DetokenizeBatch: self._detokenize})]
 
     def handlers(self) -> dict[type, Handler]:
-        return {m.EncodeRequest: self._encode, m.AbortRequest: self._abort, m.Shutdown: self._shutdown}
+        return {m.EncodeRequest: self._encode, m.AbortRequest: self._abort}
 
     def idle(self) -> bool:
         return self.core.num_inflight == 0
@@ -65,7 +65,3 @@ class TokenizerService(Service):
 
     async def _abort(self, req: m.AbortRequest) -> None:
         self.core.on_abort(req.request_id)
-
-    async def _shutdown(self, msg: m.Shutdown) -> None:
-        self.stop()
-

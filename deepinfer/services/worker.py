@@ -182,7 +182,6 @@ class WorkerService(Service):
         return {
             m.PrefillJob: self._on_job,
             m.AbortRequest: self._on_abort,
-            m.Shutdown: self._on_shutdown,
             m.KvResync: self._on_resync,
             m.PlacementUpdate: self._on_placement_update,
         }
@@ -241,9 +240,6 @@ class WorkerService(Service):
             await refuse_not_a_group(self.instance, update, self.send_router)
         else:
             await self.experts.on_update(update)
-
-    async def _on_shutdown(self, msg: m.Shutdown) -> None:
-        self.stop()
 
     async def _lease_loop(self) -> None:
         while True:
