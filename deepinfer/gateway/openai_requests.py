@@ -9,11 +9,16 @@ Sample j > 0 of a seeded request uses `seed + j`, so the n samples differ yet ar
 the prompt's KV through the prefix cache. `max_tokens = 0` (with `echo`: evaluate the prompt only, what
 log-likelihood harnesses ask for) is served by generating one token and dropping it: the engine always
 samples at least one (`evaluate_only`).
+
+Bounds (ParseContext): a request asks for at most `max_sequences` choices (n × prompts: one POST must not
+become a hundred thousand mesh requests), and a prompt longer than `max_prompt_chars` is refused before
+anything tokenises it (no prompt that long fits the context). Values quoted in error messages are cut short.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,6 +31,17 @@ MAX_N = 128  # samples per prompt
 MAX_BATCH = 1024  # prompts per completions request
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (and the engine's: SamplingParams.MAX_LOGPROBS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+MAX_TOKEN_ID = 2**63 - 1  # token ids (stop_token_ids, logit_bias keys) past this cannot be one
+_reprs = reprlib.Repr()
+_reprs.maxstring = _reprs.maxother = 40
+_reprs.maxlist = _reprs.maxdict = 4
+_reprs.maxlevel = 2
+
+
+def _short(v: Any) -> str:
+    """`v` as an error message quotes it: a string as it is, anything else as its repr, either cut short."""
+    return (v if len(v) <= 60 else v[:60] + "...") if isinstance(v, str) else _reprs.repr(v)
+
 
 # Sampling parameters both endpoints take (OpenAI's, then vLLM's extensions) that map one to one.
 _SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
@@ -81,6 +97,8 @@ class ParseContext:
     model: str
     max_model_len: int
     count_chat_tokens: Callable[[list[dict[str, str]]], int] | None = None
+    max_sequences: int = MAX_N * MAX_BATCH  # choices (n × prompts) one request may ask for
+    max_prompt_chars: int | None = None  # a prompt (or a chat's contents) longer than this cannot fit the context
 
 
 # --- field readers: each refuses a wrong type with a 400 naming the parameter --------------------------------
@@ -95,7 +113,7 @@ def _number(body: Mapping[str, Any], key: str, default: float | None) -> float |
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise invalid(f"{key} must be a number, got {v!r}", key)
+        raise invalid(f"{key} must be a number, got {_short(v)}", key)
     return float(v)
 
 
@@ -105,7 +123,7 @@ def _int(body: Mapping[str, Any], key: str, default: int | None, lo: int | None 
     if v is None:
         return default
     if not _is_int(v):
-        raise invalid(f"{key} must be an integer, got {v!r}", key)
+        raise invalid(f"{key} must be an integer, got {_short(v)}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise invalid(f"{key} must be {bounds}, got {v}", key)
@@ -117,13 +135,13 @@ def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise invalid(f"{key} must be true or false, got {v!r}", key)
+        raise invalid(f"{key} must be true or false, got {_short(v)}", key)
     return v
 
 
 def _token_ids(v: Any, key: str) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
-        raise invalid(f"{key} must be a list of token ids (non-negative integers)", key)
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
+        raise invalid(f"{key} must be a list of token ids (integers in [0, 2**63))", key)
     return list(v)
 
 
@@ -146,9 +164,13 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
     if not isinstance(v, Mapping):
         raise invalid("logit_bias must map token ids to biases", "logit_bias")
     try:
-        return dict(logit_bias_pairs(v))
-    except ValueError as exc:
+        pairs = dict(logit_bias_pairs(v))
+    except ValueError as exc:  # a key of more digits than int() takes is one too
         raise invalid(str(exc), "logit_bias") from None
+    bad = next((t for t in pairs if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise invalid(f"logit_bias key {_short(bad)} is not a token id", "logit_bias")
+    return pairs
 
 
 def _check_keys(body: Any, known: set[str]) -> None:
@@ -156,7 +178,7 @@ def _check_keys(body: Any, known: set[str]) -> None:
         raise invalid("the request body must be a JSON object")
     unknown = sorted(k for k in body if k not in known)
     if unknown:
-        raise invalid(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
+        raise invalid(f"Unrecognized request argument supplied: {', '.join(map(_short, unknown))}", unknown[0][:40])
 
 
 def _check_model(body: Mapping[str, Any], ctx: ParseContext) -> str:
@@ -164,7 +186,7 @@ def _check_model(body: Mapping[str, Any], ctx: ParseContext) -> str:
     if model is None:
         raise invalid("you must provide a model parameter", "model")
     if model != ctx.model:
-        raise model_not_found(model)
+        raise model_not_found(_short(model))
     return model
 
 
@@ -235,6 +257,20 @@ def _prompts(v: Any) -> list[str | list[int]]:
                   "prompt")
 
 
+def _check_sequences(prompts: int, n: int, ctx: ParseContext) -> None:
+    if prompts * n > ctx.max_sequences:
+        raise invalid(f"{prompts} prompts × n = {n} asks for {prompts * n} choices; at most {ctx.max_sequences} "
+                      f"per request", "n", cause="too_many_sequences")
+
+
+def check_prompt_chars(chars: int, ctx: ParseContext, param: str) -> None:
+    """A prompt of `chars` characters that no context of ctx.max_model_len tokens can hold: refused before
+    anything tokenises it."""
+    if ctx.max_prompt_chars is not None and chars > ctx.max_prompt_chars:
+        raise invalid(f"the prompt has {chars} characters, more than the model's context of {ctx.max_model_len} "
+                      f"tokens can hold", param, cause="prompt_too_long")
+
+
 def parse_completion(body: Any, ctx: ParseContext) -> GenerationPlan:
     _check_keys(body, COMPLETION_KEYS)
     model = _check_model(body, ctx)
@@ -249,6 +285,9 @@ def parse_completion(body: Any, ctx: ParseContext) -> GenerationPlan:
         raise _unsupported("suffix", "insertion is not offered")
     n = _int(body, "n", 1, 1, MAX_N)
     assert n is not None
+    _check_sequences(len(prompts), n, ctx)
+    for p in prompts:
+        check_prompt_chars(len(p), ctx, "prompt")
     best_of = _int(body, "best_of", None, 1)
     if best_of is not None and best_of != n:
         raise _unsupported("best_of", "give n samples instead")
@@ -327,9 +366,11 @@ def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
     if "messages" not in body:
         raise invalid("you must provide messages", "messages")
     messages = chat_messages(body["messages"])
+    check_prompt_chars(sum(len(msg["content"]) for msg in messages), ctx, "messages")
     _check_chat_unsupported(body)
     n = _int(body, "n", 1, 1, MAX_N)
     assert n is not None
+    _check_sequences(1, n, ctx)
     stream = _bool(body, "stream", False)
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -362,21 +403,24 @@ class TokenizeRequest:
 def parse_tokenize(body: Any, ctx: ParseContext) -> TokenizeRequest:
     _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
     if body.get("model") is not None and body["model"] != ctx.model:
-        raise model_not_found(body["model"])
+        raise model_not_found(_short(body["model"]))
     if ("prompt" in body) == ("messages" in body):
         raise invalid("give exactly one of prompt or messages", "prompt")
     if "prompt" in body:
         if not isinstance(body["prompt"], str):
             raise invalid("prompt must be a string", "prompt")
+        check_prompt_chars(len(body["prompt"]), ctx, "prompt")
         return TokenizeRequest(prompt=body["prompt"], add_special_tokens=_bool(body, "add_special_tokens", True))
-    return TokenizeRequest(messages=chat_messages(body["messages"]),
+    messages = chat_messages(body["messages"])
+    check_prompt_chars(sum(len(msg["content"]) for msg in messages), ctx, "messages")
+    return TokenizeRequest(messages=messages,
                            add_generation_prompt=_bool(body, "add_generation_prompt", True))
 
 
 def parse_detokenize(body: Any, ctx: ParseContext, vocab_size: int) -> list[int]:
     _check_keys(body, {"model", "tokens"})
     if body.get("model") is not None and body["model"] != ctx.model:
-        raise model_not_found(body["model"])
+        raise model_not_found(_short(body["model"]))
     tokens = _token_ids(body.get("tokens"), "tokens")
     bad = next((t for t in tokens if t >= vocab_size), None)
     if bad is not None:

@@ -6,8 +6,10 @@ its engine's cannot drift apart."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from deepinfer.config.engine import (
     DEFAULT_DEVICE,
@@ -21,6 +23,7 @@ from deepinfer.config.engine import (
     MIN_SPECULATIVE_TOKENS,
     WEIGHTS_MODES,
 )
+from deepinfer.gateway.limits import HttpLimits
 from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S
 
 ROLES = ("prefill", "decode", "worker")
@@ -170,12 +173,16 @@ class GatewaySpec:
     name: str
     listen: str
     served_model_name: str | None = None
+    # deepinfer.gateway.limits.HttpLimits fields to change ([gateway.limits] max_body_bytes = 8388608, ...)
+    limits: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         try:
             split_host_port(self.listen)
         except ValueError as exc:
             raise ValueError(f"listen = {self.listen!r}: {exc}") from None
+        HttpLimits.from_options(self.limits)  # ValueError naming a key it does not know or cannot take
+        object.__setattr__(self, "limits", MappingProxyType(dict(self.limits)))  # frozen all the way down
 
 
 @dataclass(frozen=True)

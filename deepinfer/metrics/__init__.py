@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from deepinfer.metrics.env import MULTIPROC_ENV, multiproc_dir, prepare_dir, process_exited
 from deepinfer.metrics.export import MetricsServer, exposition, serve
-from deepinfer.metrics.recorders.gateway import record_http_request
+from deepinfer.metrics.recorders.gateway import record_http_refusal, record_http_request
 
 __all__ = ["MULTIPROC_ENV", "MetricsServer", "exposition", "multiproc_dir", "prepare_dir", "process_exited",
-           "record_http_request", "serve"]
+           "record_http_refusal", "record_http_request", "serve"]

@@ -175,3 +175,7 @@ HTTP_REQUESTS = Counter("deepinfer_http_requests", "HTTP requests answered, by e
 HTTP_REQUEST_DURATION = Histogram("deepinfer_http_request_duration_seconds",
                                   "HTTP request to the end of its response, by endpoint.", ("endpoint",),
                                   buckets=HTTP_BUCKETS)
+HTTP_REFUSALS = Counter("deepinfer_http_refusals",
+                        "HTTP requests the gateway refused, or connections and streams it ended, by cause (the "
+                        "fixed set deepinfer.gateway.limits.REFUSAL_CAUSES: body_too_large, header_timeout, "
+                        "slow_client, ...).", ("cause",))

@@ -5,95 +5,25 @@ non-streamed text, errors reach the SDK as its exception types, a client that le
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from deepinfer.gateway.app import Gateway, build_app
 from deepinfer.gateway.server import load_gateway
-from deepinfer.launch.mesh import InprocMesh
-from deepinfer.launch.topology import Topology, free_local_ports
+from deepinfer.launch.topology import Topology
 from deepinfer.protocol.client import Client
+from tests.integration.http_served import BackgroundGateway, BackgroundMesh, settle
 
 pytestmark = pytest.mark.smollm2
 
 MODEL = "smollm2-test"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class BackgroundMesh:
-    """An InprocMesh on its own event loop thread; its router front on ipc:// so other loops can connect."""
-
-    def __init__(self, topology: Topology) -> None:
-        self.topology = topology
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.mesh: InprocMesh | None = None
-
-    def call(self, coro: Any, timeout: float = 300) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def start(self) -> None:
-        self.thread.start()
-
-        async def start() -> InprocMesh:
-            mesh = InprocMesh(self.topology)
-            await mesh.start()
-            return mesh
-
-        self.mesh = self.call(start())
-
-    def router_inflight(self) -> int:
-        async def count() -> int:
-            return self.mesh.service("router").core.num_inflight  # type: ignore[union-attr]
-
-        return self.call(count())
-
-    def stop(self) -> None:
-        if self.mesh is not None:
-            self.call(self.mesh.stop(), timeout=60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-
-class BackgroundGateway:
-    """uvicorn serving a Gateway on 127.0.0.1:<free port> in a thread."""
-
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-        self.port = free_local_ports(1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(build_app(gw), host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
-                                lifespan="on", log_level="warning", access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the gateway did not start"
-            time.sleep(0.05)
-
-    def wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while httpx.get(self.url + "/ready").status_code != 200:
-            assert time.monotonic() < deadline, "the gateway never became ready"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +54,6 @@ def sdk(served) -> openai.OpenAI:
 def zmq_client(served) -> Iterator[Client]:
     with Client(served[0].topology.frontend, timeout_s=120) as c:
         yield c
-
-
-def settle(mesh: BackgroundMesh, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while mesh.router_inflight():
-        assert time.monotonic() < deadline, f"{mesh.router_inflight()} requests still in flight at the router"
-        time.sleep(0.05)
 
 
 def test_ready_models_and_health(served):

@@ -203,6 +203,7 @@ def test_mesh_errors_map_to_openai_statuses(exc, status, kind):
     assert not err.message.startswith(exc.code + ":")
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
     assert (err.headers.get("Retry-After") == "3") == (status == 429)
+    assert ("Retry-After" in err.headers) == (status in (429, 503))
 
 
 # -- responses --------------------------------------------------------------------------------------------------

@@ -254,7 +254,8 @@ def every_field(tmp_path: Path) -> Topology:
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, max_moves_total=7,
                                     move_timeout_s=9.0)
-    gateway: dict[str, Any] = dict(served_model_name="my model")
+    gateway: dict[str, Any] = dict(served_model_name="my model", limits={"max_body_bytes": 1024,
+                                                                         "header_timeout_s": 2.5})
     # (kvcache is given below: on prefill-0, and on decode-0, a worker group whose rank 0 talks to the daemon)
     sections = ((RouterConfig, router, set(ROUTER_DERIVED)), (WorkerSpec, worker, {"name", "role", "kv", "kvcache"}),
                 (KvCacheSpec, kvcache, {"name", "endpoint"}), (SecuritySpec, security, {"keys_dir"}),

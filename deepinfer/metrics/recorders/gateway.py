@@ -9,6 +9,7 @@ from deepinfer.metrics.bind import bind
 
 _children: dict[tuple[str, str], Any] = {}
 _durations: dict[str, Any] = {}
+_refusals: dict[str, Any] = {}
 
 
 def record_http_request(endpoint: str, status: int | str, seconds: float | None = None) -> None:
@@ -27,3 +28,12 @@ def record_http_request(endpoint: str, status: int | str, seconds: float | None 
         if hist is None:
             hist = _durations[endpoint] = bind(d.HTTP_REQUEST_DURATION, endpoint)
         hist.observe(seconds)
+
+
+def record_http_refusal(cause: str) -> None:
+    """Count one request refused, or connection or stream ended, by the gateway; `cause` is from a fixed set
+    (deepinfer.gateway.limits.REFUSAL_CAUSES)."""
+    child = _refusals.get(cause)
+    if child is None:
+        child = _refusals[cause] = bind(d.HTTP_REFUSALS, cause)
+    child.inc()
