@@ -16,6 +16,9 @@ closes connections idle between requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -71,8 +74,13 @@ def guarded_httptools(limits: HttpLimits, on_refusal: Callable[[str], None]) -> 
             if response is not None:
                 self.transport.write(response)
                 self.transport.close()
-            else:
-                self.transport.abort()  # the app's receive/send see a disconnect at once
+                return
+            # Reset, not close: what the kernel still holds for this client is dropped too (a stalled reader
+            # would otherwise be fed megabytes of it at its pace). The app's receive/send see a disconnect.
+            sock = self.transport.get_extra_info("socket")
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
 
         def send_400_response(self, msg: str) -> None:
             if not self._refused:  # a parse error after our own answer is not answered again
