@@ -10,26 +10,13 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import KeyPair
 from deepinfer.protocol.client_errors import MeshError, RequestTimeoutError, error_from_reply
 from deepinfer.protocol.client_requests import build_request
-from deepinfer.protocol.client_session import (
-    CLOSE_LINGER_MS,
-    CONNECT_TIMEOUT_S,
-    HELLO,
-    TICK_S,
-    Ids,
-    Session,
-    client_auth,
-    hello,
-    open_dealer,
-)
-from deepinfer.protocol.errors import ProtocolError
+from deepinfer.protocol.client_session import CONNECT_TIMEOUT_S, HELLO, Ids, RouterLink, client_auth, hello
 from deepinfer.protocol.framing import encode_frames
-from deepinfer.protocol.sockets import arecv_msg
 
 
 class AsyncClient:
@@ -43,13 +30,15 @@ class AsyncClient:
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
         try:
-            self._sock, self._monitor = open_dealer(self._ctx, endpoint, auth)
+            # Plain (blocking-kind) sockets on the same context, used only non-blocking by one task (`_pump`):
+            # one reader for replies and connection events alike, and no asyncio socket futures holding a reply.
+            self._link = RouterLink(zmq.Context.shadow(self._ctx.underlying), endpoint, connect_timeout_s, auth)
         except BaseException:
             if self._own_ctx:
                 self._ctx.term()
             raise
-        self._session = Session(endpoint, connect_timeout_s, connected=self._monitor is None)
-        self._outbox_ready = asyncio.Event()  # set when the session's outbox got something to send
+        self._session = self._link.session
+        self._wake = asyncio.Event()  # set when the sockets may be ready or the session's outbox got something
         self.timeout_s = timeout_s
         self.api_key = api_key
         self._ids = Ids()
@@ -70,9 +59,7 @@ class AsyncClient:
         return not self._closed and self._session.connected and self._session.refusal is None
 
     async def connect(self) -> None:
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._flush())]
-        if self._monitor is not None:
-            self._tasks += [asyncio.create_task(self._watch_connection()), asyncio.create_task(self._expire())]
+        self._tasks = [asyncio.create_task(self._pump())]
         try:
             async with contextlib.aclosing(self._exchange(HELLO, hello())) as exchange:
                 welcome = await anext(exchange)
@@ -87,61 +74,40 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
-        self._session.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        while (frames := self._session.next_to_send()) is not None:  # the aborts, as far as the socket takes them
-            try:
-                await self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
-            except zmq.Again:
-                break
-            self._session.outbox.popleft()
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-        # The aborts get a moment to leave, but only while a router is connected: closing never waits for one
-        # that is gone.
-        self._sock.close(linger=CLOSE_LINGER_MS if self._session.connected else 0)
+        self._link.close()  # fails the waiting requests, hands the socket their aborts (as far as it takes them)
         if self._own_ctx:
             self._ctx.term()
 
     def _kick(self) -> None:
         """Call after anything that may have put messages in the session's outbox."""
         if self._session.outbox:
-            self._outbox_ready.set()
+            self._wake.set()
 
-    async def _flush(self) -> None:
-        """The one sender: sends wait while the socket refuses more (its HWM reached), as backpressure."""
-        while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready.clear()
-            while (frames := self._session.next_to_send()) is not None:
-                await self._sock.send_multipart(frames, copy=False)
-                self._session.outbox.popleft()
-
-    async def _read(self) -> None:
-        while True:
-            try:
-                msg = await arecv_msg(self._sock)
-            except ProtocolError:
-                continue  # undecodable: no request id to route it by
-            self._session.deliver(msg)
-
-    async def _watch_connection(self) -> None:
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_DISCONNECTED:
-                self._session.on_disconnected()
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._session.on_connected()
-            self._kick()
-
-    async def _expire(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            self._session.expire(time.monotonic())
-            self._kick()
+    async def _pump(self) -> None:
+        """The one task that touches the sockets, as Client's I/O thread does: it steps the link whenever a
+        socket's file descriptor signals, `_kick` wakes it, or (while requests wait for a router) a tick passed.
+        Sends wait in the outbox while the socket refuses more (its HWM reached), as backpressure."""
+        loop = asyncio.get_running_loop()
+        fds = [s.getsockopt(zmq.FD) for s in (self._link.sock, self._link.monitor) if s is not None]
+        for fd in fds:
+            loop.add_reader(fd, self._wake.set)
+        try:
+            while True:
+                self._wake.clear()
+                self._link.step(time.monotonic())
+                if self._link.ready():  # the descriptors signal changes only: more came during the step
+                    await asyncio.sleep(0)  # let the callers take what was delivered
+                    continue
+                timeout_ms = self._link.poll_timeout_ms()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(None if timeout_ms is None else timeout_ms / 1000):
+                        await self._wake.wait()
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_token_ids: list[int] | None = None, priority: int = 0, api_key: str | None = None,

@@ -1,21 +1,27 @@
-"""The connection bookkeeping both clients share: the DEALER and its monitor, the Hello, and `Session`, which
-knows which request waits where and what the router connection's ups and downs mean for each. No I/O of its own:
-`Client`'s I/O thread and `AsyncClient`'s event loop drive it."""
+"""The connection both clients share: `Session`, which knows which request waits where and what the router
+connection's ups and downs mean for each (no I/O of its own), and `RouterLink`, the DEALER, its monitor and the
+session, whose non-blocking `step` `Client`'s I/O thread and `AsyncClient`'s task both drive.
+
+The rule for a dropped connection lives in `Session.on_disconnected`: replies that reached the socket before the
+drop still count, so a request fails as lost only when its answer never arrived."""
 
 from __future__ import annotations
 
 import itertools
 import secrets
 from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import ClientAuth, KeyPair, client_identity_prefix
 from deepinfer.protocol.client_errors import MeshError, RouterLostError
+from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.framing import encode_frames
-from deepinfer.protocol.sockets import make_dealer
+from deepinfer.protocol.sockets import make_dealer, recv_msg
 
 HEARTBEAT_IVL_MS = 1000  # a PING to the router this often
 HEARTBEAT_TIMEOUT_MS = 3000  # no traffic from the router for this long: the connection is dropped
@@ -161,9 +167,14 @@ class Session:
             # require a Hello, but a refusal tells us early that it no longer speaks our protocol).
             self.send(hello())
 
-    def on_disconnected(self) -> None:
-        """The router held every request sent on the dropped connection: they fail now. Their aborts wait in
-        the socket for the next connection, in case that is the same router."""
+    def on_disconnected(self, queued_replies: Iterable[Any]) -> None:
+        """The connection dropped. Replies that reached the socket before the drop still count: `queued_replies`
+        (everything the socket holds now; libzmq queues a connection's last messages before it reports the drop)
+        are delivered first, so a request fails as lost only when its answer never arrived. The router held
+        every request still waiting that was sent on the dropped connection: they fail now. Their aborts wait
+        in the socket for the next connection, in case that is the same router."""
+        for msg in queued_replies:
+            self.deliver(msg)
         self.connected = False
         self._was_lost = True
         for key in [key for key in self.routes if key not in self.unconnected]:
@@ -182,3 +193,85 @@ class Session:
         for key in list(self.routes):
             self.fail(key, MeshError("the client was closed", key), "client closed")
         self.closed = True
+
+
+# --- the socket side both clients share ----------------------------------------------------------------
+
+
+class RouterLink:
+    """The client's end of its connection to the router: the DEALER, its monitor and the `Session`. Every method
+    is non-blocking. The owner's loop (Client's I/O thread, AsyncClient's task) is the only code that touches
+    the sockets: it waits until one may be ready (POLLIN on both, POLLOUT on `sock` while the outbox holds
+    something, or `poll_timeout_ms`), then calls `step`. One reader for replies and drops alike is what lets
+    `Session.on_disconnected` see every reply that came before a drop."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, connect_timeout_s: float,
+                 auth: ClientAuth | None = None) -> None:
+        self.sock, self.monitor = open_dealer(ctx, endpoint, auth)
+        self.session = Session(endpoint, connect_timeout_s, connected=self.monitor is None)
+
+    def step(self, now: float) -> None:
+        """Deliver the replies, handle the connection events, fail requests that waited too long for a router,
+        and hand the outbox to the socket."""
+        for msg in self._queued_replies():
+            self.session.deliver(msg)
+        self.read_connection_events()
+        self.session.expire(now)
+        self.flush()
+
+    def poll_timeout_ms(self) -> int | None:
+        """How long the owner may wait for the sockets before the next `step`: forever, unless requests wait for a
+        router (they are checked against connect_timeout_s every TICK_S)."""
+        return int(TICK_S * 1000) if self.session.unconnected else None
+
+    def ready(self) -> bool:
+        """A `step` has work now. For an owner that waits on the sockets' file descriptors: those signal a change
+        only (edge-triggered) and a step may consume one, so this is asked after every step before waiting."""
+        events = self.sock.getsockopt(zmq.EVENTS)
+        if events & zmq.POLLIN or (self.session.outbox and events & zmq.POLLOUT):
+            return True
+        return self.monitor is not None and bool(self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def flush(self) -> None:
+        """Hand the outbox to the socket; what it refuses (its HWM reached) waits for POLLOUT. While no router is
+        connected the socket still takes messages (up to its HWM) and sends them once one is."""
+        while (frames := self.session.next_to_send()) is not None:
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.session.outbox.popleft()
+
+    def close(self) -> None:
+        """Fail every waiting caller, hand their aborts to the socket and close both sockets."""
+        self.session.close()
+        self.flush()
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+        # The aborts get a moment to leave, but only while a router is connected: closing never waits for one
+        # that is gone.
+        self.sock.close(linger=CLOSE_LINGER_MS if self.session.connected else 0)
+
+    def _queued_replies(self) -> Iterator[Any]:
+        """The replies the socket holds now, oldest first."""
+        while True:
+            try:
+                yield recv_msg(self.sock, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ProtocolError:
+                continue  # undecodable: no request id to route it by
+
+    def read_connection_events(self) -> None:
+        """Handle the monitor's events. `step` reads the replies first, but a reply may land between the two
+        reads: `Session.on_disconnected` takes what the socket holds at the drop either way."""
+        while self.monitor is not None:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self.session.on_disconnected(self._queued_replies())
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.session.on_connected()

@@ -13,41 +13,35 @@ from functools import partial
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import ClientAuth, KeyPair
 from deepinfer.protocol.client_errors import MeshError, RequestTimeoutError, error_from_reply
 from deepinfer.protocol.client_requests import build_request
 from deepinfer.protocol.client_session import (
-    CLOSE_LINGER_MS,
     CONNECT_TIMEOUT_S,
     HELLO,
-    TICK_S,
     Ids,
-    Session,
+    RouterLink,
     Sink,
     client_auth,
     hello,
-    open_dealer,
 )
-from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.framing import encode_frames
-from deepinfer.protocol.sockets import recv_msg
 
 
 class _SocketThread:
-    """Owns the DEALER, its monitor and the session; the only thread that touches any of them. Callers hand it
-    work through `_call` (a queue, plus a byte on a socket pair that wakes its poll)."""
+    """Owns the RouterLink (the DEALER, its monitor and the session); the only thread that touches any of them.
+    Callers hand it work through `_call` (a queue, plus a byte on a socket pair that wakes its poll)."""
 
     def __init__(self, endpoint: str, connect_timeout_s: float, auth: ClientAuth | None = None) -> None:
         self._ctx = zmq.Context()
         try:
-            self._sock, self._monitor = open_dealer(self._ctx, endpoint, auth)
+            self._link = RouterLink(self._ctx, endpoint, connect_timeout_s, auth)
         except BaseException:
             self._ctx.term()
             raise
-        self._session = Session(endpoint, connect_timeout_s, connected=self._monitor is None)
+        self._session = self._link.session
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -91,22 +85,19 @@ class _SocketThread:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        for s in (self._monitor, self._wake_r):
+        for s in (self._link.monitor, self._wake_r):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
         try:
             while not self._stopping:
                 # POLLOUT only while the socket refused something: it is writable almost always.
-                poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._session.outbox else 0))
-                poller.poll(int(TICK_S * 1000) if self._session.unconnected else None)
+                poller.register(self._link.sock, zmq.POLLIN | (zmq.POLLOUT if self._session.outbox else 0))
+                poller.poll(self._link.poll_timeout_ms())
                 with contextlib.suppress(BlockingIOError):
                     while self._wake_r.recv(4096):
                         pass
                 self._run_inbox()  # after draining the wake bytes: work queued later wakes the next poll
-                self._read_replies()
-                self._read_monitor()
-                self._session.expire(time.monotonic())
-                self._flush()
+                self._link.step(time.monotonic())
         finally:
             self._shut_down()
 
@@ -114,14 +105,7 @@ class _SocketThread:
         with self._lock:
             self._accepting = False
         self._run_inbox()  # work queued before close still runs (a submit then fails: the session closes)
-        self._session.close()
-        self._flush()
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-        # The aborts just flushed get a moment to leave, but only while a router is connected: closing never
-        # waits for one that is gone.
-        self._sock.close(linger=CLOSE_LINGER_MS if self._session.connected else 0)
+        self._link.close()
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
@@ -133,38 +117,6 @@ class _SocketThread:
             except queue.Empty:
                 return
             fn()
-
-    def _read_monitor(self) -> None:
-        while self._monitor is not None:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
-            except zmq.Again:
-                return
-            if event == zmq.EVENT_DISCONNECTED:
-                self._read_replies()  # replies that arrived before the drop still count
-                self._session.on_disconnected()
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._session.on_connected()
-
-    def _read_replies(self) -> None:
-        while True:
-            try:
-                msg = recv_msg(self._sock, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ProtocolError:
-                continue  # undecodable: no request id to route it by
-            self._session.deliver(msg)
-
-    def _flush(self) -> None:
-        """Hand the outbox to the socket without blocking; what it refuses waits for POLLOUT. While no router is
-        connected the socket still takes messages (up to its HWM) and sends them once one is."""
-        while (frames := self._session.next_to_send()) is not None:
-            try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._session.outbox.popleft()
 
 
 class Client:
