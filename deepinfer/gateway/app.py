@@ -13,8 +13,10 @@ No request can harm another's:
   the loop that reads every stream's replies never stalls on one request;
 * every error of a request's producers reaches its consumer: a stream's pump forwards any exception (a
   request the wire cannot carry is a 400, never a hang), a non-streamed request maps it (never a 500);
-* a stream whose HTTP client stops reading holds at most `max_stream_backlog` records: past that its mesh
-  requests are aborted alone (counted as `slow_client`), and the connection is closed once writes stall;
+* a stream whose HTTP client stops reading holds at most `max_stream_backlog` records (the consumer takes
+  each before the next is queued, so only a write waiting on the client lets them pile up): past that its
+  mesh requests are aborted alone (counted as `slow_client`), and the connection is reset once writes
+  stall for `write_stall_timeout_s` (`http_protocol`);
 * a client that disconnects aborts its mesh requests: a stream is cancelled when the connection drops
   (leaving `AsyncClient.stream` aborts), a non-streamed request races its work against `http.disconnect`;
 * when the mesh requires API keys, every route but the probes (`/health`, `/ready`) requires a known key
@@ -335,6 +337,9 @@ async def _stream(gw: Gateway, request: Request, plan: GenerationPlan, client: A
                         cancel()
                         return  # leaving the stream aborts its mesh request
                     queue.put_nowait((i, record))
+                    # The consumer runs before the next record is queued: only a consumer blocked on its
+                    # client (a write that waits) lets the backlog grow, never a burst of replies.
+                    await asyncio.sleep(0)
         except Exception as exc:  # every producer error reaches the consumer
             queue.put_nowait((i, exc))
 

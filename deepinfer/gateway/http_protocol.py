@@ -55,6 +55,11 @@ def guarded_httptools(limits: HttpLimits, on_refusal: Callable[[str], None]) -> 
             if len(self.connections) > limits.max_connections:
                 self._refuse("connection_limit", CONNECTION_LIMIT)
                 return
+            if limits.send_buffer_bytes:  # the kernel's buffer and the transport's, each this size
+                with contextlib.suppress(OSError, AttributeError):
+                    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                                  limits.send_buffer_bytes)
+                transport.set_write_buffer_limits(high=limits.send_buffer_bytes)
             self._header_timer = self.loop.call_later(limits.header_timeout_s, self._on_header_timeout)
 
         def connection_lost(self, exc: Exception | None) -> None:

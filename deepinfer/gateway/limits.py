@@ -50,11 +50,16 @@ class HttpLimits:
     offload_threads: int = 2  # threads for parsing, templating, tokenising and building big responses
     max_offload_waiting: int = 64  # jobs waiting for those threads; more → 503
     router_connections: int = 4  # AsyncClients to the router (requests spread over them)
+    # What a connection buffers for its client before a stall reaches the stream's backlog bound: the
+    # kernel's SO_SNDBUF and the transport's high-water mark (0: the kernel's autotuning, up to
+    # net.ipv4.tcp_wmem's maximum, 4 MiB by default, and the event loop's 64 KiB).
+    send_buffer_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            least = 0 if f.name == "send_buffer_bytes" else 1e-9
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
                 raise ValueError(f"{f.name} must be a positive number, got {value!r}")
 
     @classmethod

@@ -39,6 +39,7 @@ def test_json_within_bounds_parses():
     body = {"model": "tiny", "prompt": [[1, 2], [3]], "logit_bias": {"5": -1.5}, "seed": INT_MAX, "x": INT_MIN}
     assert parse_json(json.dumps(body).encode(), 32) == body
     assert parse_json(b"[" * 32 + b"]" * 32, 32) is not None
+    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}', 32) == {"prompt": "\U0001f600"}  # a pair is one character
 
 
 @pytest.mark.parametrize("raw, what", [
@@ -49,6 +50,8 @@ def test_json_within_bounds_parses():
     (b'{"max_tokens": ' + str(2**64).encode() + b"}", "64-bit"),
     (b'{"stop_token_ids": [1, ' + str(-(2**63) - 1).encode() + b"]}", "64-bit"),
     (b"[[[" + str(2**70).encode() + b"]]]", "64-bit"),
+    (b'{"prompt": "a\\ud800b"}', "lone surrogate"),  # no UTF-8 encodes it: neither tokenizer nor wire takes it
+    (b'{"messages": [{"\\udfff": "x"}]}', "lone surrogate"),
     (b"{nope", "not valid JSON"),
     (b"\xff\xfe\x00", "not valid JSON"),
 ])
