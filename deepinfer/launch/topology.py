@@ -51,6 +51,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     name = "gateway-0"
     listen = "0.0.0.0:8000"               # HOST:PORT it serves HTTP on
     served_model_name = "smollm2"         # the `model` clients give (default: `model` above, as written)
+    [gateway.limits]                      # optional: its HTTP bounds (deepinfer.gateway.limits.HttpLimits)
+    max_body_bytes = 4194304              # 413 past it; also header_timeout_s, max_connections, max_sequences, ...
     [security]                            # optional: CURVE on every tcp:// endpoint
     keys_dir = "/etc/deepinfer/keys"      # from `deepinfer-launch keys DIR --topology F` (relative: to this file)
     client_keys = "/etc/deepinfer/clients.allowed"  # the tenants' public keys (default: DIR/clients/allowed)
