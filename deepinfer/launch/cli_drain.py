@@ -95,8 +95,8 @@ def _drain(link: OperatorLink, name: str, timeout_s: float | None, wait: bool, s
     if not wait:
         return
     limit = (DRAIN_TIMEOUT_S if timeout_s is None else timeout_s) + 60.0  # its drain, its goodbye, the exit
-    status = _until(link, name, lambda s: s.incarnation != first.incarnation or not s.alive, limit,
-                    f"{name} did not leave", progress=True)
+    _until(link, name, lambda s: s.incarnation != first.incarnation or not s.alive, limit, f"{name} did not leave",
+           held=first.held)
     click.echo(f"{name} drained: its process (pid {first.pid}) left")
     if serving:
         status = _until(link, name, lambda s: s.incarnation != first.incarnation and s.serving, SERVING_WAIT_S,
@@ -104,17 +104,17 @@ def _drain(link: OperatorLink, name: str, timeout_s: float | None, wait: bool, s
         click.echo(f"{name} serving again (pid {status.pid})")
 
 
-def _until(link: OperatorLink, name: str, done: Any, limit_s: float, failure: str, progress: bool = False) -> Any:
-    """Ask the router about `name` until `done(status)`; a ClickException after `limit_s`."""
+def _until(link: OperatorLink, name: str, done: Any, limit_s: float, failure: str, held: int | None = None) -> Any:
+    """Ask the router about `name` until `done(status)`; a ClickException after `limit_s`. With `held` (the
+    requests it held when last said), each change of that count is printed."""
     from deepinfer.protocol import messages as m
 
     deadline = time.monotonic() + limit_s
-    held = None
     while True:
         status = link.ask(m.ServiceQuery(name), deadline)
         if done(status):
             return status
-        if progress and status.held != held:
+        if held is not None and status.held != held:
             held = status.held
             click.echo(f"{name}: {held} request(s) in flight")
         if time.monotonic() > deadline:

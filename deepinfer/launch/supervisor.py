@@ -1,6 +1,7 @@
 """A process supervisor for the one-host mesh: one child process per service, restarted with
 exponential backoff when it dies, drained and stopped in order (HTTP gateways, router, workers, tokenizers,
-the expert balancer and cache daemons).
+the expert balancer and cache daemons). A child that exits 0 (drained: `deepinfer-launch drain`) is started
+again too, so under `up` a drain is a graceful restart.
 
 Each child is `python -m deepinfer.launch.cli service ROLE --topology F --name NAME`, the same command a
 systemd unit runs. CPU threads are a budget: every worker gets its share of the host's cores (torch's
@@ -320,7 +321,8 @@ class Supervisor:
                 if not c.exit_seen:
                     c.exit_seen = True
                     _metrics_process_exited(c.proc.pid)  # type: ignore[union-attr]
-                    log.warning("exited", service=c.name, pid=c.proc.pid, code=c.proc.returncode)  # type: ignore[union-attr]
+                    code = c.proc.returncode  # type: ignore[union-attr]
+                    (log.info if code == 0 else log.warning)("exited", service=c.name, pid=c.proc.pid, code=code)  # type: ignore[union-attr]
                     self._report_exit(c)
             alive = [c.proc for c in g.members if c.proc is not None and c.proc.poll() is None]
             if alive and now >= g.kill_at:
@@ -341,8 +343,9 @@ class Supervisor:
             g.backoff_s = 0.5
         g.next_start = now + g.backoff_s
         g.kill_at = now + GROUP_STOP_GRACE_S
-        log.warning("restarting", services=[c.name for c in g.members], because=[c.name for c in dead],
-                    restart_in_s=g.backoff_s)
+        drained = all(c.proc is not None and c.proc.returncode == 0 for c in dead)  # a drain, not a failure
+        (log.info if drained else log.warning)("restarting", services=[c.name for c in g.members],
+                                               because=[c.name for c in dead], restart_in_s=g.backoff_s)
         g.backoff_s = min(self.MAX_BACKOFF_S, g.backoff_s * 2)
         for c in g.members:
             if c.proc is not None and c.proc.poll() is None:
