@@ -65,7 +65,10 @@ def _fake_router(ctx: zmq.Context, endpoint: str, seen: list[m.GenerateRequest],
                 seen.append(msg)
                 sock.send_multipart([ident, *encode_frames(m.ErrorReply(msg.request_id, "unauthorized", "no"))])
     finally:
-        sock.close(linger=100)
+        # It closes right after its last answer (the client must take an answer that came before the drop), but
+        # only once that answer has left: linger without limit (ctx.term() waits for it; a client that went away
+        # first has no pipe left, so nothing waits for it).
+        sock.close(linger=-1)
 
 
 def test_per_request_api_key_overrides_the_clients(tmp_path) -> None:
