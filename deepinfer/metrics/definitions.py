@@ -83,6 +83,11 @@ ROUTER_EVENTS = Counter(
     "prefill worker was lost after its KV reached the decode worker, decoding on), drains_begun, drains_finished "
     "and drains_timed_out (members that drained, and those that left still holding requests: moved, cause drain).",
     (*WHO, "event"))
+ROUTER_REFUSED_MESSAGES = Counter(
+    "deepinfer_router_refused_messages",
+    "Client messages the router's front refused on decoding, by the reply's code: request_too_large (over the "
+    "client limits), invalid_request (malformed, answered by its request id), bad_message (no request id could be "
+    "read). The connection they came on is kept.", (*WHO, "code"))
 ROUTER_SHED = Counter(
     "deepinfer_router_shed",
     "Requests refused with overloaded instead of queueing, by cause: predicted_wait (the prefill backlog's "

@@ -27,8 +27,8 @@ pass `curve_keys=` (this tenant's KeyPair) and `server_key=` (the router's publi
 
 The client lives by job in the modules next to this one, and this module is their public face:
 client_sync (`Client` and its I/O thread), client_async (`AsyncClient`), client_session (the socket and the
-request bookkeeping both share), client_requests (`build_request`, `logit_bias_pairs`) and client_errors
-(`MeshError` and its subclasses).
+request bookkeeping both share), client_requests (`build_request`, `encode_request`, `logit_bias_pairs`) and
+client_errors (`MeshError` and its subclasses).
 """
 
 from deepinfer.protocol.client_async import AsyncClient
@@ -37,13 +37,14 @@ from deepinfer.protocol.client_errors import (
     MeshError,
     OverloadedError,
     RequestTimeoutError,
+    RequestTooLargeError,
     RouterLostError,
     UnauthorizedError,
     UnavailableError,
     WorkerLostError,
     error_from_reply,
 )
-from deepinfer.protocol.client_requests import build_request, logit_bias_pairs
+from deepinfer.protocol.client_requests import build_request, encode_request, logit_bias_pairs
 from deepinfer.protocol.client_session import (
     CONNECT_TIMEOUT_S,
     HEARTBEAT_IVL_MS,
@@ -63,11 +64,13 @@ __all__ = [
     "MeshError",
     "OverloadedError",
     "RequestTimeoutError",
+    "RequestTooLargeError",
     "RouterLostError",
     "UnauthorizedError",
     "UnavailableError",
     "WorkerLostError",
     "build_request",
+    "encode_request",
     "error_from_reply",
     "logit_bias_pairs",
 ]

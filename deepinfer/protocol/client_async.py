@@ -14,9 +14,8 @@ import zmq.asyncio
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import KeyPair
 from deepinfer.protocol.client_errors import MeshError, RequestTimeoutError, error_from_reply
-from deepinfer.protocol.client_requests import build_request
+from deepinfer.protocol.client_requests import build_request, encode_request
 from deepinfer.protocol.client_session import CONNECT_TIMEOUT_S, HELLO, Ids, RouterLink, client_auth, hello
-from deepinfer.protocol.framing import encode_frames
 
 
 class AsyncClient:
@@ -135,7 +134,7 @@ class AsyncClient:
     async def _exchange(self, key: str, msg: Any) -> AsyncIterator[Any]:
         """Send `msg` and yield its replies until the last; each must come within timeout_s."""
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._session.open(key, encode_frames(msg), q, time.monotonic())  # a request that cannot be encoded raises
+        self._session.open(key, encode_request(msg), q, time.monotonic())  # refused before sending: a typed error
         self._kick()
         try:
             while True:

@@ -25,7 +25,17 @@ class OverloadedError(MeshError):
 
 
 class InvalidRequestError(MeshError):
+    """The request itself is wrong (refused by the router, or by the client before sending: a value that does
+    not fit the wire, such as an integer of 2**64 or more); retrying it unchanged fails again."""
+
     code = "invalid_request"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request's message is over the router's client limits (protocol.limits.CLIENT_LIMITS): a prompt
+    past 2 MiB, too many token ids. Raised by the client before sending, or by the router's reply."""
+
+    code = "request_too_large"
 
 
 class WorkerLostError(MeshError):
@@ -54,8 +64,8 @@ class RouterLostError(MeshError):
     code = "router_lost"
 
 
-_ERRORS = {cls.code: cls for cls in (OverloadedError, InvalidRequestError, WorkerLostError, RequestTimeoutError,
-                                      UnauthorizedError, UnavailableError)}
+_ERRORS = {cls.code: cls for cls in (OverloadedError, InvalidRequestError, RequestTooLargeError, WorkerLostError,
+                                      RequestTimeoutError, UnauthorizedError, UnavailableError)}
 
 
 def error_from_reply(reply: m.ErrorReply) -> MeshError:

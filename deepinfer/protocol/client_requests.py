@@ -1,12 +1,26 @@
-"""The client's request building: a GenerateRequest from a caller's keyword arguments, checked before it is sent."""
+"""The client's request building: a GenerateRequest from a caller's keyword arguments, checked before it is sent.
+
+`encode_request` is the one way a client turns a message for the router into frames: it refuses, with the
+request's own typed error, anything the router's front would refuse (isolation by request, DESIGN §9). A
+request that does not fit the wire never reaches the socket, so it cannot cost the other requests sharing
+the connection anything, and its caller gets `RequestTooLargeError` (over CLIENT_LIMITS: a prompt past 2 MiB,
+too many token ids) or `InvalidRequestError` (a value the wire cannot carry: an integer outside int64, such as
+`max_tokens=2**64`) at once, never a ProtocolError and never a hang.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any
 
 from deepinfer.protocol import messages as m
+from deepinfer.protocol.client_errors import InvalidRequestError, RequestTooLargeError
+from deepinfer.protocol.errors import ProtocolError
+from deepinfer.protocol.framing import OutFrame, decode_frames, encode_frames
+from deepinfer.protocol.limits import CLIENT_LIMITS
+from deepinfer.protocol.records import INT64_MAX, INT64_MIN
 
 _PARAM_NAMES = {f.name for f in fields(m.SamplingParamsWire)}
 
@@ -47,3 +61,46 @@ def logit_bias_pairs(bias: Mapping[int | str, float] | Iterable[tuple[int, float
             raise ValueError(f"logit_bias[{key}] = {value!r:.40} is not a number")
         out.append((key, float(value)))
     return out
+
+
+def encode_request(msg: Any) -> list[OutFrame]:
+    """The frames of `msg` (a GenerateRequest, AbortRequest or Hello) for the router's client front, checked as
+    the router will check them: encoded under CLIENT_LIMITS and decoded back under them (so a message the
+    router would refuse is refused here: sizes, counts, int64 ranges). Raises RequestTooLargeError or
+    InvalidRequestError carrying the message's request id; the decode costs about what the encode did."""
+    rid = getattr(msg, "request_id", "")
+    try:
+        frames = encode_frames(msg, CLIENT_LIMITS)
+        decode_frames(frames, CLIENT_LIMITS)
+    except ProtocolError as exc:
+        if exc.code == "too_large":
+            raise RequestTooLargeError(f"request_too_large: {exc.detail} (the router's client limit)", rid) from None
+        where = _int_out_of_range(msg, type(msg).__name__) if exc.code == "bad_field" else None
+        raise InvalidRequestError(f"invalid_request: {where or exc}", rid) from None
+    return frames
+
+
+def _int_out_of_range(value: Any, path: str) -> str | None:
+    """Where the first integer outside int64 is in `value` (records, lists, tuples, dicts), or None. Only run
+    once encoding failed, to name the field msgpack could not carry."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        if INT64_MIN <= value <= INT64_MAX:
+            return None
+        # str() of a huge int is slow, and refused past 4,300 digits: name its size instead.
+        shown = str(value) if value.bit_length() <= 128 else f"an integer of {value.bit_length()} bits"
+        return f"{path} = {shown} does not fit a 64-bit integer"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items: Iterable[tuple[str, Any]] = ((f"{path}.{f.name}", getattr(value, f.name)) for f in fields(value))
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        items = ((f"{path}[{k!r:.40}]", v) for k, v in value.items())
+    else:
+        return None
+    for where, item in items:
+        found = _int_out_of_range(item, where)
+        if found is not None:
+            return found
+    return None

@@ -16,8 +16,8 @@ import zmq
 
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import ClientAuth, KeyPair
-from deepinfer.protocol.client_errors import MeshError, RequestTimeoutError, error_from_reply
-from deepinfer.protocol.client_requests import build_request
+from deepinfer.protocol.client_errors import InvalidRequestError, MeshError, RequestTimeoutError, error_from_reply
+from deepinfer.protocol.client_requests import build_request, encode_request
 from deepinfer.protocol.client_session import (
     CONNECT_TIMEOUT_S,
     HELLO,
@@ -178,7 +178,7 @@ class Client:
         req = build_request(self._ids.next(), spec.pop("prompt", None), spec.pop("messages", None),
                             spec.pop("prompt_token_ids", None), stream, spec.pop("priority", 0), api_key,
                             spec.pop("timeout_s", None), spec)
-        self._io.submit(req.request_id, encode_frames(req), sink)  # encoded here: a bad request raises here
+        self._io.submit(req.request_id, encode_request(req), sink)  # a request the router would refuse raises here
         return req.request_id
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
@@ -200,7 +200,11 @@ class Client:
         results: dict[str, m.RequestFinished | MeshError] = {}
         try:
             for spec in requests:
-                order.append(self._submit(spec, False, sink))
+                try:
+                    order.append(self._submit(spec, False, sink))
+                except InvalidRequestError as exc:  # refused before sending: its own error, in its place
+                    order.append(exc.request_id)
+                    results[exc.request_id] = exc
             deadline = time.monotonic() + self.timeout_s
             while len(results) < len(order):
                 item = self._next(sink, deadline)

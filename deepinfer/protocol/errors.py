@@ -26,7 +26,8 @@ class ProtocolError(Exception):
 
     `code` is one of ERROR_CODES (machine-readable, stable); `detail` is for humans. `path` locates the
     offending field, innermost first while the error propagates out of nested records (it is reversed only
-    when printed). `peer` is the sender's identity when the receiving socket knows it.
+    when printed). `peer` is the sender's identity when the receiving socket knows it; `request_id` the
+    refused message's request id when a bounded look could read it (see `framing.peek_request_id`).
     """
 
     def __init__(self, code: ProtocolErrorCode, detail: str) -> None:
@@ -36,6 +37,7 @@ class ProtocolError(Exception):
         self.detail = detail
         self.path: list[str] = []
         self.peer: bytes | None = None
+        self.request_id: str | None = None
 
     @property
     def where(self) -> str:

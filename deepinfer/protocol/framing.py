@@ -8,21 +8,26 @@ router can dispatch without touching the payload.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import zmq
 
 from deepinfer.protocol import codec
 from deepinfer.protocol.errors import ProtocolError
 from deepinfer.protocol.limits import DEFAULT_LIMITS, Limits
-from deepinfer.protocol.records import type_id_of
+from deepinfer.protocol.records import message_class, type_id_of
 
 # What a received frame may be: zmq.Frame with copy=False, bytes with copy=True, buffers in tests.
 FrameLike = bytes | bytearray | memoryview | zmq.Frame
 OutFrame = bytes | memoryview
 
 _TYPE_FRAMES = [bytes((i,)) for i in range(256)]
+# A refused message's request id is looked for in at most this many bytes of its payload, whatever its size.
+PEEK_BYTES = 512
+MAX_PEEKED_ID = 256  # bytes of a request id that a peek returns; a longer one is not taken
 
 
 def type_frame(msg_or_cls: Any) -> bytes:
@@ -66,3 +71,30 @@ def _check_sizes(frames: Sequence[Any], sizes: list[int], limits: Limits) -> Non
     total = sum(sizes)
     if total > limits.max_total:
         raise ProtocolError("too_large", f"message has {total} bytes (max {limits.max_total})")
+
+
+def peek_request_id(frames: Sequence[FrameLike]) -> str | None:
+    """The request id of a message that failed to decode (too large, malformed further on), when a bounded
+    look can read it: the type frame names a message whose first field is `request_id`, and the payload starts
+    with a msgpack map whose first entry is "request_id" and a str of at most MAX_PEEKED_ID bytes (records
+    encode their fields in order, so a well-behaved sender's id is there). Reads at most PEEK_BYTES of the
+    payload; never raises (None when nothing can be read)."""
+    try:
+        if len(frames) < 2:
+            return None
+        type_frame, payload = memoryview(frames[0]), memoryview(frames[1])
+        if type_frame.nbytes != 1:
+            return None
+        cls = message_class(bytes(type_frame)[0])
+        if cls is None or not dataclasses.fields(cls) or dataclasses.fields(cls)[0].name != "request_id":
+            return None
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=PEEK_BYTES,
+                                    max_str_len=MAX_PEEKED_ID, max_bin_len=0, max_array_len=0, max_map_len=1 << 16,
+                                    max_ext_len=0)
+        unpacker.feed(bytes(payload[:PEEK_BYTES]))
+        if unpacker.read_map_header() < 1 or unpacker.unpack() != "request_id":
+            return None
+        rid = unpacker.unpack()
+    except Exception:  # anything unreadable within the bound: no id
+        return None
+    return rid if isinstance(rid, str) else None

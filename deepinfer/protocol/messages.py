@@ -23,8 +23,9 @@ Heartbeat); 6 added ExpertLoad; 7 added the expert balancer's messages (Placemen
 PlacementUpdate, PlacementResult); 8 added prompt logprobs (SamplingParamsWire.prompt_logprobs, the
 prompt_logprobs of DetokenizeItem, TextDeltaItem, KvTransfer, StreamDelta and RequestFinished, the latter two
 with prompt_token_ids), logit_bias, per-item logprobs on every DetokenizeItem, and the error codes
-"unauthorized" and "unavailable"; 9 added graceful drain: DrainService, ServiceQuery, ServiceStatus and
-Shutdown.timeout_s.
+"unauthorized" and "unavailable"; 9 added the error code "request_too_large" (the router refuses an oversized
+request by its id instead of dropping the connection it came on), and graceful drain: DrainService,
+ServiceQuery, ServiceStatus and Shutdown.timeout_s.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ ErrorCode = Literal[
     "unauthorized",  # the router requires an api_key and this one is unknown or missing; do not retry
     "unavailable",  # no live worker or tokenizer can take the request now; retry once the mesh recovers
     "invalid_request",  # the request itself is wrong (bad params, prompt too long, no input); do not retry
+    "request_too_large",  # the request's message is over the client front's limits (protocol.limits); do not retry
     "bad_message",  # the peer's message broke the wire contract (ProtocolError); request_id may be ""
     "worker_lost",  # a worker holding the request died or stopped making progress
     "timeout",  # the request's deadline passed

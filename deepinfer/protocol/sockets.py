@@ -15,9 +15,24 @@
   thread answers whatever its Python is doing) for BOUND_HEARTBEAT_TIMEOUT_MS. Without them nothing on the
   bound side ever drops a dead TCP peer (a crashed host, a half-open connection): TCP itself may never give
   up when nothing is sent, and with handover off the dead connection would hold its routing id for good.
+* ... except a bound socket whose peers are untrusted (`bound_heartbeats=False`: the router's client front).
+  libzmq 4.3.5 aborts the whole process (`Assertion failed: !_io_error (stream_engine_base.cpp:310)`) when a
+  bound socket's heartbeat timer fires on a connection whose peer went away while its receive pipe was full
+  (RCVHWM messages unread: the engine had stopped reading): the timer writes a PING on an engine already
+  marked broken. Any client could do that at will: flood the front faster than the router reads, then
+  disconnect. Without bound heartbeats the broken engine waits for the router to drain the pipe and then
+  closes cleanly. Dead clients are dropped all the same: our clients send their own PINGs with a TTL
+  (client_session.HEARTBEAT_TTL_MS), and TCP keepalive (FRONT_KEEPALIVE_*) drops a dead host's connection
+  whoever the client is. Sockets whose peers are mesh members keep their heartbeats (they drop a dead
+  member's connection, above); there the abort needs a member that falls RCVHWM messages behind and dies.
 * every socket: LINGER 0 (closing never blocks on unsent messages: request-level deadlines recover them),
-  SNDHWM/RCVHWM, and MAXMSGSIZE = limits.max_frame (libzmq applies it per frame and drops a peer that
-  exceeds it, before we ever see the data).
+  SNDHWM/RCVHWM, and MAXMSGSIZE = limits.socket_frame_limit (libzmq applies it per frame and drops a peer
+  that exceeds it, before we ever see the data). That is max_frame, except where one connection carries
+  several callers' requests (the client front): there it is a higher memory ceiling, and the decoder refuses
+  what is between the two per message (see `protocol.limits`).
+* a message a ROUTER cannot decode raises ProtocolError carrying the sender (`peer`) and, when a bounded look
+  at the payload's first bytes finds one, the message's `request_id` (`framing.peek_request_id`): the
+  service answers that request with a typed error and nothing else on the connection is touched.
 
 * CURVE (tcp:// only, see `protocol.auth`): a bound socket given `auth=ServerAuth` authenticates every peer
   against its allow-list; a connecting one given `auth=ClientAuth` proves its key to the server. On a secured
@@ -55,7 +70,7 @@ from deepinfer.protocol.auth import (
     sender_rule,
 )
 from deepinfer.protocol.errors import ProtocolError
-from deepinfer.protocol.framing import decode_frames, encode_frames
+from deepinfer.protocol.framing import decode_frames, encode_frames, peek_request_id
 from deepinfer.protocol.limits import DEFAULT_LIMITS, Limits
 
 DEFAULT_HWM = 1000  # messages queued per peer before send blocks (or PUB drops)
@@ -65,6 +80,9 @@ DEFAULT_HWM = 1000  # messages queued per peer before send blocks (or PUB drops)
 # connecting side keeps its own choice (the client sets one; services rely on the router's heartbeats).
 BOUND_HEARTBEAT_IVL_MS = 1000
 BOUND_HEARTBEAT_TIMEOUT_MS = 5000
+# TCP keepalive on a bound socket without ZMTP heartbeats (see the module docstring): a connection silent for
+# IDLE seconds is probed every INTVL seconds and dropped by the kernel after CNT unanswered probes.
+FRONT_KEEPALIVE_IDLE_S, FRONT_KEEPALIVE_INTVL_S, FRONT_KEEPALIVE_CNT = 30, 5, 3
 
 
 def _new(ctx: zmq.Context, kind: int, hwm: int, limits: Limits) -> Any:
@@ -72,14 +90,15 @@ def _new(ctx: zmq.Context, kind: int, hwm: int, limits: Limits) -> Any:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.socket_frame_limit)
     return sock
 
 
 def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None,
-            auth: ServerAuth | ClientAuth | None = None) -> Any:
+            auth: ServerAuth | ClientAuth | None = None, *, bound_heartbeats: bool = True) -> Any:
     """Secure (with `auth`: ServerAuth to bind, ClientAuth to connect), then bind or connect (exactly one);
-    closes the socket if that fails so no half-made socket leaks."""
+    closes the socket if that fails so no half-made socket leaks. A bound socket gets ZMTP heartbeats, or
+    with bound_heartbeats=False TCP keepalive instead (see the module docstring)."""
     if (bind is None) == (connect is None):
         sock.close()
         raise ValueError("give exactly one of bind= or connect=")
@@ -97,8 +116,14 @@ def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None,
             secure_client(sock, auth)
         if bind is not None:
             # Copied into each connection when it is made: set before bind.
-            sock.setsockopt(zmq.HEARTBEAT_IVL, BOUND_HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, BOUND_HEARTBEAT_TIMEOUT_MS)
+            if bound_heartbeats:
+                sock.setsockopt(zmq.HEARTBEAT_IVL, BOUND_HEARTBEAT_IVL_MS)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, BOUND_HEARTBEAT_TIMEOUT_MS)
+            else:
+                sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, FRONT_KEEPALIVE_IDLE_S)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, FRONT_KEEPALIVE_INTVL_S)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, FRONT_KEEPALIVE_CNT)
             sock.bind(bind)
         else:
             for endpoint in [connect] if isinstance(connect, str) else connect:
@@ -110,13 +135,15 @@ def _attach(sock: Any, bind: str | None, connect: str | Sequence[str] | None,
 
 
 def make_router(ctx: zmq.Context, bind: str, *, hwm: int = DEFAULT_HWM, limits: Limits = DEFAULT_LIMITS,
-                auth: ServerAuth | None = None) -> Any:
+                auth: ServerAuth | None = None, bound_heartbeats: bool = True) -> Any:
     """The bound side of an RPC edge. Sends need the peer's identity; see `recv_routed`. Secured (`auth`),
-    handover is off and a routing id is also checked per message against the key that authenticated it."""
+    handover is off and a routing id is also checked per message against the key that authenticated it.
+    bound_heartbeats=False for untrusted peers (the client front): TCP keepalive instead of ZMTP heartbeats,
+    which libzmq 4.3.5 can turn into an abort (see the module docstring)."""
     sock = _new(ctx, zmq.ROUTER, hwm, limits)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # secure_server turns it off
-    return _attach(sock, bind, None, auth)
+    return _attach(sock, bind, None, auth, bound_heartbeats=bound_heartbeats)
 
 
 def make_dealer(
@@ -234,6 +261,7 @@ def _routed(sock: Any, frames: list, limits: Limits) -> tuple[bytes, Any]:
         return identity, decode_frames(frames[1:], limits)
     except ProtocolError as e:
         e.peer = identity
+        e.request_id = peek_request_id(frames[1:])
         raise
 
 
@@ -281,7 +309,8 @@ def recv_msg(sock: zmq.Socket, *, flags: int = 0, limits: Limits = DEFAULT_LIMIT
 
 
 def recv_routed(sock: zmq.Socket, *, flags: int = 0, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, Any]:
-    """Receive (sender identity, message) on a ROUTER; a ProtocolError carries the sender in `.peer`."""
+    """Receive (sender identity, message) on a ROUTER; a ProtocolError carries the sender in `.peer` and the
+    refused message's request id, when it can be read, in `.request_id`."""
     return _routed(sock, sock.recv_multipart(flags=flags, copy=False), limits)
 
 

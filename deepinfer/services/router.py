@@ -5,6 +5,19 @@ both with ROUTER_MANDATORY, so a send to a vanished peer raises instead of disap
 client's requests are aborted, a vanished service is left to the heartbeat liveness. A timer ticks the
 core (deadlines, dead workers, parked requests).
 
+Isolation by request at the front (DESIGN §9): no limit is enforced by dropping a client's connection, which
+may carry many callers' requests (the HTTP gateway's carries every HTTP user's). The front socket's libzmq
+ceiling (MAXMSGSIZE, `limits.CLIENT_SOCKET_CEILING`, 16 MiB) sits well above the client limits (2 MiB); a
+message between the two, or one that is malformed, is received, refused by the decoder, and answered by its
+own request id when a bounded look at its first bytes finds one: "request_too_large" (over CLIENT_LIMITS) or
+"invalid_request" (malformed), each counted (`deepinfer_router_refused_messages`). Without a readable id the
+answer is "bad_message" with an empty id. Only a frame over the ceiling, which no client of ours sends (they
+refuse an over-limit request before sending it), costs its connection: libzmq drops it unread. Receive loops
+are fair (`BaseService.dispatch_forever`): a flood at the front cannot starve the services' heartbeats or the
+tick that judges liveness. The front has no ZMTP heartbeats of its own (TCP keepalive, and our clients' PINGs
+with a TTL, drop dead clients): with them, a client that floods the front and disconnects could make libzmq
+abort the router (protocol.sockets).
+
 Handshake: every connection starts with Hello; the router answers Welcome, refusing a protocol version
 other than its own and, once the first service has named the mesh's model fingerprint or block-hash
 scheme (`MeshPins`), any service with another one: blocks hashed under two namespaces could never be
@@ -140,6 +153,7 @@ class RouterService(BaseService):
         self.greeted: set[bytes] = set()  # backend identities welcomed by this incarnation
         self._asked: dict[bytes, float] = {}  # identities asked for a Hello, and when (monotonic)
         self.forged = 0
+        self.ticks = 0  # the timer's ticks so far (deadlines, liveness): it keeps its period under any flood
         self._backlog: dict[bytes, collections.deque[Any]] = {}  # slow clients: what they are still owed
         # Each worker group's latest expert-load report, and what it says (see `expert_status`).
         self.expert_load: dict[str, m.ExpertLoad] = {}
@@ -149,8 +163,11 @@ class RouterService(BaseService):
         self.drains = DrainDesk(self.core.table)  # graceful drains of members (router_drain)
 
     async def open(self) -> bool:
+        # No ZMTP heartbeats on the front (TCP keepalive instead): with them a client could abort the router
+        # at will (a libzmq assertion; see protocol.sockets).
         self.frontend = self.socket(make_router(self.ctx, self.frontend_ep, limits=CLIENT_LIMITS,
-                                                auth=self.auth.for_bind(self.frontend_ep, "frontend")))
+                                                auth=self.auth.for_bind(self.frontend_ep, "frontend"),
+                                                bound_heartbeats=False))
         self.backend = self.socket(make_router(self.ctx, self.backend_ep,
                                                auth=self.auth.for_bind(self.backend_ep, "backend")))
         self.log.info("bound", frontend=self.frontend_ep, backend=self.backend_ep)
@@ -255,8 +272,19 @@ class RouterService(BaseService):
                                                         f"clients may not send {type(msg).__name__}"))])
 
     async def _answer_malformed(self, exc: ProtocolError) -> None:
-        if exc.peer is not None:
-            await self._send([Outbound(exc.peer, m.ErrorReply("", "bad_message", f"{exc.code}: {exc.detail}"))])
+        """A client message the front refused: its request (when its id could be read) ends with its own typed
+        error; the connection and the other requests on it are untouched."""
+        if exc.peer is None:
+            return  # nothing is sent to a routing id its sender does not own
+        if not exc.request_id:
+            reply = m.ErrorReply("", "bad_message", str(exc))
+        elif exc.code == "too_large":
+            reply = m.ErrorReply(exc.request_id, "request_too_large",
+                                 f"{exc} (the router takes client messages up to {CLIENT_LIMITS.max_payload} bytes)")
+        else:
+            reply = m.ErrorReply(exc.request_id, "invalid_request", f"the request cannot be decoded: {exc}")
+        self.export.refused(reply.code)
+        await self._send([Outbound(exc.peer, reply)])
 
     # -- services ---------------------------------------------------------------------------
 
@@ -364,7 +392,6 @@ class RouterService(BaseService):
             status, out = self.drains.status(msg.instance, now), []
         await self._send([*out, Outbound(sender, status)])
 
-
     async def _ask_hello(self, ident: bytes) -> None:
         """A service this incarnation has not welcomed: it spoke to the router before this one. Ask it for a
         Hello (at most once a second each), dropping what it sent meanwhile."""
@@ -404,13 +431,12 @@ class RouterService(BaseService):
 
     async def _tick_loop(self) -> None:
         logged = self._now()
-        ticks = 0
         while True:
             await asyncio.sleep(TICK_S)
             await self._send(self.core.tick(self._now()))
             await self._flush_backlogs()
-            ticks += 1
-            if ticks % METRICS_EVERY_TICKS == 0:
+            self.ticks += 1
+            if self.ticks % METRICS_EVERY_TICKS == 0:
                 try:
                     self._record_state()
                 except Exception:  # metrics never take the router down

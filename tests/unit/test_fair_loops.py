@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.errors import ProtocolError
+from deepinfer.protocol.framing import encode_frames
 from deepinfer.protocol.sockets import arecv_msg, make_pull, make_push
 from deepinfer.services.base import FAIR_BATCH, MALFORMED_LOG_PERIOD_S, BaseService
 
@@ -83,8 +84,6 @@ class Flooded(BaseService):
 
 
 def _abort(rid: str) -> bytes:
-    from deepinfer.protocol.framing import encode_frames
-
     return bytes(encode_frames(m.AbortRequest(rid))[1])
 
 

@@ -19,6 +19,7 @@ EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forg
           "handoffs_adopted", "drains_begun", "drains_finished", "drains_timed_out")
 SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_inflight", "tenant_tokens", "draining")
 MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain")
+REFUSED_CODES = ("request_too_large", "invalid_request", "bad_message", "other")  # front refusals' reply codes
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
 MAX_RANKS = 256
 
@@ -48,6 +49,7 @@ class RouterExport:
         self.errors = {c: bind(d.REQUEST_ERRORS, *who, c) for c in (*ERROR_CODES, "other")}
         self.inflight = {p: bind(d.ROUTER_INFLIGHT, *who, p) for p in (*self.phases, "other")}
         self.slow_clients = bind(d.ROUTER_SLOW_CLIENTS, *who)
+        self._refused = {c: bind(d.ROUTER_REFUSED_MESSAGES, *who, c) for c in REFUSED_CODES}
         self.live = {r: bind(d.MESH_LIVE_INSTANCES, *who, r) for r in (*ROLES, "other")}
         self.events = TotalsFeed(lambda e: bind(d.ROUTER_EVENTS, *who, e) if e in EVENTS else None)
         self.shed = TotalsFeed(lambda c: bind(d.ROUTER_SHED, *who, _known(c, SHED_CAUSES)))
@@ -62,6 +64,10 @@ class RouterExport:
             self.finished(msg)
         elif isinstance(msg, m.ErrorReply):
             self.errors[_known(msg.code, ERROR_CODES)].inc()
+
+    def refused(self, code: str) -> None:
+        """A client message the front refused on decoding, answered with an ErrorReply of `code`."""
+        self._refused[_known(code, REFUSED_CODES)].inc()
 
     def finished(self, msg: m.RequestFinished) -> None:
         t, usage = msg.timings, msg.usage
