@@ -109,6 +109,15 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_oracle(smollm2_path: Path) -> Any:
+    """SmolLM2 and transformers on its weights, loaded once per session (tests/engine/oracle.py
+    `SmolLM2Oracle`): every test module comparing against the oracle shares one copy and one greedy memo."""
+    from tests.engine.oracle import SmolLM2Oracle
+
+    return SmolLM2Oracle(smollm2_path)
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyModel]:
     built: dict[tuple[Any, ...], TinyModel] = {}
 

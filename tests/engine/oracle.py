@@ -59,6 +59,15 @@ def assert_same_greedy(hf_model, prompt: list[int], ours: list[int], ref: list[i
             return
 
 
+def _no_weight_init():  # type: ignore[no-untyped-def]
+    """transformers' context that skips random weight initialisation (moved between major versions)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
 def hf_model_from_loaded(config, state_dict):  # type: ignore[no-untyped-def]
     """A transformers LlamaForCausalLM holding exactly our (e.g. GGUF-dequantised) weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -84,7 +93,8 @@ def hf_model_from_loaded(config, state_dict):  # type: ignore[no-untyped-def]
         else:
             hf_sd[{"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight",
                    "lm_head": "lm_head.weight"}[key]] = t
-    model = LlamaForCausalLM(hf_config)
+    with _no_weight_init():  # every weight is overwritten below: random init only cost seconds
+        model = LlamaForCausalLM(hf_config)
     missing, unexpected = model.load_state_dict(hf_sd, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
     if c.tie_word_embeddings:
@@ -92,17 +102,37 @@ def hf_model_from_loaded(config, state_dict):  # type: ignore[no-untyped-def]
     return model.eval()
 
 
-def smollm2_case(path, questions: list[str], new_tokens: int):  # type: ignore[no-untyped-def]
-    """SmolLM2 from `path` with transformers holding the same weights: (loaded, tokenizer, hf model, the
-    questions as chat prompts, transformers' greedy `new_tokens` for each)."""
-    from deepinfer.loading.weights import load_model_weights
-    from deepinfer.text.tokenizer import Tokenizer
+class SmolLM2Oracle:
+    """SmolLM2 loaded once for a whole test session: our weights, the tokenizer, transformers holding the same
+    weights, and transformers' greedy continuations memoised by prompt. Greedy decoding with EOS ignored is a
+    prefix-closed function (the first m of n tokens are the m-token answer), so a memo of the longest
+    continuation asked for answers every shorter request; each (prompt, length) is computed at most once."""
 
-    loaded = load_model_weights(path)
-    tok = Tokenizer.load(path)
-    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
-    hf = hf_model_from_loaded(loaded.config, loaded.state_dict)
-    return loaded, tok, hf, prompts, [hf_greedy(hf, p, new_tokens) for p in prompts]
+    def __init__(self, path) -> None:  # type: ignore[no-untyped-def]
+        from deepinfer.loading.weights import load_model_weights
+        from deepinfer.text.tokenizer import Tokenizer
+
+        self.loaded = load_model_weights(path)
+        self.tok = Tokenizer.load(path)
+        self.hf = hf_model_from_loaded(self.loaded.config, self.loaded.state_dict)
+        self._greedy: dict[tuple[int, ...], list[int]] = {}
+
+    def chat(self, questions: list[str]) -> list[list[int]]:
+        """Each question as a one-turn chat prompt."""
+        return [self.tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """transformers' greedy `n` tokens after `prompt` (EOS ignored)."""
+        known = self._greedy.get(tuple(prompt), [])
+        if len(known) < n:
+            known = self._greedy[tuple(prompt)] = hf_greedy(self.hf, prompt, n)
+        return known[:n]
+
+
+def smollm2_case(oracle: SmolLM2Oracle, questions: list[str], new_tokens: int):  # type: ignore[no-untyped-def]
+    """(loaded, tokenizer, hf model, the questions as chat prompts, transformers' greedy `new_tokens` for each)."""
+    prompts = oracle.chat(questions)
+    return oracle.loaded, oracle.tok, oracle.hf, prompts, [oracle.greedy(p, new_tokens) for p in prompts]
 
 
 def random_tokens(n: int, seed: int, vocab: int) -> list[int]:

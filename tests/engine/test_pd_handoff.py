@@ -548,17 +548,12 @@ def test_malformed_handoffs_are_refused_and_nothing_leaks(tiny_llama):
 
 
 @pytest.mark.smollm2
-def test_smollm2_greedy_through_handoff_matches_single_engine_and_transformers(smollm2_path):
-    from deepinfer.loading.weights import load_model_weights
-    from deepinfer.text.tokenizer import Tokenizer
-    from tests.engine.oracle import hf_model_from_loaded
+def test_smollm2_greedy_through_handoff_matches_single_engine_and_transformers(smollm2_oracle):
     from tests.engine.test_oracle_smollm2 import QUESTIONS
 
     new_tokens = 16
-    loaded = load_model_weights(smollm2_path)
-    tok = Tokenizer.load(smollm2_path)
-    batch = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
-    hf = hf_model_from_loaded(loaded.config, loaded.state_dict)
+    loaded, tok, hf = smollm2_oracle.loaded, smollm2_oracle.tok, smollm2_oracle.hf
+    batch = smollm2_oracle.chat(QUESTIONS)
     greedy = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     single = LLMEngine(loaded, tok, EngineConfig(kv_cache_bytes=64 * 1024 * 1024)).generate(batch, greedy)
     # Chunked prefill on one side; on the other 24 blocks of 16 for 9 sequences of 48-82 tokens.
@@ -567,7 +562,7 @@ def test_smollm2_greedy_through_handoff_matches_single_engine_and_transformers(s
     finals, moves = run_disaggregated(prefill, decode, batch, [greedy] * len(batch))
     for i, p in enumerate(batch):
         assert finals[i].token_ids == single[i].token_ids and finals[i].text == single[i].text, i
-        assert_same_greedy(hf, p, finals[i].token_ids, hf_greedy(hf, p, new_tokens))
+        assert_same_greedy(hf, p, finals[i].token_ids, smollm2_oracle.greedy(p, new_tokens))
     assert decode.stats.num_preemptions > 0 and all(src != dst for src, dst in moves)
     assert_whole(prefill, decode)
 

@@ -384,12 +384,8 @@ def test_aborts_at_every_point_leak_nothing_and_keep_what_was_cached(tiny_llama)
 
 
 @pytest.mark.smollm2
-def test_smollm2_shared_prefix_pair_same_tokens_with_and_without_hits(smollm2_path):
-    from deepinfer.loading.weights import load_model_weights
-    from deepinfer.text.tokenizer import Tokenizer
-
-    loaded = load_model_weights(smollm2_path)
-    tok = Tokenizer.load(smollm2_path)
+def test_smollm2_shared_prefix_pair_same_tokens_with_and_without_hits(smollm2_oracle):
+    loaded, tok = smollm2_oracle.loaded, smollm2_oracle.tok
     system = {"role": "system", "content": "You are a concise assistant who answers in one short sentence, "
                                            "using plain words and no lists, and never asks questions back."}
     pair = [tok.encode_chat([system, {"role": "user", "content": q}])

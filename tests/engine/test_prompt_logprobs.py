@@ -197,13 +197,8 @@ def test_greedy_logit_bias_matches_transformers(tiny_llama, tiny_hf, speculative
 
 
 @pytest.fixture(scope="module")
-def smollm2_case(smollm2_path):
-    from deepinfer.loading.weights import load_model_weights
-    from deepinfer.text.tokenizer import Tokenizer
-
-    loaded = load_model_weights(smollm2_path)
-    tok = Tokenizer.load(smollm2_path)
-    return loaded, tok, hf_model_from_loaded(loaded.config, loaded.state_dict)
+def smollm2_case(smollm2_oracle):
+    return smollm2_oracle.loaded, smollm2_oracle.tok, smollm2_oracle.hf
 
 
 @pytest.mark.smollm2

@@ -180,19 +180,15 @@ def test_transformers_runs_it_as_our_forward_does(smollm2_path, moe_dir, hf_moe)
 
 
 @pytest.mark.smollm2
-def test_top_k_equal_to_experts_is_the_dense_model(smollm2_path, tmp_path):
+def test_top_k_equal_to_experts_is_the_dense_model(smollm2_path, smollm2_oracle, tmp_path):
     from transformers import MixtralForCausalLM
-
-    from deepinfer.loading.weights import load_model_weights
-    from tests.engine.oracle import hf_model_from_loaded
 
     path = tmp_path / "e8-k8"
     dm.write_moe_dir(smollm2_path, path, num_experts=8, top_k=8)
     ids = Tokenizer.from_gguf(smollm2_path).encode(PROMPT)
     with torch.inference_mode():
         moe_logits = MixtralForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).logits
-        dense = load_model_weights(smollm2_path)
-        dense_logits = hf_model_from_loaded(dense.config, dense.state_dict)(torch.tensor([ids])).logits
+        dense_logits = smollm2_oracle.hf(torch.tensor([ids])).logits
     # Every neuron kept, each expert's weight exactly 1/8 and its down projection x8: only summation order differs.
     assert (moe_logits - dense_logits).abs().max().item() < 1e-3
     assert torch.equal(moe_logits.argmax(-1), dense_logits.argmax(-1))

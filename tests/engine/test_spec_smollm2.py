@@ -28,8 +28,8 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    return smollm2_case(smollm2_path, QUESTIONS, NEW_TOKENS)
+def smollm2(smollm2_oracle):
+    return smollm2_case(smollm2_oracle, QUESTIONS, NEW_TOKENS)
 
 
 def run(loaded, tok, prompts, speculative, params, **kw):  # type: ignore[no-untyped-def]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -249,11 +250,11 @@ def test_unsupported_tensor_type_in_file_names_tensor(tmp_path: Path) -> None:
 
 
 @pytest.mark.smollm2
-def test_smollm2_gguf_matches_transformers_loader(smollm2_path: Path) -> None:
+def test_smollm2_gguf_matches_transformers_loader(smollm2_path: Path, smollm2_oracle: Any) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    loaded = load_model_weights(smollm2_path)
+    loaded = smollm2_oracle.loaded
     c = loaded.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == ("llama", 30, 576, 9, 3)
     assert (c.vocab_size, c.head_dim, c.rope_theta, c.tie_word_embeddings) == (49152, 64, 100000.0, True)
