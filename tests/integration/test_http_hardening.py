@@ -48,7 +48,10 @@ WAIT_S = 120  # a bound on waiting for what must happen (never asserted as a dur
 LIMITS = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0, write_stall_timeout_s=5.0, max_sequences=16,
                     max_stream_backlog=4, send_buffer_bytes=16384)
 LANES = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
-LANE_BODY = dict(model=MODEL, max_tokens=24, temperature=0, ignore_eos=True, stream=True)
+LANE_BODY = dict(model=MODEL, max_tokens=16, temperature=0, ignore_eos=True, stream=True)
+# The test's own requests (lanes and attackers have theirs); idle connections are dropped well before the
+# gateway's keep-alive timeout closes them (a request on a connection closing under it would fail).
+HTTP = httpx.Client(timeout=WAIT_S, limits=httpx.Limits(keepalive_expiry=1.0))
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +152,7 @@ def lanes(hardened, undisturbed) -> Lanes:
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = httpx.get(url + "/metrics", headers=AUTH, timeout=WAIT_S).text
+    text = HTTP.get(url + "/metrics", headers=AUTH).text
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -182,8 +185,8 @@ def read_all(s: socket.socket) -> bytes:
 
 def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(url + path, content=content, timeout=WAIT_S,
-                      headers={"content-type": "application/json", **AUTH, **(headers or {})})
+    return HTTP.post(url + path, content=content, headers={"content-type": "application/json", **AUTH,
+                                                             **(headers or {})})
 
 
 def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
@@ -338,7 +341,7 @@ def test_keys_guard_every_route_but_the_probes_and_rotating_keys_get_nowhere(har
                                    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}),
                                    ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
                                    ("GET", "/metrics", None), ("GET", "/v1/models", None)):
-            r = httpx.request(method, url + path, json=body, headers=bad, timeout=WAIT_S)
+            r = HTTP.request(method, url + path, json=body, headers=bad)
             assert_error(r, 401, "unauthorized")
             assert r.headers["www-authenticate"] == "Bearer"
     for path in ("/health", "/ready"):
@@ -432,8 +435,8 @@ def test_sigterm_drains_the_gateway_process(hardened, undisturbed, tmp_path):
         assert httpx.get(url + "/v1/models").status_code == 401  # the topology's keys are required
         finished: list[str] = []
         flowing = threading.Event()
-        lane = threading.Thread(target=lambda: finished.append(
-            sse_text(url, {**LANE_BODY, "prompt": LANES[0], "max_tokens": 24}, flowing)))
+        lane = threading.Thread(target=lambda: finished.append(sse_text(url, {**LANE_BODY, "prompt": LANES[0]},
+                                                                        flowing)))
         lane.start()
         # A stream that holds the drain open until this test lets it go.
         holder = httpx.stream("POST", url + "/v1/completions", headers=AUTH, timeout=WAIT_S,
