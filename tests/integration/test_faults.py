@@ -1,14 +1,18 @@
-"""Fault tests with real processes: kill -9 and SIGSTOP a decode worker, kill -9 a tokenizer and the
-router, all under load.
+"""Fault tests with real processes: kill -9 and SIGSTOP a decode worker, kill -9 a tokenizer, the router
+and prefill workers, all under load.
 
 The mesh runs as one process per service (ipc://) under the supervisor, as `deepinfer-launch up` runs it,
-with two decode workers and two tokenizers; the tests share it, each starting once the last one's victim is
-back. A lost decode worker's or tokenizer's requests move to the
+with two prefill workers, two decode workers and two tokenizers; the tests share it, each starting once the
+last one's victims are back. A lost decode worker's or tokenizer's requests move to the
 other one (the supervisor tells the router the moment a child exits; a stopped one is found by its missed
 heartbeats): every stream completes with the output of an undisturbed run, without a gap or a repeated
 token, seeded sampling included. A killed router loses its requests (their clients get RouterLostError);
 its successor is greeted by every service again and serves new requests, the workers and tokenizers
 abort the requests they still held for the old one, and every KV block is free again.
+
+Prefill workers killed mid-prefill: with a spare, their requests move to it; with none (both killed), they
+wait parked for a restarted one; killed once every stream decodes, decoding goes on untouched (no request
+moves). Each stream's output equals the undisturbed run's, token for token.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import dataclasses
 import os
 import re
+import secrets
 import signal
 import time
 
@@ -33,6 +38,9 @@ from tests.integration.supervised import metric, supervised_mesh, wait_every_chi
 pytestmark = pytest.mark.smollm2
 
 NUM_STREAMS = 16
+# The prefill workers' max_num_batched_tokens: a step of 32 tokens costs at least a read of the weights, so a
+# long prompt's prefill lasts well past a heartbeat's period (which the kill waits for) on any machine.
+PREFILL_CHUNK = 32
 MAX_TOKENS = 40
 SEEDED = {3: 11, 9: 12}  # stream index → seed: these sample (temperature 0.8), the others are greedy
 
@@ -44,9 +52,15 @@ def params(i: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def prompts_and_reference(smollm2_path):
+def reference_engine(smollm2_path):
+    """The undisturbed single engine every output is compared with."""
+    return LLMEngine.load(smollm2_path, EngineConfig(kv_cache_bytes=64 << 20))
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(reference_engine):
     """16 prompts and what an undisturbed single engine answers to each."""
-    engine = LLMEngine.load(smollm2_path, EngineConfig(kv_cache_bytes=64 << 20))
+    engine = reference_engine
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": f"Tell me fact number {i} about the sea."}])
                for i in range(NUM_STREAMS)]
     outs = [engine.generate([p], SamplingParams(**params(i)))[0].token_ids for i, p in enumerate(prompts)]
@@ -58,9 +72,17 @@ def module_mesh(smollm2_path, tmp_path_factory):
     """One mesh for the module's tests: each test's fault is one the mesh heals from (the supervisor restarts a
     killed child, a stopped one is continued), which the `mesh` fixture waits for before the next test."""
     run_dir = tmp_path_factory.mktemp("faults")
-    topo = Topology.local(str(smollm2_path), "ipc", run_dir, disaggregated=True, num_decode=2, num_tokenizers=2,
-                          threads=1, kv_cache_mb=64)
-    topo = dataclasses.replace(topo, router=RouterConfig(heartbeat_timeout_s=1.5))
+    topo = Topology.local(str(smollm2_path), "ipc", run_dir, disaggregated=True, num_prefill=2, num_decode=2,
+                          num_tokenizers=2, threads=1, kv_cache_mb=64)
+    # The prefill workers compute a prompt in chunks of PREFILL_CHUNK tokens: a long prompt's prefill spans
+    # steps (progress), so a kill can find it half done on any machine, and no step is long enough on a loaded
+    # one to pass for a wedged worker.
+    workers = tuple(dataclasses.replace(w, max_num_batched_tokens=PREFILL_CHUNK) if w.role == "prefill" else w
+                    for w in topo.workers)
+    # Requests whose every prefill worker died wait for a restarted one: give a restart on a loaded machine
+    # (model load included) ample time before they would end with worker_lost.
+    topo = dataclasses.replace(topo, workers=workers,
+                               router=RouterConfig(heartbeat_timeout_s=1.5, placement_timeout_s=120.0))
     with supervised_mesh(topo, run_dir, metrics=True) as sup:
         yield sup
 
@@ -75,10 +97,11 @@ def mesh(module_mesh):
 
 
 async def streams_through_a_fault(endpoint: str, prompts: list[list[int]], fault,
-                                  spec=params) -> list[tuple[list[int], object]]:
-    """Stream every prompt (stream i with the sampling parameters `spec(i)`); once a third of them have tokens
-    flowing, run `fault()`. Returns per stream the tokens of its deltas, in order, and how it ended (the
-    RequestFinished or the exception)."""
+                                  spec=params, fault_after: int | None = None) -> list[tuple[list[int], object]]:
+    """Stream every prompt (stream i with the sampling parameters `spec(i)`); once `fault_after` of them (default
+    a third) have tokens flowing, run `fault()`. Returns per stream the tokens of its deltas, in order, and how
+    it ended (the RequestFinished or the exception)."""
+    fault_after = len(prompts) // 3 if fault_after is None else fault_after
     results: list[tuple[list[int], object]] = [([], None) for _ in prompts]
     async with AsyncClient(endpoint, timeout_s=300) as c:
         flowing: set[int] = set()
@@ -93,7 +116,7 @@ async def streams_through_a_fault(endpoint: str, prompts: list[list[int]], fault
                         tokens += msg.token_ids
                         if len(tokens) >= 2:
                             flowing.add(i)
-                            if len(flowing) >= len(prompts) // 3:
+                            if len(flowing) >= fault_after:
                                 ready.set()
                     else:
                         results[i] = (tokens, msg)
@@ -101,6 +124,8 @@ async def streams_through_a_fault(endpoint: str, prompts: list[list[int]], fault
                 results[i] = (tokens, exc)
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        if fault_after == 0:
+            ready.set()
         await asyncio.wait_for(ready.wait(), 240)
         await fault()
         await asyncio.gather(*tasks)
@@ -230,3 +255,93 @@ def test_kill_9_router_then_its_successor_is_greeted_and_serves(mesh, prompts_an
             dict.fromkeys(workers, 0.0):
         assert time.monotonic() < deadline, used
         time.sleep(0.2)
+
+
+# ----- prefill workers -----
+
+LONG_PROMPT_STREAMS = 3
+LONG_PROMPT_TOKENS = 8  # what matters here is the prefill: a short answer keeps the reference cheap
+PREFILLS = ("prefill-0", "prefill-1")
+MIGRATIONS = "deepinfer_router_migrations_total"
+
+
+def greedy_short(i: int) -> dict:
+    return dict(max_tokens=LONG_PROMPT_TOKENS, ignore_eos=True)
+
+
+def long_prompts(engine: LLMEngine, topic: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts of ~500 tokens, so that a prefill worker computes each over many steps, and the undisturbed
+    engine's greedy answer to each. Each starts with a fresh nonce: no prefix of theirs is cached (the cache
+    daemon's disk tier outlives a test run), so the prefill workers compute them whole."""
+    nonce = secrets.token_hex(4)
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": f"{nonce}: note {i} on {topic}: " + " ".join(
+        f"{topic} fact {i}.{k} is worth a line." for k in range(50))}]) for i in range(LONG_PROMPT_STREAMS)]
+    outs = engine.generate(prompts, SamplingParams(**greedy_short(0)))
+    return prompts, [o.token_ids for o in outs]
+
+
+def prefilling(mesh, names) -> int:
+    """Requests the workers `names` run or queue, as their latest heartbeat's gauges say."""
+    gauges = [metric(mesh.log_dir, f"deepinfer_num_requests_{what}", instance=n)
+              for n in names for what in ("running", "waiting")]
+    return int(sum(g or 0 for g in gauges))
+
+
+def kill_mid_prefill(mesh, victims):
+    """A fault: once the victims hold a request (prefilling: the prompts are long), kill -9 every victim."""
+    async def fault() -> None:
+        deadline = time.monotonic() + 120
+        while not prefilling(mesh, victims):
+            assert time.monotonic() < deadline, "the prefill workers never held the requests"
+            await asyncio.sleep(0.05)
+        for name in victims:
+            os.kill(mesh.child(name).proc.pid, signal.SIGKILL)
+    return fault
+
+
+def migrations(mesh, cause: str) -> float:
+    return metric(mesh.log_dir, MIGRATIONS, cause=cause) or 0.0
+
+
+def wait_for_migrations(mesh, cause: str, more_than: float) -> float:
+    """The router's count of migrations by `cause` once it shows more than `more_than` (it refreshes its
+    metrics every half second); a guard, not a timing."""
+    deadline = time.monotonic() + 60
+    while (n := migrations(mesh, cause)) <= more_than:
+        assert time.monotonic() < deadline, f"no {cause} migration counted"
+        time.sleep(0.1)
+    return n
+
+
+def test_kill_9_prefill_worker_mid_prefill_moves_its_requests_to_the_spare(mesh, reference_engine):
+    prompts, want = long_prompts(reference_engine, "harbours")
+    before = migrations(mesh, "prefill_death")
+    fault = kill_mid_prefill(mesh, ["prefill-0"])
+    results = asyncio.run(streams_through_a_fault(mesh.topology.frontend, prompts, fault, greedy_short, fault_after=0))
+    assert_undisturbed(results, want)
+    wait_for_migrations(mesh, "prefill_death", before)  # the kill caught requests in prefill: they moved
+
+
+def test_kill_9_every_prefill_worker_mid_prefill_parks_their_requests_for_the_restarted_ones(
+        mesh, reference_engine):
+    prompts, want = long_prompts(reference_engine, "lighthouses")
+    before = migrations(mesh, "prefill_death")
+    fault = kill_mid_prefill(mesh, PREFILLS)
+    results = asyncio.run(streams_through_a_fault(mesh.topology.frontend, prompts, fault, greedy_short, fault_after=0))
+    assert_undisturbed(results, want)  # no spare: they waited for a restarted prefill worker and finished
+    wait_for_migrations(mesh, "prefill_death", before)
+
+
+def test_kill_9_every_prefill_worker_once_every_stream_decodes_leaves_decoding_alone(
+        mesh, prompts_and_reference):
+    prompts, want = prompts_and_reference
+    before = migrations(mesh, "prefill_death")
+
+    async def kill() -> None:  # every stream has had two tokens: its KV is on its decode worker
+        for name in PREFILLS:
+            os.kill(mesh.child(name).proc.pid, signal.SIGKILL)
+
+    results = asyncio.run(streams_through_a_fault(mesh.topology.frontend, prompts, kill, fault_after=len(prompts)))
+    assert_undisturbed(results, want)
+    wait_every_child_serving(mesh, timeout_s=300)  # (long after the router's metrics caught up with the kill)
+    assert migrations(mesh, "prefill_death") == before  # no request moved
