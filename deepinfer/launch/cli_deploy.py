@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from deepinfer.launch.cli_options import check_listen
+from deepinfer.launch.cli_options import INSECURE_HELP, check_listen, refuse_unsecured
 
 
 @click.command()
@@ -20,7 +20,8 @@ from deepinfer.launch.cli_options import check_listen
 @click.option("--rank", type=int, default=0, show_default=True,
               help="An expert-parallel worker's rank in [0, ep): 0 speaks for the group to the mesh, 1..ep-1 "
                    "follow it (engine only).")
-def service(role: str, topology: Path, name: str | None, index: int | None, rank: int) -> None:
+@click.option("--insecure", is_flag=True, help=INSECURE_HELP)
+def service(role: str, topology: Path, name: str | None, index: int | None, rank: int, insecure: bool) -> None:
     """Run one service of a topology (what a systemd unit runs)."""
     from deepinfer.launch.supervisor import UnsafeRunDir, check_ipc_dirs
     from deepinfer.launch.topology import Topology, TopologyError
@@ -47,6 +48,13 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
             raise click.UsageError(str(exc)) from None
         if not 0 < rank < ep:
             raise click.UsageError(f"--rank {rank}: worker {name} has ep = {ep}, so its ranks are 0..{ep - 1}")
+    if role == "gateway":
+        try:
+            topo.gateway(name)
+        except TopologyError as exc:
+            raise click.UsageError(str(exc)) from None
+    refuse_unsecured(topo, insecure)  # the command line is sound: now, is the mesh it joins safe to join?
+    if rank != 0:
         from deepinfer.launch.mesh import engine_config
         from deepinfer.services.group.follower import run_follower  # torch.distributed: only in a follower
 
@@ -55,10 +63,6 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
     if role == "gateway":
         from deepinfer.launch.gateway_process import run_gateway
 
-        try:
-            topo.gateway(name)
-        except TopologyError as exc:
-            raise click.UsageError(str(exc)) from None
         run_gateway(topo, name)
         return
     from deepinfer.launch.mesh import run_service
@@ -72,8 +76,12 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
 @click.option("--user", default="deepinfer", show_default=True,
               help="The (existing, unprivileged) user every unit runs as.")
 def systemd(topology: Path, out: Path, user: str) -> None:
-    """Write systemd units for a topology (templates per role, a target that starts every instance)."""
+    """Write systemd units for a topology (templates per role, a target that starts every instance). A topology
+    with tcp:// endpoints needs [security], or `insecure = true` in the file (what every unit reads)."""
     from deepinfer.launch.systemd import write_units
+    from deepinfer.launch.topology import Topology
+
+    refuse_unsecured(Topology.load(topology), False, flag=None)  # the units would refuse to start
 
     for path in write_units(topology, out, user=user):
         click.echo(str(path))

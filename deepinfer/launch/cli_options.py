@@ -150,6 +150,22 @@ def check_listen(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
+INSECURE_HELP = ("Run even though the topology's tcp:// endpoints have no [security] (CURVE): anyone who can reach "
+                 "them can submit work, join the mesh as a service and read prompts and outputs. Only on a network "
+                 "where every host and user is trusted. (A topology file can say `insecure = true` instead.)")
+
+
+def refuse_unsecured(topology: Any, insecure: bool, flag: str | None = "--insecure") -> None:
+    """Fail closed before anything starts: a topology with tcp:// endpoints and no [security] is refused unless
+    the operator said otherwise (`Topology.check_secured`), as a ClickException naming the endpoints."""
+    from deepinfer.launch.topology import TopologyError
+
+    try:
+        topology.check_secured(insecure, flag=flag)
+    except TopologyError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def sampling_options(f):  # type: ignore[no-untyped-def]
     opts = [
         click.option("--chat", is_flag=True, help="Wrap each prompt as a user message in the model's chat template."),

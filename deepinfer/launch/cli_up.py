@@ -17,10 +17,12 @@ import click
 
 from deepinfer.config.engine import DEFAULT_KV_CACHE_MB
 from deepinfer.launch.cli_options import (
+    INSECURE_HELP,
     check_listen,
     check_weights_for_model,
     numerics,
     numerics_options,
+    refuse_unsecured,
     speculation,
     speculation_options,
 )
@@ -72,14 +74,16 @@ from deepinfer.services.balancer_config import BALANCER_DEFAULTS
               help="Also run an OpenAI-compatible HTTP gateway listening there (/v1/completions, "
                    "/v1/chat/completions, ...); its URL is printed when the mesh is ready. With --topology, "
                    "add a [[gateway]] table instead.")
+@click.option("--insecure", is_flag=True, help=INSECURE_HELP)
 @speculation_options
 @numerics_options
 def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
        num_tokenizers: int, threads: int | None, ep: int | None, kv_cache_mb: int, run_dir: Path | None,
        log_dir: Path | None, cache_dir: Path | None, host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool,
        no_prefix_caching: bool, redundant_experts: int | None, no_balancer: bool, balancer_interval: float | None,
-       balancer_window: float | None, http: str | None, speculative: str | None, num_speculative_tokens: int,
-       no_adaptive_speculation: bool, weights: str | None, kv_cache_dtype: str | None) -> None:
+       balancer_window: float | None, http: str | None, insecure: bool, speculative: str | None,
+       num_speculative_tokens: int, no_adaptive_speculation: bool, weights: str | None,
+       kv_cache_dtype: str | None) -> None:
     """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM.
     With --topology, every worker option (speculation, --ep and the expert balancer's too) comes from the
     file, per worker (and its [balancer] table)."""
@@ -104,8 +108,11 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
     if inproc and (ep or 1) > 1:
         raise click.UsageError("--inproc runs every service in this process, and an --ep group needs a process "
                                "per rank: drop --inproc")
+    given = None if topology is None or inproc else Topology.load(topology)  # (--inproc builds its own)
     if topology is None:
         check_weights_for_model(model, weights)
+    elif given is not None:
+        refuse_unsecured(given, insecure)  # fail closed, before anything is made or started
     temporary = run_dir is None  # made here: removed whole at exit
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="deepinfer-run-"))  # (mode 0700)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -139,6 +146,9 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
             balancer = expert_balancer(model, ep or 1, no_balancer, balancer_interval, balancer_window)
             topology.write_text(Topology.local(model, "ipc", run_dir, ep=ep or 1, redundant_experts=redundant_experts,
                                                balancer=balancer, http=http, **local).to_toml())
+        elif given is not None and insecure and not given.insecure and given.unsecured_endpoints():
+            topology = _accepted_insecure(given, run_dir)  # the children read the operator's --insecure in it
+            made.append(topology)
         made += _ipc_paths(Topology.load(topology), run_dir)
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +212,14 @@ def _supervise(topology: Path, log_dir: Path, logs: str) -> None:
     finally:
         sup.stop()
         notes.close()
+
+
+def _accepted_insecure(topology: Any, run_dir: Path) -> Path:
+    """`topology` written to the run directory saying `insecure = true`: what `up --insecure` supervises, so
+    each service it starts (`service --topology COPY`) finds the operator's decision in its file."""
+    copy = run_dir / "topology-insecure.toml"
+    copy.write_text(dataclasses.replace(topology, insecure=True).to_toml())
+    return copy
 
 
 def _ipc_paths(topology: Any, run_dir: Path) -> list[Path]:

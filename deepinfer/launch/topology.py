@@ -53,9 +53,16 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     served_model_name = "smollm2"         # the `model` clients give (default: `model` above, as written)
     [gateway.limits]                      # optional: its HTTP bounds (deepinfer.gateway.limits.HttpLimits)
     max_body_bytes = 4194304              # 413 past it; also header_timeout_s, max_connections, max_sequences, ...
-    [security]                            # optional: CURVE on every tcp:// endpoint
+    [security]                            # CURVE on every tcp:// endpoint: required when there is one (below)
     keys_dir = "/etc/deepinfer/keys"      # from `deepinfer-launch keys DIR --topology F` (relative: to this file)
     client_keys = "/etc/deepinfer/clients.allowed"  # the tenants' public keys (default: DIR/clients/allowed)
+
+Fail closed: services refuse to start from a topology with a tcp:// endpoint and no [security] table (anyone who
+can reach an open endpoint can submit work, join the mesh as a service, read prompts and outputs, and store or
+fetch cache blocks; a loopback address is open to every local user). The operator who means it says so: a
+top-level `insecure = true` in the file (what systemd units and every host read), or `--insecure` to `up` and
+`service` for one run. `check_secured` is the rule; loading a file never refuses (`keys` reads a topology
+before its [security] table exists).
 
 Every table is one frozen dataclass (TokenizerSpec, WorkerSpec, KvCacheSpec, GatewaySpec, SecuritySpec,
 RouterConfig, BalancerConfig),
@@ -136,8 +143,8 @@ __all__ = ["DEFAULT_DISK_CACHE_MB", "DEFAULT_HOST_CACHE_MB", "DEFAULT_MODEL", "B
            "speculative_problem"]
 
 T = TypeVar("T")
-TOP_LEVEL_KEYS = ("model", "block_size", "kv_cache_dtype", "router", "tokenizer", "worker", "kvcache", "gateway",
-                  "balancer", "security")
+TOP_LEVEL_KEYS = ("model", "block_size", "kv_cache_dtype", "insecure", "router", "tokenizer", "worker", "kvcache",
+                  "gateway", "balancer", "security")
 # RouterConfig fields a [router] table may not set: they are derived, so they cannot disagree with their source.
 ROUTER_DERIVED = {"block_size": "set block_size at the top level: it is every service's, the router's included",
                   "id_prefix": "the router chooses it, anew at every start"}
@@ -161,6 +168,7 @@ class Topology:
     security: SecuritySpec | None = None  # None: no CURVE (loopback or ipc:// only, as DESIGN §3 advises)
     balancer: BalancerConfig | None = None  # None: no expert balancer (groups keep their static placement)
     gateways: tuple[GatewaySpec, ...] = ()  # OpenAI-compatible HTTP gateways (none: ZeroMQ clients only)
+    insecure: bool = False  # tcp:// endpoints without [security] run anyway: the operator said so (check_secured)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -196,18 +204,46 @@ class Topology:
             problem = w.speculation_problem() or w.parallel_problem() or w.weights_problem() or w.stream_problem()
             if problem is not None:
                 raise TopologyError(f"worker {w.name}: {problem}")
+        if self.insecure and self.security is not None:
+            raise TopologyError("insecure = true and a [security] table contradict each other: drop one")
         self._check_ep_masters()
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        """(what, endpoint) for every ZeroMQ endpoint a service binds (clients and connecting services reach
+        the mesh only through these)."""
+        return [("router frontend", self.frontend), ("router backend", self.backend),
+                *((f"tokenizer {t.name} detok", t.detok) for t in self.tokenizers),
+                *((f"worker {w.name} kv", w.kv) for w in self.workers),
+                *((f"kvcache {k.name} endpoint", k.endpoint) for k in self.kvcaches)]
+
+    def unsecured_endpoints(self) -> list[tuple[str, str]]:
+        """The tcp:// endpoints nothing authenticates: every one of them when there is no [security] table
+        (ipc:// is guarded by its private run directory, inproc:// never leaves the process)."""
+        return [] if self.security is not None else [(w, e) for w, e in self.endpoints() if e.startswith("tcp://")]
+
+    def check_secured(self, insecure: bool = False, flag: str | None = "--insecure") -> None:
+        """Fail closed (see the module docstring): raise TopologyError when a tcp:// endpoint has no [security],
+        unless the operator accepted it (`insecure = true` in the file, or `insecure` here from a command-line
+        flag; `flag` names that flag in the error, None where the command has none)."""
+        open_endpoints = self.unsecured_endpoints()
+        if not open_endpoints or insecure or self.insecure:
+            return
+        shown = ", ".join(f"{what} {endpoint}" for what, endpoint in open_endpoints[:3])
+        more = f" and {len(open_endpoints) - 3} more" if len(open_endpoints) > 3 else ""
+        opt_in = (f"pass {flag} (or set `insecure = true` at the top of the topology)" if flag is not None
+                  else "set `insecure = true` at the top of the topology")
+        raise TopologyError(
+            f"refusing to run tcp:// endpoints without [security]: {shown}{more}. Anyone who can reach them could "
+            f"submit work, join the mesh as a service, and read prompts and outputs. Secure them: `deepinfer-launch "
+            f"keys DIR --topology FILE`, then a [security] table with keys_dir = \"DIR\"; or, on a network where every "
+            f"host and user that can reach them is trusted, {opt_in}.")
 
     def _check_ep_masters(self) -> None:
         """Every group's ep_master and every gateway's listen address is an address nothing else in the topology
         binds: a port taken twice on one host would make one of the two fail to start (a wildcard host takes
         the port on every address)."""
         taken: list[tuple[str, int, str]] = []  # (host, port, what)
-        named = [("router frontend", self.frontend), ("router backend", self.backend),
-                 *((f"tokenizer {t.name} detok", t.detok) for t in self.tokenizers),
-                 *((f"worker {w.name} kv", w.kv) for w in self.workers),
-                 *((f"kvcache {k.name} endpoint", k.endpoint) for k in self.kvcaches)]
-        for what, endpoint in named:
+        for what, endpoint in self.endpoints():
             if endpoint.startswith("tcp://"):
                 try:
                     taken.append((*split_host_port(endpoint.removeprefix("tcp://")), what))
@@ -334,6 +370,7 @@ class Topology:
         makes relative ones absolute against the file's directory)."""
         lines = [f"model = {toml_string(self.model)}", f"block_size = {self.block_size}",
                  f"kv_cache_dtype = {toml_string(self.kv_cache_dtype)}"]
+        lines += ["insecure = true"] if self.insecure else []
         lines += toml_table("router", self.router, skip=tuple(ROUTER_DERIVED),
                             first={"frontend": self.frontend, "backend": self.backend})
         for t in self.tokenizers:
@@ -401,6 +438,7 @@ def _from_document(data: dict[str, Any], base: Path) -> Topology:
         gateways=_entries(GatewaySpec, data, "gateway"),
         block_size=data.get("block_size", DEFAULT_BLOCK_SIZE),
         kv_cache_dtype=data.get("kv_cache_dtype", DEFAULT_KV_CACHE_DTYPE),
+        insecure=data.get("insecure", False),
         security=None if "security" not in data else _within("security", lambda: _security(data["security"], base)),
         balancer=None if "balancer" not in data else _within("balancer", lambda: from_table(BalancerConfig,
                                                                                             data["balancer"])),

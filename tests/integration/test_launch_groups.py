@@ -94,7 +94,7 @@ def test_a_follower_rank_runs_run_follower_and_exits_with_its_code(topology, mon
     follower = types.ModuleType("deepinfer.services.group.follower")
     follower.run_follower = lambda *call: calls.append(call) or 3  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "deepinfer.services.group.follower", follower)
-    out = run("service", "worker", "--topology", str(topology), "--name", "w", "--rank", "1")
+    out = run("service", "worker", "--topology", str(topology), "--name", "w", "--rank", "1", "--insecure")
     assert out.exit_code == 3, out.output  # nonzero: the group broke, so the supervisor/systemd restarts it
     assert [(name, rank) for _, name, rank, _ in calls] == [("w", 1)]
     assert calls[0][0] == Topology.load(topology)
