@@ -12,7 +12,7 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     require_api_key = true
     [router.tenants]                      # api_key → cache salt (an inline table works too)
     "key-a" = "salt-a"
-    [router.max_inflight_per_tenant]      # likewise priority_floor
+    [router.max_inflight_per_tenant]      # likewise priority_floor, max_queued_prompt_tokens_per_tenant
     "key-a" = 64
     [[tokenizer]]
     name = "tokenizer-0"
