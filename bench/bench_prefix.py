@@ -176,7 +176,7 @@ def wire_fetch(store: TieredStore, kv_spec: KvSpec) -> Iterator[Fetch]:
 
     def fetch(hashes: list[bytes]) -> tuple[m.CacheBlocks, dict[str, float]]:
         t0 = time.perf_counter()
-        send_msg(tx, m.CacheFetch("bench/fetch", hashes, FETCH_DEADLINE_S))
+        send_msg(tx, m.CacheFetch("bench/fetch", hashes, FETCH_DEADLINE_S, store.namespace_id))
         peer, req = recv_routed(rx)
         reply, read_s, all_s = daemon_read(store, kv_spec, req.block_hashes)
         send_msg(rx, reply, peer)

@@ -145,6 +145,10 @@ CACHE_TIER_CAPACITY = Gauge("deepinfer_cache_tier_capacity_bytes", "A cache daem
 CACHE_EVICTIONS = Counter("deepinfer_cache_evictions", "Blocks evicted from a cache daemon tier.", (*WHO, "tier"))
 CACHE_LOOKUPS = Counter("deepinfer_cache_lookups", "Block reads of a cache daemon tier, by result (hit, miss).",
                         (*WHO, "tier", "result"))
+CACHE_REFUSED = Counter("deepinfer_cache_refused",
+                        "Cache daemon requests refused, by reason: namespace (a lookup, fetch or store naming "
+                        "another namespace than the daemon's), kv (a store whose KV or hashes do not fit).",
+                        (*WHO, "reason"))
 CACHE_PENDING_WRITES = Gauge("deepinfer_cache_pending_writes", "Blocks queued for the disk tier.", WHO,
                              multiprocess_mode="livesum")
 

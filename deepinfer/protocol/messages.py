@@ -24,8 +24,8 @@ PlacementUpdate, PlacementResult); 8 added prompt logprobs (SamplingParamsWire.p
 prompt_logprobs of DetokenizeItem, TextDeltaItem, KvTransfer, StreamDelta and RequestFinished, the latter two
 with prompt_token_ids), logit_bias, per-item logprobs on every DetokenizeItem, and the error codes
 "unauthorized" and "unavailable"; 9 added the error code "request_too_large" (the router refuses an oversized
-request by its id instead of dropping the connection it came on), and graceful drain: DrainService,
-ServiceQuery, ServiceStatus and Shutdown.timeout_s.
+request by its id instead of dropping the connection it came on), graceful drain (DrainService,
+ServiceQuery, ServiceStatus and Shutdown.timeout_s), and the namespace of CacheLookup and CacheFetch.
 """
 
 from __future__ import annotations
@@ -566,10 +566,13 @@ class KvAck:
 
 @message(0x40)
 class CacheLookup:
-    """Worker → cache daemon: which of these blocks do you hold, and where?"""
+    """Worker → cache daemon: which of these blocks do you hold, and where? Every cache request names the
+    namespace its hashes are under; a daemon answers only for its own (any other, "" included, is all misses,
+    counted as refused)."""
 
     request_id: str
     block_hashes: list[bytes]
+    namespace: str = ""
 
 
 @message(0x41)
@@ -589,6 +592,7 @@ class CacheFetch:
     request_id: str
     block_hashes: list[bytes]
     deadline_s: float = 1.0
+    namespace: str = ""  # as CacheLookup's: only the daemon's own is served
 
 
 @message(0x43)

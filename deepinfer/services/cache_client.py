@@ -110,7 +110,7 @@ class CacheClient:
             self._replies[key] = fut
             try:
                 async with asyncio.timeout(PROBE_PERIOD_S):
-                    await asend_msg(self.sock, m.CacheLookup(rid, []))
+                    await asend_msg(self.sock, m.CacheLookup(rid, [], self.engine.cache_namespace.id))
                     await fut
                 self.up = True
                 self.log.info("cache daemon answers again")
@@ -156,9 +156,9 @@ class CacheClient:
             want = hashes[have + len(got):]
             left = deadline - time.monotonic()
             try:
-                reply: m.CacheBlocks = await self._call(
-                    m.CacheFetch(f"{request_id}/fetch-{len(got)}", want, max(left, 0.0)), m.CacheBlocks,
-                    max(left, 0.0) + REPLY_SLACK_S)
+                fetch = m.CacheFetch(f"{request_id}/fetch-{len(got)}", want, max(left, 0.0),
+                                     self.engine.cache_namespace.id)
+                reply: m.CacheBlocks = await self._call(fetch, m.CacheBlocks, max(left, 0.0) + REPLY_SLACK_S)
             except TimeoutError:
                 break
             n = len(reply.block_hashes)
@@ -221,7 +221,8 @@ class CacheClient:
     async def _write_behind(self, request_id: str, hashes: list[bytes], kv: torch.Tensor | None) -> None:
         rid = f"{request_id}/store-{next(self._ids)}"
         try:
-            known: m.CacheLookupReply = await self._call(m.CacheLookup(rid, hashes), m.CacheLookupReply,
+            known: m.CacheLookupReply = await self._call(m.CacheLookup(rid, hashes, self.engine.cache_namespace.id),
+                                                         m.CacheLookupReply,
                                                          REPLY_SLACK_S)
             missing = [i for i, tier in enumerate(known.tiers) if not tier]
             if not missing:

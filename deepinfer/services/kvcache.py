@@ -22,6 +22,17 @@ with reason "overloaded" (an empty CacheBlocks: a miss; a CacheStoreAck that sto
 forget), so the worker carries on without waiting out a timeout. Lookups are answered inline. Replies never
 wait on a peer: one whose queue is full (it does not read) or that is gone loses the reply (counted).
 
+Scoped by namespace: a daemon holds one namespace (its model's CacheNamespace: model and tokenizer
+fingerprints, KV dtype and layout, block size, hash scheme), and every request names the namespace its hashes
+are under. A lookup, fetch or store naming another (or none) is refused — all misses, no blocks, nothing
+stored — counted by reason (`refused`, exported as deepinfer_cache_refused_total) and logged with the peer.
+Who may ask at all is the socket's business: on tcp:// the cache socket's CURVE allow-list holds only the keys
+of the workers that name this daemon, each bound to its instance name (protocol.auth, launch.keys), and every
+one of them serves this daemon's model. Tenants are kept apart inside the namespace by the hash chain: each
+block's hash is seeded with its tenant's cache salt, which only the router knows and hands out with that
+tenant's requests, so no key can name another tenant's blocks it was not given (a worker is trusted with
+every tenant it serves; it could store wrong KV under a hash it was given: the daemon cannot check KV).
+
 A disk that fails or fills up costs disk hits only: the store counts the failed writes, the blocks stay in
 DRAM, lookups and DRAM hits go on, and the daemon logs the failures (at most every LOG_PERIOD_S).
 """
@@ -29,6 +40,7 @@ DRAM, lookups and DRAM hits go on, and the daemon logs the failures (at most eve
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
 from collections.abc import Callable, Coroutine
@@ -127,11 +139,13 @@ class KvCacheService(Service):
         self.fetches = TaskLimit(max_fetches_in_flight)
         self.stores = TaskLimit(max_stores_in_flight)
         self.refused_stores = 0
+        self.refused: collections.Counter[str] = collections.Counter()  # requests refused, by reason
         self.replies_dropped = 0  # the peer was gone or not reading (its queue full)
         self._disk_errors_logged = 0
         self._disk_errors_throttle = Throttle(LOG_PERIOD_S)
         self._drops_throttle = Throttle(LOG_PERIOD_S)
         self._overload_throttle = Throttle(LOG_PERIOD_S)
+        self._refusal_throttle = Throttle(LOG_PERIOD_S)
         self.cache_export: CacheExport | None = None  # Prometheus: the tiers' sizes, evictions, reads
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -166,6 +180,7 @@ class KvCacheService(Service):
             if self.cache_export is None:
                 self.cache_export = CacheExport(self.role, self.instance)
             self.cache_export.stats(self.store.stats())
+            self.cache_export.refused(self.refused)
 
     def idle(self) -> bool:
         return not self.fetches.tasks and not self.stores.tasks and not self.store.pending_writes()
@@ -186,18 +201,42 @@ class KvCacheService(Service):
 
     # -- requests from workers --------------------------------------------------------------
 
+    def _foreign(self, peer: bytes, req: m.CacheLookup | m.CacheFetch | m.CacheStore) -> str | None:
+        """Why `req` is not this daemon's to answer (its namespace is another's), counted and logged; None
+        when it is."""
+        if req.namespace == self.namespace.id:
+            return None
+        self.refused["namespace"] += 1
+        problem = f"namespace {req.namespace[:12]!r}… is not this cache's {self.namespace.id[:12]}…"
+        if self._refusal_throttle.ready():
+            self.log.warning("cache request for another namespace refused", type=type(req).__name__,
+                             peer=peer.decode(errors="replace"), reason=problem, refused=dict(self.refused))
+        return problem
+
     async def _on_lookup(self, peer: bytes, req: m.CacheLookup) -> None:
         self.progress += 1
+        if self._foreign(peer, req) is not None:
+            await self._reply(peer, m.CacheLookupReply(req.request_id, [""] * len(req.block_hashes)))
+            return
         tiers = self.store.lookup(_valid_hashes(req.block_hashes))
         await self._reply(peer, m.CacheLookupReply(req.request_id, tiers))
 
     async def _on_fetch(self, peer: bytes, req: m.CacheFetch) -> None:
         """Read on a task of its own (the socket keeps being read meanwhile), if there is room for one."""
+        problem = self._foreign(peer, req)
+        if problem is not None:
+            await self._reply(peer, m.CacheBlocks(req.request_id, [], [], [], problem))
+            return
         if not self.fetches.try_spawn(self._fetch, peer, req):
             self._log_overload()
             await self._reply(peer, m.CacheBlocks(req.request_id, [], [], [], OVERLOADED))
 
     async def _on_store(self, peer: bytes, req: m.CacheStore) -> None:
+        problem = self._foreign(peer, req)
+        if problem is not None:  # answered at once: it never takes a store's room
+            self.refused_stores += 1
+            await self._reply(peer, m.CacheStoreAck(req.request_id, 0, 0, problem))
+            return
         if not self.stores.try_spawn(self._store, peer, req):
             self._log_overload()
             await self._reply(peer, m.CacheStoreAck(req.request_id, 0, len(req.block_hashes), OVERLOADED))
@@ -234,6 +273,7 @@ class KvCacheService(Service):
         problem = self._store_problem(req)
         if problem is not None:
             self.refused_stores += 1
+            self.refused["kv"] += 1
             self.log.warning("store refused", request_id=req.request_id, reason=problem)
             await self._reply(peer, m.CacheStoreAck(req.request_id, 0, 0, problem))
             return
@@ -241,8 +281,7 @@ class KvCacheService(Service):
         await self._reply(peer, m.CacheStoreAck(req.request_id, stored, skipped))
 
     def _store_problem(self, req: m.CacheStore) -> str | None:
-        if req.namespace != self.namespace.id:
-            return f"namespace {req.namespace[:12]}… is not this cache's {self.namespace.id[:12]}…"
+        """What is wrong with a store in this daemon's namespace: KV of another spec or count, bad hashes."""
         problem = self.kv.problem(req.kv, len(req.block_hashes))
         if problem is not None:
             return problem

@@ -99,11 +99,11 @@ async def daemon_round_trip(path, kv_dir, a, names: list[bytes], kv: torch.Tenso
         assert d.store.block_nbytes == a.kv_spec.block_nbytes
         ack = await mesh.ask(m.CacheStore("store", d.namespace.id, names, kv.contiguous()))
         assert (ack.stored, ack.skipped, ack.reason) == (len(names), 0, "")
-        host = [await mesh.ask(m.CacheFetch(f"host-{i}", h)) for i, h in enumerate(prefixes)]
+        host = [await mesh.ask(m.CacheFetch(f"host-{i}", h, namespace=d.namespace.id)) for i, h in enumerate(prefixes)]
         await mesh.flushed()
         await mesh.stop_daemon()
-        await mesh.start_daemon()  # a warm restart: DRAM is empty, the disk index rebuilt from the files
-        disk = [await mesh.ask(m.CacheFetch(f"disk-{i}", h)) for i, h in enumerate(prefixes)]
+        d = await mesh.start_daemon()  # a warm restart: DRAM is empty, the disk index rebuilt from the files
+        disk = [await mesh.ask(m.CacheFetch(f"disk-{i}", h, namespace=d.namespace.id)) for i, h in enumerate(prefixes)]
         return {"host": host, "disk": disk}
     finally:
         await mesh.close()

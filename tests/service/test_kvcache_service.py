@@ -132,12 +132,12 @@ def test_store_lookup_fetch_and_events(smollm2_path, tmp_path):
             again = await mesh.ask(m.CacheStore("r2", d.namespace.id, hashes, kv))
             assert (again.stored, again.skipped) == (0, 3)
             missing = block_hashes(1, b"other")[0]
-            look = await mesh.ask(m.CacheLookup("r3", [hashes[0], missing, hashes[2]]))
+            look = await mesh.ask(m.CacheLookup("r3", [hashes[0], missing, hashes[2]], d.namespace.id))
             assert look.tiers == ["host", "", "host"]
-            got = await mesh.ask(m.CacheFetch("r4", [*hashes, missing]))
+            got = await mesh.ask(m.CacheFetch("r4", [*hashes, missing], namespace=d.namespace.id))
             assert got.block_hashes == hashes and got.tiers == ["host"] * 3
             assert torch.equal(torch.stack(got.blocks), kv)
-            none = await mesh.ask(m.CacheFetch("r5", [missing, hashes[0]]))
+            none = await mesh.ask(m.CacheFetch("r5", [missing, hashes[0]], namespace=d.namespace.id))
             assert none.block_hashes == [] and none.blocks == []
             await mesh.flushed()
             await asyncio.sleep(0.2)  # one events period
@@ -163,14 +163,24 @@ def test_bad_stores_are_refused_and_the_daemon_keeps_serving(smollm2_path, tmp_p
             wrong_count = await mesh.ask(m.CacheStore("c", d.namespace.id, hashes, kv_for(d, 3)))
             await mesh.worker.send_multipart([b"\x44", b"\xc1garbage"])  # a malformed frame
             ok = await mesh.ask(m.CacheStore("d", d.namespace.id, hashes, kv_for(d, 2)))
-            return [wrong_ns, wrong_shape, wrong_count], ok, d.refused_stores, d.malformed
+            # The blocks are held now, and still only a request in the daemon's namespace reaches them.
+            foreign = [await mesh.ask(m.CacheLookup("e", hashes, "0" * 64)),
+                       await mesh.ask(m.CacheFetch("f", hashes, namespace="0" * 64)),
+                       await mesh.ask(m.CacheFetch("g", hashes))]  # none named: refused too
+            own = await mesh.ask(m.CacheFetch("h", hashes, namespace=d.namespace.id))
+            return [wrong_ns, wrong_shape, wrong_count], ok, d.refused_stores, d.malformed, foreign, own, d.refused
         finally:
             await mesh.close()
 
-    refused, ok, n_refused, malformed = asyncio.run(run())
+    refused, ok, n_refused, malformed, foreign, own, by_reason = asyncio.run(run())
     assert all(r.stored == 0 and r.reason for r in refused)
     assert "namespace" in refused[0].reason and "expected float32" in refused[1].reason
     assert ok.stored == 2 and n_refused == 3 and malformed == 1
+    look, *fetches = foreign
+    assert look.tiers == ["", ""]
+    assert all(f.block_hashes == [] and f.blocks == [] and "namespace" in f.reason for f in fetches)
+    assert own.block_hashes == block_hashes(2)
+    assert by_reason == {"namespace": 4, "kv": 2}
 
 
 def test_warm_restart_serves_from_disk_and_never_serves_a_corrupt_block(smollm2_path, tmp_path):
@@ -193,10 +203,10 @@ def test_warm_restart_serves_from_disk_and_never_serves_a_corrupt_block(smollm2_
             victim.write_bytes(bytes(raw))
 
             d = await mesh.start_daemon()
-            look = await mesh.ask(m.CacheLookup("l", hashes))
-            got = await mesh.ask(m.CacheFetch("f", hashes))
+            look = await mesh.ask(m.CacheLookup("l", hashes, d.namespace.id))
+            got = await mesh.ask(m.CacheFetch("f", hashes, namespace=d.namespace.id))
             stats = d.store.stats()
-            later = await mesh.ask(m.CacheLookup("l2", hashes))
+            later = await mesh.ask(m.CacheLookup("l2", hashes, d.namespace.id))
             return look, got, kv, stats, later
         finally:
             await mesh.close()
@@ -220,8 +230,8 @@ def test_a_fetch_longer_than_one_reply_is_cut_at_the_frame_limit(smollm2_path, t
             hashes = block_hashes(5)
             kv = kv_for(d, 5, seed=2)
             await mesh.ask(m.CacheStore("w", d.namespace.id, hashes, kv))
-            first = await mesh.ask(m.CacheFetch("f1", hashes))
-            rest = await mesh.ask(m.CacheFetch("f2", hashes[2:]))
+            first = await mesh.ask(m.CacheFetch("f1", hashes, namespace=d.namespace.id))
+            rest = await mesh.ask(m.CacheFetch("f2", hashes[2:], namespace=d.namespace.id))
             return first, rest, kv
         finally:
             await mesh.close()
@@ -266,14 +276,14 @@ def test_a_flood_of_requests_keeps_the_tasks_bounded_and_lookups_answered(smollm
                 if i % 100 == 0:  # 1 in 100 a store (each carries a whole block's KV)
                     msg = m.CacheStore(f"s{i}", d.namespace.id, block_hashes(1, b"%d" % i), one_block)
                 else:
-                    msg = m.CacheFetch(f"f{i}", stored + block_hashes(3, b"%d" % i))
+                    msg = m.CacheFetch(f"f{i}", stored + block_hashes(3, b"%d" % i), namespace=d.namespace.id)
                 await asend_msg(mesh.worker, msg)
                 if i == FLOOD // 2:
                     assert len(d.fetches.tasks) == d.fetches.limit  # full, and holding
             disk_back.set()
             await asyncio.wait_for(reader, 120)
-            look = await mesh.ask(m.CacheLookup("after", stored))
-            fetch = await mesh.ask(m.CacheFetch("after", stored))
+            look = await mesh.ask(m.CacheLookup("after", stored, d.namespace.id))
+            fetch = await mesh.ask(m.CacheFetch("after", stored, namespace=d.namespace.id))
             return d, replies, (look, fetch), baseline_tasks, most_tasks
         finally:
             await mesh.close()
@@ -311,8 +321,8 @@ def test_a_full_disk_keeps_the_daemon_serving(smollm2_path, tmp_path):
                     ack = await mesh.ask(m.CacheStore(f"w{i}", d.namespace.id, hashes[i:i + 1], kv[i:i + 1]))
                     assert ack.stored == 1
                     await mesh.flushed()
-                look = await mesh.ask(m.CacheLookup("l", hashes))
-                got = await mesh.ask(m.CacheFetch("f", hashes))
+                look = await mesh.ask(m.CacheLookup("l", hashes, d.namespace.id))
+                got = await mesh.ask(m.CacheFetch("f", hashes, namespace=d.namespace.id))
                 alive = not mesh.task.done()
             return d, hashes, kv, look, got, alive, logs
         finally:

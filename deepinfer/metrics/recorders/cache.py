@@ -9,6 +9,7 @@ from deepinfer.metrics import definitions as d
 from deepinfer.metrics.bind import TotalsFeed, bind
 
 TIERS = ("host", "disk")
+REFUSALS = ("namespace", "kv")  # why a cache request was refused (services.kvcache)
 
 
 class CacheExport:
@@ -25,6 +26,7 @@ class CacheExport:
             counters[f"{tier}_misses"] = bind(d.CACHE_LOOKUPS, *who, tier, "miss")
         self._totals = TotalsFeed(counters.get)
         self._pending = bind(d.CACHE_PENDING_WRITES, *who)
+        self._refused = TotalsFeed(lambda reason: bind(d.CACHE_REFUSED, *who, reason) if reason in REFUSALS else None)
 
     def stats(self, stats: Mapping[str, int]) -> None:
         """The store's stats now (a tier without a key, e.g. no disk tier, keeps its gauges at 0)."""
@@ -33,3 +35,7 @@ class CacheExport:
                 gauge.set(stats[key])
         self._totals.update(stats)
         self._pending.set(stats.get("pending_writes", 0))
+
+    def refused(self, totals: Mapping[str, int]) -> None:
+        """The daemon's refused requests so far, by reason (monotonic totals)."""
+        self._refused.update(totals)
