@@ -42,8 +42,9 @@ Decisions:
   else is moved (below: the decode worker may have streamed the first token), its next placement
   avoiding both workers of the failed handoff, or whichever of them it can. With no other worker to try,
   the error goes to the client.
-* Text: a request's deltas count only from its tokenizer, and only of the token batches of the worker it
-  was placed on (`TextDeltas.worker`): another worker's are refused, counted (`refused_deltas`), logged.
+* Text: a request's deltas count only from its tokenizer, and only of the token batches of the workers it
+  was placed on (`TextDeltas.worker`: its decode worker, or its prefill worker for the first token, which
+  the prefill samples): another worker's are refused, counted (`refused_deltas`), logged.
 * Client abort ends the request with RequestFinished(finish_reason="abort") carrying the output so far.
   A gone client's requests end the same way but nothing is sent: there is no one to send to.
 * Losing a service (its heartbeats stop, it restarts, or the supervisor reports its exit) moves every
@@ -355,7 +356,7 @@ class RouterCore(MovesMixin):
                 or sender != st.where.tokenizer
             ):
                 out += self._stale()
-            elif deltas.worker is not None and deltas.worker != st.where.decode:
+            elif deltas.worker is not None and not self._from_placed_worker(deltas.worker, st, item.offset):
                 self._refuse_delta(sender, deltas.worker, st, now)
             elif item.offset < len(st.output_ids):  # a duplicate
                 out += self._stale()
@@ -366,12 +367,18 @@ class RouterCore(MovesMixin):
                 out += self._on_item(st, item, now)
         return out
 
+    @staticmethod
+    def _from_placed_worker(worker: str, st: RouterRequest, offset: int) -> bool:
+        """The decode worker streams every token; the prefill worker samples only the first (offset 0),
+        whose batch may reach us after its PrefillDone."""
+        return worker == st.where.decode or (worker == st.where.prefill and offset == 0)
+
     def _refuse_delta(self, tokenizer: str, worker: str, st: RouterRequest, now: float) -> None:
         self.metrics.refused_deltas += 1
         if now - self._refusal_logged_at >= 1.0:
             self._refusal_logged_at = now
             log.warning("text deltas from another worker than the request's refused", tokenizer=tokenizer,
-                        worker=worker, placed_on=st.where.decode, request_id=st.rid,
+                        worker=worker, placed_on=(st.where.prefill, st.where.decode), request_id=st.rid,
                         refused=self.metrics.refused_deltas)
 
     def on_error(self, sender: str, err: ErrorReply, now: float) -> list[Outbound]:

@@ -292,13 +292,18 @@ def test_text_from_another_worker_is_refused_and_counted() -> None:
     mesh.done(job)
     rid, placed_on = job.request_id, job.decode_worker
     other = "dec1" if placed_on == "dec0" else "dec0"
-    for worker in (other, "pre0", "tok0"):
+    prefill = mesh.core.request(rid).where.prefill
+    other_prefill = "pre1" if prefill == "pre0" else "pre0"
+    for worker in (other, other_prefill, "tok0"):
         assert mesh.deltas(TextDeltaItem(rid, 0, "evil", [66]), worker=worker) == []
-    assert mesh.core.metrics.refused_deltas == 3 and mesh.core.metrics.stale == 0
-    out = mesh.deltas(TextDeltaItem(rid, 0, "good", [1]), worker=placed_on)
+    assert mesh.deltas(TextDeltaItem(rid, 1, "evil", [66]), worker=prefill) == []  # a prefill samples one token
+    assert mesh.core.metrics.refused_deltas == 4 and mesh.core.metrics.stale == 0
+    out = mesh.deltas(TextDeltaItem(rid, 0, "good", [1]), worker=prefill)  # its first token, after PrefillDone
     assert [d.text for d in msgs(out, StreamDelta)] == ["good"]
-    out = mesh.deltas(TextDeltaItem(rid, 1, "!", [2], True, "stop"))  # a tokenizer that names no worker
-    assert msgs(out, RequestFinished)[0].text == "good!"
+    out = mesh.deltas(TextDeltaItem(rid, 1, " and", [3]), worker=placed_on)
+    assert [d.text for d in msgs(out, StreamDelta)] == [" and"]
+    out = mesh.deltas(TextDeltaItem(rid, 2, "!", [2], True, "stop"))  # a tokenizer that names no worker
+    assert msgs(out, RequestFinished)[0].text == "good and!"
     assert_clean(mesh.core)
 
 
