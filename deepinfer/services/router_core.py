@@ -43,8 +43,9 @@ Decisions:
   avoiding both workers of the failed handoff, or whichever of them it can. With no other worker to try,
   the error goes to the client.
 * Text: a request's deltas count only from its tokenizer, and only of the token batches of the workers it
-  was placed on (`TextDeltas.worker`: its decode worker, or its prefill worker for the first token, which
-  the prefill samples): another worker's are refused, counted (`refused_deltas`), logged.
+  was placed on (`TextDeltas.worker`: its decode worker, or its prefill worker for the job's first token,
+  which the prefill samples and streams itself when that token ends the request): another worker's are
+  refused, counted (`refused_deltas`), logged.
 * Client abort ends the request with RequestFinished(finish_reason="abort") carrying the output so far.
   A gone client's requests end the same way but nothing is sent: there is no one to send to.
 * Losing a service (its heartbeats stop, it restarts, or the supervisor reports its exit) moves every
@@ -369,9 +370,10 @@ class RouterCore(MovesMixin):
 
     @staticmethod
     def _from_placed_worker(worker: str, st: RouterRequest, offset: int) -> bool:
-        """The decode worker streams every token; the prefill worker samples only the first (offset 0),
-        whose batch may reach us after its PrefillDone."""
-        return worker == st.where.decode or (worker == st.where.prefill and offset == 0)
+        """The decode worker streams every token. The prefill worker streams one only when its first token
+        already ends the request (EOS, a stop, max_tokens): the job's first, at the output the job resumed
+        from (`job_output`: 0 unless the request moved); its batch may reach us after its PrefillDone."""
+        return worker == st.where.decode or (worker == st.where.prefill and offset == st.job_output)
 
     def _refuse_delta(self, tokenizer: str, worker: str, st: RouterRequest, now: float) -> None:
         self.metrics.refused_deltas += 1

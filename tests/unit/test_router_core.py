@@ -1117,7 +1117,7 @@ class Model:
         stop = "##" if reason == "stop" and self.draw(st.booleans()) else None
         item = TextDeltaItem(r.rid, offset, "t", [7] * self.draw(st.integers(0, 3)), finished, reason, stop)
         tokenizer = r.where.tokenizer if self.draw(st.integers(0, 4)) else self.instance()
-        worker = self.draw(st.sampled_from([None, r.where.decode, r.where.decode, self.instance()]))
+        worker = self.draw(st.sampled_from([None, r.where.decode, r.where.decode, r.where.prefill, self.instance()]))
         return self.mesh.deltas(item, tokenizer=tokenizer, worker=worker)
 
     def do_error(self) -> list[Outbound]:

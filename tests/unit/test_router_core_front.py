@@ -307,6 +307,26 @@ def test_text_from_another_worker_is_refused_and_counted() -> None:
     assert_clean(mesh.core)
 
 
+def test_a_prefill_worker_that_ends_the_request_at_its_first_token_streams_it_itself() -> None:
+    """The engine finishes a prefill-only request whose first token ends it (EOS, a stop, max_tokens) instead
+    of handing it off: the prefill worker streams that token, at the output the job resumed from."""
+    mesh = mesh_of(tok0="tokenizer", pre0="prefill", pre1="prefill", dec0="decode", dec1="decode")
+    job = mesh.placed(stream=True)
+    mesh.done(job)
+    mesh.deltas(TextDeltaItem(job.request_id, 0, "ab", [1, 2]), worker=job.decode_worker)
+    [enc] = msgs(mesh.beat(job.decode_worker, "decode", incarnation="i1"), EncodeRequest)  # moved at 2 tokens
+    [job2] = msgs(reencode(mesh, enc), PrefillJob)
+    assert job2.num_output_tokens == 2
+    prefill = mesh.core.request(job2.request_id).where.prefill
+    assert mesh.deltas(TextDeltaItem(job2.request_id, 3, "x", [7]), worker=prefill) == []  # not its first
+    assert mesh.core.metrics.refused_deltas == 1
+    out = mesh.deltas(TextDeltaItem(job2.request_id, 2, "c", [3], True, "length"), worker=prefill)
+    assert msgs(out, RequestFinished) == [] and mesh.core.request(job2.request_id).phase is Phase.FINISHING
+    [fin] = msgs(mesh.done(job2), RequestFinished)
+    assert fin.token_ids == [1, 2, 3] and fin.text == "abc"
+    assert_clean(mesh.core)
+
+
 def test_text_is_only_taken_from_the_requests_own_tokenizer_as_sender() -> None:
     mesh = mesh_of(tok0="tokenizer", tok1="tokenizer", pre0="prefill", dec0="decode")
     job = mesh.placed()
