@@ -25,7 +25,6 @@ from deepinfer.services.router_placement import Assignment, Instance
 from deepinfer.services.router_state import Outbound, Phase, RouterRequest
 
 if TYPE_CHECKING:
-    from deepinfer.services.router_cache import PrefillCostModel
     from deepinfer.services.router_placement import InstanceTable
     from deepinfer.services.router_state import ClientId, RouterConfig, RouterMetrics
 
@@ -44,7 +43,6 @@ class MovesMixin:
     config: RouterConfig
     table: InstanceTable
     metrics: RouterMetrics
-    cache: PrefillCostModel
     _reqs: dict[str, RouterRequest]
     _by_client: dict[ClientId, dict[str, str]]
     _deadlines: list[tuple[float, str]]
