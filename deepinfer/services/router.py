@@ -66,6 +66,7 @@ MAX_ASKED = 4096
 STATE_LOG_S = 10.0  # how often the router logs the mesh's state
 METRICS_EVERY_TICKS = 5  # the router's gauges and event counters are refreshed every this many ticks
 MAX_BACKLOG = 4096  # messages kept for one slow client, in order; past that they are dropped
+EXIT_GRACE_S = 0.3  # a supervisor's exit note is acted on this long after it arrived (see _service_exited)
 # The field naming the instance a message speaks for: it must be the sender's own identity.
 SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
                                m.KvEvents: "publisher", m.ExpertLoad: "worker", m.PlacementResult: "worker"}
@@ -155,6 +156,7 @@ class RouterService(BaseService):
         self.forged = 0
         self.ticks = 0  # the timer's ticks so far (deadlines, liveness): it keeps its period under any flood
         self._backlog: dict[bytes, collections.deque[Any]] = {}  # slow clients: what they are still owed
+        self._exits: collections.deque[tuple[float, m.ServiceExited]] = collections.deque()  # (due, note)
         # Each worker group's latest expert-load report, and what it says (see `expert_status`).
         self.expert_load: dict[str, m.ExpertLoad] = {}
         self.balancer: bytes | None = None  # the welcomed expert balancer's identity, if any
@@ -367,12 +369,29 @@ class RouterService(BaseService):
             await self._send([Outbound(update.worker, update)])
 
     async def _service_exited(self, ident: bytes, note: m.ServiceExited) -> None:
-        # A supervisor may say that any service exited; a service, only that it exits itself (a drain's goodbye).
+        """A supervisor may say that any service exited; a service, only that it exits itself (a drain's goodbye).
+
+        A goodbye is its sender's last message on its own connection, so all it sent before has been handled:
+        it is acted on at once. A supervisor's note arrives on another connection, and the dead process's last
+        messages (a final TextDeltas, an EncodeResult) may still be queued behind it on its own: the backend
+        reads its connections in turn, and libzmq 4.3.5 without its draft API gives no per-peer disconnect
+        notice to wait for. So the note is acted on EXIT_GRACE_S later, while the backend loop goes on reading:
+        a request whose answer was already sent is answered, not moved or failed."""
         own = ident in self.greeted and ident == note.instance.encode()
-        if own or ident.startswith(SUPERVISOR_PREFIX.encode()):
-            self.log.info("service exited", instance=note.instance, pid=note.pid, code=note.returncode, own=own)
-            cause = self.drains.on_exit(note)  # "drain" for a draining member's leftovers, else a death
-            await self._send(self.core.on_service_exited(note, self._now(), cause))
+        if own:
+            await self._act_on_exit(note, own=True)
+        elif ident.startswith(SUPERVISOR_PREFIX.encode()):
+            self._exits.append((self._now() + EXIT_GRACE_S, note))
+
+    async def _act_on_exit(self, note: m.ServiceExited, *, own: bool) -> None:
+        self.log.info("service exited", instance=note.instance, pid=note.pid, code=note.returncode, own=own)
+        cause = self.drains.on_exit(note)  # "drain" for a draining member's leftovers, else a death
+        await self._send(self.core.on_service_exited(note, self._now(), cause))
+
+    async def _act_on_due_exits(self) -> None:
+        now = self._now()
+        while self._exits and self._exits[0][0] <= now:
+            await self._act_on_exit(self._exits.popleft()[1], own=False)
 
     async def _operator(self, ident: bytes, msg: m.DrainService | m.ServiceQuery) -> None:
         """An operator's drain or question (the `drain` command), answered with the member's ServiceStatus.
@@ -433,6 +452,7 @@ class RouterService(BaseService):
         logged = self._now()
         while True:
             await asyncio.sleep(TICK_S)
+            await self._act_on_due_exits()
             await self._send(self.core.tick(self._now()))
             await self._flush_backlogs()
             self.ticks += 1
