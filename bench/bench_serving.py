@@ -266,8 +266,7 @@ class LaunchedMesh:
         launcher = shutil.which("deepinfer-launch", path=str(Path(sys.executable).parent)) or "deepinfer-launch"
         cmd = [launcher, "up", "--model", args.model, "--http", f"127.0.0.1:{self.port}",
                "--run-dir", str(self.run_dir), "--kv-cache-mb", str(args.kv_cache_mb)]
-        if not args.disaggregated:
-            cmd.append("--colocated")
+        cmd += ["--prefill", "1", "--decode", "1"] if args.disaggregated else ["--colocated"]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         cmd += args.launch_arg

@@ -36,8 +36,10 @@ from deepinfer.services.balancer_config import BALANCER_DEFAULTS
               help="A topology file; otherwise one of each service on this host.")
 @click.option("--inproc", is_flag=True, help="Run every service as a task in this process.")
 @click.option("--colocated", is_flag=True, help="One worker doing prefill and decode instead of a P/D pair.")
-@click.option("--prefill", "num_prefill", type=int, default=1, show_default=True)
-@click.option("--decode", "num_decode", type=int, default=1, show_default=True)
+@click.option("--prefill", "num_prefill", type=click.IntRange(min=1), default=None,
+              help="Prefill workers of a P/D layout (with --decode; either one asks for a pair, the other then 1).")
+@click.option("--decode", "num_decode", type=click.IntRange(min=1), default=None,
+              help="Decode workers of a P/D layout. Neither given (nor --colocated): chosen from the machine.")
 @click.option("--tokenizers", "num_tokenizers", type=int, default=1, show_default=True)
 @click.option("--threads", type=int, default=None,
               help="torch threads per worker, shared by the ranks of an --ep group (default: a share of the cores, "
@@ -77,7 +79,8 @@ from deepinfer.services.balancer_config import BALANCER_DEFAULTS
 @click.option("--insecure", is_flag=True, help=INSECURE_HELP)
 @speculation_options
 @numerics_options
-def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int, num_decode: int,
+def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_prefill: int | None,
+       num_decode: int | None,
        num_tokenizers: int, threads: int | None, ep: int | None, kv_cache_mb: int, run_dir: Path | None,
        log_dir: Path | None, cache_dir: Path | None, host_cache_mb: int, disk_cache_mb: int, no_kvcache: bool,
        no_prefix_caching: bool, redundant_experts: int | None, no_balancer: bool, balancer_interval: float | None,
@@ -85,18 +88,22 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
        num_speculative_tokens: int, no_adaptive_speculation: bool, weights: str | None,
        kv_cache_dtype: str | None) -> None:
     """Start the mesh on this host, print the client endpoint, and serve until SIGINT/SIGTERM.
-    With --topology, every worker option (speculation, --ep and the expert balancer's too) comes from the
-    file, per worker (and its [balancer] table)."""
+    Without --colocated or --prefill/--decode the layout is chosen from the machine (`launch.layout`), said on
+    stderr as `up` starts. With --topology, every worker option (the layout, speculation, --ep and the expert
+    balancer's too) comes from the file, per worker (and its [balancer] table)."""
+    from deepinfer.launch.layout import LayoutConflict, choose_layout, machine_facts
     from deepinfer.launch.topology import Topology
 
     balancing = (redundant_experts, "--redundant-experts", "`redundant_experts`"), \
         (balancer_interval, "--balancer-interval", "[balancer] interval_s"), \
         (balancer_window, "--balancer-window", "[balancer] window_s"), \
         (no_balancer or None, "--no-balancer", "a [balancer] table, or none")
+    layout_flags = (colocated or None, "--colocated", "the [[worker]] tables"), \
+        (num_prefill, "--prefill", "the [[worker]] tables"), (num_decode, "--decode", "the [[worker]] tables")
     for given, option, key in ((speculative, "--speculative", "`speculative`"), (ep, "--ep", "`ep` and `ep_master`"),
                                (weights, "--weights", "`weights`"), (kv_cache_dtype, "--kv-cache-dtype",
                                                                      "`kv_cache_dtype` at the top level"),
-                               *balancing):
+                               *balancing, *layout_flags):
         if topology is not None and given is not None:  # it would be silently ignored
             raise click.UsageError(f"{option} configures the workers `up` builds; with --topology, set {key} "
                                    f"per worker in the file")
@@ -108,6 +115,10 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
     if inproc and (ep or 1) > 1:
         raise click.UsageError("--inproc runs every service in this process, and an --ep group needs a process "
                                "per rank: drop --inproc")
+    try:
+        layout = choose_layout(machine_facts(), colocated, num_prefill, num_decode)
+    except LayoutConflict as exc:
+        raise click.UsageError(str(exc)) from None
     given = None if topology is None or inproc else Topology.load(topology)  # (--inproc builds its own)
     if topology is None:
         check_weights_for_model(model, weights)
@@ -127,7 +138,7 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
     cache = dict(kvcache=not (no_kvcache or no_prefix_caching), cache_dir=cache_dir, host_cache_mb=host_cache_mb,
                  disk_cache_mb=disk_cache_mb, prefix_caching=not no_prefix_caching)
     spec_kw = speculation(speculative, num_speculative_tokens, no_adaptive_speculation)
-    local = dict(disaggregated=not colocated, num_prefill=num_prefill, num_decode=num_decode,
+    local = dict(disaggregated=layout.disaggregated, num_prefill=layout.num_prefill, num_decode=layout.num_decode,
                  num_tokenizers=num_tokenizers, threads=threads, kv_cache_mb=kv_cache_mb, **cache, **spec_kw,
                  **numerics(weights, kv_cache_dtype))
     made: list[Path] = []  # what this run put in a run directory the user gave (removed at exit; logs stay)
@@ -138,6 +149,7 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
             topo = Topology.local(model, "inproc", **local)
             topo = dataclasses.replace(topo, frontend=f"ipc://{run_dir}/router-frontend.sock")
             made += _ipc_paths(topo, run_dir)
+            _say_layout(topo, layout.reason, threads=False)
             serve_inproc(topo, on_ready=lambda: _announce(topo.frontend))
             return
         if topology is None:
@@ -149,7 +161,9 @@ def up(model: str, topology: Path | None, inproc: bool, colocated: bool, num_pre
         elif given is not None and insecure and not given.insecure and given.unsecured_endpoints():
             topology = _accepted_insecure(given, run_dir)  # the children read the operator's --insecure in it
             made.append(topology)
-        made += _ipc_paths(Topology.load(topology), run_dir)
+        supervised = Topology.load(topology)
+        made += _ipc_paths(supervised, run_dir)
+        _say_layout(supervised, layout.reason if given is None else f"the topology file {topology}")
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         logs = f"logs in {log_dir or run_dir}" + (" until exit" if temporary and log_dir is None else "")
@@ -172,6 +186,23 @@ def expert_balancer(model: str, ep: int, off: bool, interval_s: float | None,
         return None  # a dense model has no experts to balance
     given = {k: v for k, v in (("interval_s", interval_s), ("window_s", window_s)) if v is not None}
     return dataclasses.replace(BALANCER_DEFAULTS, **given)
+
+
+def _say_layout(topology: Any, why: str, threads: bool = True) -> None:
+    """One line on stderr as `up` starts: the workers it runs (with their threads, when each is a process the
+    supervisor gives a share of the cores) and why. Stdout keeps the lines scripts read (`_announce`)."""
+    from collections import Counter
+
+    from deepinfer.launch.supervisor import thread_shares
+
+    kinds = {"worker": "co-located", "prefill": "prefill", "decode": "decode"}
+    roles = Counter(kinds.get(w.role, w.role) for w in topology.workers)
+    workers = " + ".join(f"{n} {role}" for role, n in roles.items())
+    workers += f" worker{'s' if len(topology.workers) != 1 else ''}"
+    if threads and topology.workers:
+        shares = sorted(set(thread_shares(topology).values()))
+        workers += f", {'/'.join(map(str, shares))} thread{'s' if shares != [1] else ''} each"
+    click.echo(f"layout: {workers}: {why}", err=True)
 
 
 def _share_metrics_dir(metrics_dir: Path) -> None:

@@ -258,7 +258,7 @@ def test_systemd_units_run_as_the_given_user_and_may_write_what_the_topology_nam
 def test_up_serves_then_drains_on_sigterm(smollm2_path, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "deepinfer.launch.cli", "up", "--model", str(smollm2_path), "--threads", "1",
-         "--kv-cache-mb", "64", "--run-dir", str(tmp_path)],
+         "--kv-cache-mb", "64", "--run-dir", str(tmp_path), "--prefill", "1", "--decode", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     in_flight: list[object] = []
     try:

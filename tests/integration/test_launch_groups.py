@@ -50,7 +50,7 @@ def topology(tmp_path: Path) -> Path:
 def test_up_ep_makes_every_generated_worker_a_group(tmp_path, monkeypatch):
     seen: list[Topology] = []
     monkeypatch.setattr(cli_up, "_supervise", lambda path, log_dir, logs: seen.append(Topology.load(path)))
-    out = run("up", "--ep", "2", "--run-dir", str(tmp_path / "run"))
+    out = run("up", "--ep", "2", "--prefill", "1", "--decode", "1", "--run-dir", str(tmp_path / "run"))
     assert out.exit_code == 0, out.output
     (topo,) = seen
     assert [(w.name, w.ep) for w in topo.workers] == [("prefill-0", 2), ("decode-0", 2)]
