@@ -3,8 +3,9 @@ every decision about a body or a response is `json_body` / `openai_requests` / `
 `errors`; the connection-level bounds are `http_protocol`'s.
 
 The clients are made in the app's lifespan, on the event loop that serves requests, and (re)connect in the
-background: `/health` answers from the start, `/ready` is 200 only while a router connection is up (its
-Hello was answered) and the gateway is not draining; generation requests meanwhile get 503.
+background: `/health` answers from the start (the process is up), `/ready` is 200 only while a request sent now
+is served: the gateway is not draining and the router, asked at each probe (`RouterPool.servable`), has a
+tokenizer and the workers a request needs alive; until then generation requests may get 503.
 
 No request can harm another's:
 * bodies are read under `limits.max_body_bytes` (413 as soon as passed) and parsed within JSON depth and
@@ -110,10 +111,6 @@ class Gateway:
 
     def decode_all(self, ids: list[int]) -> str:
         return self.text.decode(ids)
-
-    @property
-    def ready(self) -> bool:
-        return self.routers.ready and not self.draining
 
     def require_client(self) -> AsyncClient:
         client = self.routers.pick()
@@ -440,10 +437,13 @@ def build_app(gw: Gateway, on_startup: Callable[[asyncio.AbstractEventLoop], Non
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        if gw.ready:
+        if gw.draining:
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
+        servable, why = await gw.routers.servable()
+        if servable and not gw.draining:
             return JSONResponse({"status": "ready"})
-        status = "draining" if gw.draining else "waiting for the router"
-        return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "draining" if gw.draining else "not ready", "reason": why}, status_code=503,
+                            headers={"Retry-After": "1"})
 
     async def tokenize(request: Request) -> Response:
         raw = await read_body(request, gw.limits.max_body_bytes)

@@ -131,6 +131,16 @@ class AsyncClient:
                     return msg
         raise MeshError("the router ended the request without a result", req.request_id)
 
+    async def mesh_status(self) -> m.MeshStatus:
+        """Ask the router whether a request sent now would be served (`MeshStatus.servable`, else `reason`).
+        Raises MeshError as a request would (no router within the connect timeout, the connection lost)."""
+        rid = self._ids.next()
+        async with contextlib.aclosing(self._exchange(rid, m.MeshQuery(rid))) as exchange:
+            async for msg in exchange:
+                if isinstance(msg, m.MeshStatus):
+                    return msg
+        raise MeshError("the router ended the question without an answer", rid)
+
     async def _exchange(self, key: str, msg: Any) -> AsyncIterator[Any]:
         """Send `msg` and yield its replies until the last; each must come within timeout_s."""
         q: asyncio.Queue[Any] = asyncio.Queue()
@@ -147,7 +157,7 @@ class AsyncClient:
                 if isinstance(reply, m.ErrorReply):
                     raise error_from_reply(reply)
                 yield reply
-                if isinstance(reply, (m.RequestFinished, m.Welcome)):
+                if isinstance(reply, (m.RequestFinished, m.Welcome, m.MeshStatus)):
                     return
         finally:
             # Aborts only if the request is still open (finished and failed ones have no route left). No await

@@ -154,7 +154,7 @@ class Session:
         sink = self.routes.get(key)
         if sink is None:
             return  # a late reply to a request given up on, or the Welcome of a reconnect's Hello
-        if isinstance(msg, (m.Welcome, m.RequestFinished, m.ErrorReply)):  # the last message of its request
+        if isinstance(msg, (m.Welcome, m.RequestFinished, m.ErrorReply, m.MeshStatus)):  # its request's last
             del self.routes[key]
             self.unconnected.pop(key, None)
         sink.put_nowait(msg)

@@ -25,7 +25,8 @@ prompt_logprobs of DetokenizeItem, TextDeltaItem, KvTransfer, StreamDelta and Re
 with prompt_token_ids), logit_bias, per-item logprobs on every DetokenizeItem, and the error codes
 "unauthorized" and "unavailable"; 9 added the error code "request_too_large" (the router refuses an oversized
 request by its id instead of dropping the connection it came on), graceful drain (DrainService,
-ServiceQuery, ServiceStatus and Shutdown.timeout_s), and the namespace of CacheLookup and CacheFetch.
+ServiceQuery, ServiceStatus and Shutdown.timeout_s), and the namespace of CacheLookup and CacheFetch; 10 added
+a client's readiness question (MeshQuery, MeshStatus).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ __all__ = [
     "KvResync",
     "KvTransfer",
     "LogprobWire",
+    "MeshQuery",
+    "MeshStatus",
     "PlacementResult",
     "PlacementTable",
     "PlacementUpdate",
@@ -83,7 +86,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -403,6 +406,27 @@ class RequestFinished:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[LogprobWire | None] | None = None
 
+
+
+@message(0x13)
+class MeshQuery:
+    """Client → router: would a request sent now be served? (The HTTP gateway's /ready asks it.) Answered with
+    a MeshStatus carrying the same `request_id`; it admits nothing and changes no state."""
+
+    request_id: str
+
+
+@message(0x14)
+class MeshStatus:
+    """Router → client, the answer to a MeshQuery. `servable`: a request sent now would be admitted and placed:
+    the router is not draining, and a tokenizer and the workers a request needs (a prefill and a decode
+    worker, or a co-located one) are alive and take new work. Otherwise `reason` says what is missing, as
+    the refusal of a request sent now would. Admission limits (queue bounds, tenants' caps) are per request
+    and not part of it."""
+
+    request_id: str
+    servable: bool
+    reason: str = ""
 
 # --- router ↔ tokenizer ↔ decode 0x20–0x2F ------------------------------------------------------------------
 

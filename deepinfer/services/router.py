@@ -257,7 +257,7 @@ class RouterService(BaseService):
     def _client_table(self) -> dict[type, Handler]:
         core = self.core
         return {m.Hello: self._welcome_client, m.GenerateRequest: self._by_core(core.on_generate),
-                m.AbortRequest: self._by_core(core.on_abort)}
+                m.AbortRequest: self._by_core(core.on_abort), m.MeshQuery: self._mesh_query}
 
     def _by_core(self, event: Callable[[Any, Any, float], list[Outbound]]) -> Handler:
         """A handler feeding (peer, message) to a core event and sending what it returns."""
@@ -268,6 +268,11 @@ class RouterService(BaseService):
     async def _welcome_client(self, client: bytes, hello: m.Hello) -> None:
         welcome = check_hello(hello, m.PROTOCOL_VERSION, None, None, service="router", instance=self.instance)
         await self._send([Outbound(client, welcome)])
+
+    async def _mesh_query(self, client: bytes, query: m.MeshQuery) -> None:
+        """A client's readiness question (the gateway's /ready): would a request sent now be admitted and placed?"""
+        missing = "the router is shutting down" if self.core.draining else self.core.table.unservable(self._now())
+        await self._send([Outbound(client, m.MeshStatus(query.request_id, missing is None, missing or ""))])
 
     async def _client_may_not(self, client: bytes, msg: Any) -> None:
         await self._send([Outbound(client, m.ErrorReply(getattr(msg, "request_id", ""), "bad_message",

@@ -294,6 +294,16 @@ class InstanceTable:
         self._rr += 1
         return live[(self._rr - 1) % len(live)]
 
+    def unservable(self, now: float) -> str | None:
+        """Why a request sent now would be refused as "unavailable" (the router core's admission asks `place`
+        and then for a tokenizer, in that order), or None when a tokenizer and a worker pair (or a co-located
+        worker) would take it. Changes nothing: no round robin advances, nothing is held."""
+        if self.place(1, 1, now) is None:
+            return "no live prefill/decode workers"
+        if not self.has_live(TOKENIZER, now):
+            return "no live tokenizer"
+        return None
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
