@@ -88,6 +88,8 @@ class CacheClient:
                 await asend_msg(self.sock, msg)
                 return await fut
         except TimeoutError:
+            if fut.done() and not fut.cancelled():  # the reply came as time ran out: it still counts
+                return fut.result()
             self.stats.timeouts += 1
             self._mark_down(f"no {reply_type.__name__} within {timeout_s:g}s")
             raise
