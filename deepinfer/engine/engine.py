@@ -89,6 +89,7 @@ class EngineStats:
     prefix_lookups: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prefix_waits: int = 0  # admissions put off while a running request computed their next block
     blocks_imported: int = 0  # named blocks copied in from another tier (import_cached_blocks)
     # Speculative decoding: draft tokens verified, and how many of them were accepted.
     spec_proposed_tokens: int = 0
@@ -273,6 +274,7 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
         self.stats.prefix_lookups += sched.prefix_lookups
         self.stats.prefix_query_tokens += sched.prefix_query_tokens
         self.stats.prefix_hit_tokens += sched.prefix_hit_tokens
+        self.stats.prefix_waits += sched.prefix_waits
         try:
             if spec is not None:
                 spec.draft(sched)

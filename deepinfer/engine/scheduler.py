@@ -24,6 +24,10 @@ Prefix caching (when enabled, for requests that carry a hash chain):
   no hit (a cached block has KV, not logits): it computes its whole prompt;
 * after each step (`update`), every block that just became full of computed KV — prompt or output —
   is named in the pool by its hash, so a later prompt (or this request, after a preemption) finds it.
+* a prefix is computed once even while it is being computed: a waiting request whose next block to compute
+  is one a running request is still computing (the same chained hash: the same prefix) is passed over, and
+  the next waiting request considered; once the block is named, it is a hit. A request is only passed over
+  for a running one, which makes progress every step, so none waits forever.
   A block is only ever written while unnamed: hit blocks lie wholly before the first computed token.
 
 Prefill/decode handoff adds two doors that bypass the waiting queue:
@@ -54,6 +58,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from deepinfer.cache.block_pool import BlockPool
+from deepinfer.cache.hashing import BlockHash
 from deepinfer.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -89,6 +94,8 @@ class SchedulerOutput:
     prefix_lookups: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # Waiting requests passed over this step because a running one was computing their next block.
+    prefix_waits: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -218,9 +225,15 @@ class Scheduler:
             i += 1
 
         # After a preemption memory is short: admitting new work would only thrash.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        computing = self._computing_now() if self.enable_prefix_caching else set()
+        j = 0
+        while not out.preempted and j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[j]
             hit = self._cached_prefix(req)
+            if self._next_block_computing(req, len(hit), computing):
+                out.prefix_waits += 1
+                j += 1
+                continue
             computed = req.num_computed_tokens + len(hit) * self.block_size
             n = min(req.num_tokens - computed, budget, _chunk_cap(req))
             need = self._blocks_for(computed + n) - len(req.block_ids) - len(hit)
@@ -231,11 +244,12 @@ class Scheduler:
                 self._take_hit(req, hit, out)
             before = len(req.block_ids)
             req.block_ids.extend(self.pool.allocate(need))
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=Request.sort_key)
             out.chunks.append(ScheduledChunk(req, n, blocks_before=before))
             budget -= n
+            computing.update(self._blocks_to_compute(req))
         return out
 
     def update(self, out: SchedulerOutput) -> None:
@@ -287,6 +301,26 @@ class Scheduler:
         out.prefix_lookups += 1
         out.prefix_query_tokens += req.num_tokens
         out.prefix_hit_tokens += tokens
+
+    def _blocks_to_compute(self, req: Request) -> list[BlockHash]:
+        """The hashes of the full blocks a running request is still to compute and name: those of its prompt
+        (and any output it recomputes) past the ones named. None for a request in its decode phase."""
+        if not self._caches(req) or req.num_tokens - req.num_computed_tokens <= 1:
+            return []
+        full = req.num_tokens // self.block_size
+        return req.block_hashes(full)[req.num_registered_blocks:] if full > req.num_registered_blocks else []
+
+    def _computing_now(self) -> set[BlockHash]:
+        return {h for req in self.running for h in self._blocks_to_compute(req)}
+
+    def _next_block_computing(self, req: Request, num_hit: int, computing: set[BlockHash]) -> bool:
+        """Whether the first block `req` would compute (after its `num_hit` cached ones) is being computed by
+        a running request. Only for a request that would take a hit (see `_cached_prefix`)."""
+        if not computing or not self._caches(req) or req.block_ids or req.wants_prompt_logprobs:
+            return False
+        if num_hit >= (req.num_tokens - 1) // self.block_size:
+            return False  # nothing of its own to compute that could be shared
+        return req.block_hashes(num_hit + 1)[num_hit] in computing
 
     def _register_full_blocks(self, req: Request) -> None:
         """Name every block of `req` that is full of computed KV and not yet offered to the pool."""

@@ -73,12 +73,15 @@ from deepinfer.services.worker_core import (
     WorkerCore,
 )
 from deepinfer.services.worker_experts import ExpertLink, refuse_not_a_group
+from deepinfer.services.worker_stage import Stage
 
 __all__ = ["WorkerService"]
 
 EVENTS_PERIOD_S = 0.1
 HANDOFF_TICK_S = 0.5  # how often overdue handoff replies are looked for (the timeout is the core's)
 EXPERT_LOAD_PERIOD_S = 5.0  # a worker group's expert-load reports to the router
+STAGE_POLL_S = 0.01  # while jobs are staged, how often the engine's queue is looked at (a step is longer)
+STAGE_DEPTH_STEPS = 2  # the engine's queue is kept this many steps' token budgets deep (worker_stage)
 
 
 class WorkerService(Service):
@@ -98,6 +101,9 @@ class WorkerService(Service):
                          block_hash_scheme=self.engine.cache_namespace.handshake_scheme, **kw)
         self.kvcache = kvcache  # (daemon name, endpoint)
         self.cache: CacheClient | None = None
+        # With a daemon, jobs wait in the stage and their prefix is looked up only as they enter the engine.
+        self.stage: Stage[AddJob] = Stage(STAGE_DEPTH_STEPS * config.max_num_batched_tokens)
+        self._staged = asyncio.Event()
         self.publisher = KvEventPublisher(instance, self.incarnation)
         self.role = role  # type: ignore[misc]  # the instance's role: worker, prefill or decode
         self.kv_bind = kv_bind
@@ -167,7 +173,7 @@ class WorkerService(Service):
         if self.group is not None:
             tasks.append(self._expert_load_loop())
         if self.cache is not None:
-            tasks.append(self.cache.recv_forever())
+            tasks += [self.cache.recv_forever(), self._stage_loop()]
         if self.engine.config.enable_prefix_caching:
             tasks.append(self._events_loop())
         if self._kv_router is not None:
@@ -197,8 +203,9 @@ class WorkerService(Service):
         e = self.engine
         self.progress = self._thread.steps if self._thread else 0
         load, stats = self.load(), e.stats
+        staged = len(self.stage), self.stage.staged_tokens + self.stage.entering_tokens
         return dict(free_blocks=load.free_blocks, total_blocks=load.total_blocks, running=load.running,
-                    waiting=load.waiting, queued_prompt_tokens=load.queued_prompt_tokens,
+                    waiting=load.waiting + staged[0], queued_prompt_tokens=load.queued_prompt_tokens + staged[1],
                     tokens_per_s=self._thread.tokens_per_s if self._thread else 0.0,
                     spec_proposed_tokens=stats.spec_proposed_tokens,
                     spec_accepted_tokens=stats.spec_accepted_tokens)
@@ -259,11 +266,13 @@ class WorkerService(Service):
 
     async def _on_abort(self, req: m.AbortRequest) -> None:
         held = self.core.track(req.request_id) is not None
+        self.stage.drop(req.request_id)
         await self._run(self.core.on_abort(req.request_id))
         if held:
             self.log.info("aborted", request_id=req.request_id)
 
     async def on_router_restart(self) -> None:
+        self.stage.clear()
         await self._run(self.core.on_router_restart())
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -384,7 +393,19 @@ class WorkerService(Service):
         if self.cache is None:
             self.spawn(self._added(action.job, self._queue_add(action, None)), "AddJob")
         else:
-            self.spawn(self._load_prefix_then_add(action), "AddJob")
+            job = action.job
+            self.stage.push(job.request_id, len(job.token_ids), job.priority, action)
+            self._staged.set()
+
+    async def _stage_loop(self) -> None:
+        """Let staged jobs enter as the engine's queue drains (see worker_stage)."""
+        while True:
+            if not len(self.stage):
+                self._staged.clear()
+                await self._staged.wait()
+            for action in self.stage.enter(self.load().queued_prompt_tokens):
+                self.spawn(self._load_prefix_then_add(action), "AddJob")
+            await asyncio.sleep(STAGE_POLL_S)
 
     async def _load_prefix_then_add(self, action: AddJob) -> None:
         assert self.cache is not None
@@ -392,12 +413,14 @@ class WorkerService(Service):
         try:
             fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
         except Exception as exc:
+            self.stage.entered(job.request_id)
             await self._add_failed(job, exc)
             return
         if importer is not None and self.worker_export is not None:
             self.worker_export.prefix_fetched(fetch_s)
-        if self.core.on_prefix_loaded(job, fetch_s):  # else aborted while its prefix was loading
+        if self.core.on_prefix_loaded(job, fetch_s):  # else aborted while staged or while its prefix loaded
             await self._added(job, self._queue_add(action, importer))
+        self.stage.entered(job.request_id)
 
     def _queue_add(self, action: AddJob, importer: Callable[[], int] | None) -> asyncio.Future[None]:
         """Queue the job on the engine thread now, so that an abort read after it is queued after it."""

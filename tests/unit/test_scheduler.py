@@ -207,7 +207,7 @@ def test_random_workload_keeps_invariants():
         for r in list(live):
             if r.status == RequestStatus.RUNNING and (len(r.output_token_ids) > rng.randint(3, 12)):
                 s.finish(r, FinishReason.LENGTH)
-            elif rng.random() < 0.02:
+            elif step < 500 and rng.random() < 0.02:
                 s.finish(r, FinishReason.ABORT)
             if r.is_finished:
                 live.remove(r)
@@ -451,6 +451,52 @@ def test_second_request_with_the_same_prefix_reuses_the_first_ones_blocks():
     s.pool.check_integrity()
 
 
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
+    """b has a's prompt head; admitted beside a it would compute a's blocks again. It is passed over (c, with
+    another prefix, is admitted past it) until a has named them; then it takes them as a hit."""
+    s = caching_scheduler(16, budget=16)
+    head = list(range(1, 13))  # three full blocks
+    a, b, c = cached("a", head + [60], t=0), cached("b", head + [70, 71], t=1), cached("c", [90] * 6, t=2)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()  # a's whole prompt; b's first block is a's: it waits; c (another prefix) goes past it
+    assert [(ch.request.request_id, ch.num_new_tokens) for ch in out.chunks] == [("a", 13), ("c", 3)]
+    assert out.prefix_waits == 1 and b.status == RequestStatus.WAITING
+    s.update(out)
+    a.output_token_ids.append(7)
+    out = s.schedule()  # every block of the head is named now: b computes only its own two tokens
+    assert [(ch.request.request_id, ch.num_new_tokens) for ch in out.chunks] == [("a", 1), ("c", 3), ("b", 2)]
+    assert b.num_cached_tokens == 12 and b.block_ids[:3] == a.block_ids[:3] and out.prefix_waits == 0
+    s.update(out)
+    s.pool.check_integrity()
+
+
+def test_a_chunked_prefill_is_waited_for_block_by_block():
+    s = caching_scheduler(16, budget=8)
+    head = list(range(1, 13))
+    a, b = cached("a", head + [60], t=0), cached("b", head + [70], t=1)
+    s.add(a)
+    s.add(b)
+    assert run_step(s) == {"a": 8}  # (no budget left to consider b)
+    out = s.schedule()  # a's rest; b would hit two blocks and compute the third, which a is computing
+    assert [(ch.request.request_id, ch.num_new_tokens) for ch in out.chunks] == [("a", 5)] and out.prefix_waits == 1
+    s.update(out)
+    a.output_token_ids.append(7)
+    assert run_step(s) == {"a": 1, "b": 1} and b.num_cached_tokens == 12
+    s.pool.check_integrity()
+
+
+def test_without_prefix_caching_nothing_waits():
+    s = caching_scheduler(16, budget=8, enable_prefix_caching=False)
+    head = list(range(1, 13))
+    a, b = cached("a", head + [60], t=0), cached("b", head + [70], t=1)
+    s.add(a)
+    s.add(b)
+    s.max_num_batched_tokens = 32
+    out = s.schedule()
+    assert [ch.request.request_id for ch in out.chunks] == ["a", "b"] and out.prefix_waits == 0
+
+
 def test_a_hit_never_covers_the_last_token():
     s = caching_scheduler(8)
     a = cached("a", list(range(1, 9)))  # exactly two blocks
@@ -598,15 +644,18 @@ def test_random_workload_with_shared_prefixes_computes_the_right_kv():
     stems = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
     live: list[Request] = []
     block_of_hash: dict[bytes, list[int]] = {}  # every chain hash seen -> the block's tokens
-    hit_tokens = preemptions = 0
-    for step in range(500):
-        if rng.random() < 0.3:
+    hit_tokens = preemptions = waits = 0
+    for step in range(1000):  # arrivals and aborts for 500 steps, then every live request runs to its end
+        if step >= 500 and not live:
+            break
+        for k in range(rng.choice([0, 0, 0, 1, 1, 2]) if step < 500 else 0):  # sometimes two at once
             tokens = rng.choice(stems)[: rng.randint(1, 12)] + [rng.randrange(1, 50) for _ in range(rng.randint(0, 6))]
-            r = cached(f"r{step}", tokens, t=step, salt=rng.choice([None, None, "x"]))
+            r = cached(f"r{step}.{k}", tokens, t=step, salt=rng.choice([None, None, "x"]))
             s.add(r)
             live.append(r)
         out = s.schedule()
         hit_tokens += out.prefix_hit_tokens
+        waits += out.prefix_waits
         for c in out.chunks:
             req, toks = c.request, c.request.all_token_ids
             for p in range(c.start):
@@ -638,9 +687,8 @@ def test_random_workload_with_shared_prefixes_computes_the_right_kv():
             if name is not None:
                 assert kv[b] == block_of_hash[name], b
         pool.check_integrity()
-    assert hit_tokens > 0 and preemptions > 0
-    for r in live:
-        s.finish(r, FinishReason.ABORT)
+    assert hit_tokens > 0 and preemptions > 0 and waits > 0
+    assert not live  # no request waited forever (for a prefix, for blocks) once arrivals stopped
     assert pool.num_free == 14
     pool.check_integrity()
 
