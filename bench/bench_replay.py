@@ -71,6 +71,7 @@ class Arm:
     cache: bool
     num_prefill: int = 1
     router_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    worker_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # on every worker (WorkerSpec keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,9 @@ def mesh_topology(s: MeshSettings, arm: Arm, run_dir: Path) -> Topology:
                           kv_cache_mb=s.kv_cache_mb, kvcache=arm.cache, prefix_caching=arm.cache,
                           cache_dir=run_dir / "kvcache", host_cache_mb=s.host_cache_mb,
                           disk_cache_mb=s.disk_cache_mb)
-    return dataclasses.replace(topo, router=RouterConfig(**{**s.router_options, **arm.router_options}))
+    workers = tuple(dataclasses.replace(w, **arm.worker_options) for w in topo.workers)
+    return dataclasses.replace(topo, router=RouterConfig(**{**s.router_options, **arm.router_options}),
+                               workers=workers)
 
 
 # -- running one arm ------------------------------------------------------------------------------------------
@@ -184,8 +187,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def ratios(arms: dict[str, dict[str, Any]], reusable_kv: float, placement: bool) -> dict[str, float | None]:
-    if placement:
+def ratios(arms: dict[str, dict[str, Any]], reusable_kv: float, mode: str) -> dict[str, float | None]:
+    if mode == "lookup":
+        start, arrival = arms["lookup at start"], arms["lookup at arrival"]
+        return {"TTFT p50, at arrival / at start": ratio(arrival["ttft_p50_s"], start["ttft_p50_s"]),
+                "TTFT p99, at arrival / at start": ratio(arrival["ttft_p99_s"], start["ttft_p99_s"]),
+                "hit rate at start / reusable (KV blocks)": ratio(start["hit_rate"], reusable_kv),
+                "hit rate at arrival / reusable (KV blocks)": ratio(arrival["hit_rate"], reusable_kv)}
+    if mode == "placement":
         ca, ll = arms["cache_aware"], arms["least_loaded"]
         return {"TTFT p50, least_loaded / cache_aware": ratio(ll["ttft_p50_s"], ca["ttft_p50_s"]),
                 "TTFT p99, least_loaded / cache_aware": ratio(ll["ttft_p99_s"], ca["ttft_p99_s"]),
@@ -272,6 +281,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts += [f"--max-input-tokens {args.max_input_tokens}"] if args.max_input_tokens else []
     parts += ["--colocated"] if args.colocated else []
     parts += ["--placement"] if args.placement else []
+    parts += ["--lookup"] if args.lookup else []
     return " ".join(parts)
 
 
@@ -304,6 +314,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--colocated", action="store_true", help="one prefill+decode worker instead of a P/D pair")
     ap.add_argument("--placement", action="store_true",
                     help="two prefill workers, cache on: router placement cache_aware vs least_loaded")
+    ap.add_argument("--lookup", action="store_true",
+                    help="cache on, a job's prefix looked up as it enters the engine's queue (the default) vs as "
+                         "it arrives at the worker (lookup_ahead_steps = 0)")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="device KV pool per worker")
     ap.add_argument("--host-cache-mb", type=int, default=256, help="cache daemon DRAM tier")
     ap.add_argument("--disk-cache-mb", type=int, default=2048, help="cache daemon disk tier")
@@ -331,8 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = MeshSettings(str(path), args.transport, args.colocated,
                             args.threads if args.colocated else max(1, args.threads // 2),
                             args.kv_cache_mb, args.host_cache_mb, args.disk_cache_mb, queue)
+    mode = "placement" if args.placement else "lookup" if args.lookup else "cache"
     if args.placement:
         arms = [Arm(p, True, 2, {"placement": p}) for p in ("cache_aware", "least_loaded")]
+    elif args.lookup:
+        arms = [Arm("lookup at start", True), Arm("lookup at arrival", True, worker_options={"lookup_ahead_steps": 0})]
     else:
         arms = [Arm("cache on", True), Arm("cache off", False)]
     rng = random.Random(f"warm:{args.seed}")  # warm-up prompts share no block with the trace's
@@ -341,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{workload['span_s']:.0f} s; arms: {', '.join(a.name for a in arms)}", file=sys.stderr)
 
     r: dict[str, Any] = {
-        "mode": "placement" if args.placement else "cache", "command": command_line(args), "model": str(path),
+        "mode": mode, "command": command_line(args), "model": str(path),
         "model_name": Path(path).stem, "workload": workload, "arms": {}, "rows": {}, "notes": [],
         "mesh": dataclasses.asdict(settings) | {"kv_block": KV_BLOCK},
         "env": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -350,9 +366,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{arm.name} ...", file=sys.stderr)
         rows = run_arm(settings, arm, st.requests, warm, args.timeout_s)
         r["rows"][arm.name], r["arms"][arm.name] = rows, summarize(rows)
-    r["ratios"] = ratios(r["arms"], workload["reusable_kv_blocks"], args.placement)
+    r["ratios"] = ratios(r["arms"], workload["reusable_kv_blocks"], mode)
     print_report(r)
-    out = args.out or RESULTS / f"replay{'-placement' if args.placement else ''}.json"
+    out = args.out or RESULTS / f"replay{'' if mode == 'cache' else '-' + mode}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=2))
     print(f"wrote {out}")

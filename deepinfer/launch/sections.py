@@ -97,6 +97,9 @@ class WorkerSpec:
     # New tokens go to the tokenizers at most this often (a request's first tokens and its finish at once;
     # services/stream_coalescer.py); 0: after every engine step.
     stream_interval_ms: float = STREAM_INTERVAL_S * 1000
+    # With a cache daemon: a job's cached prefix is looked up as it enters the engine's queue, which is kept
+    # this many steps' token budgets deep (services/worker_stage.py); 0: looked up as the job arrives.
+    lookup_ahead_steps: int = 2
 
     def rank_device(self, rank: int) -> str:
         """The device rank `rank` runs on: "cuda" gives rank R cuda:R (a group takes devices 0..ep-1 of its
@@ -132,9 +135,11 @@ class WorkerSpec:
         return None
 
     def stream_problem(self) -> str | None:
-        """What is wrong with this worker's `stream_interval_ms`, or None."""
+        """What is wrong with this worker's `stream_interval_ms` or `lookup_ahead_steps`, or None."""
         if not 0 <= self.stream_interval_ms <= 10_000:
             return f"stream_interval_ms = {self.stream_interval_ms!r}: must be a number of milliseconds in [0, 10000]"
+        if not 0 <= self.lookup_ahead_steps <= 64:
+            return f"lookup_ahead_steps = {self.lookup_ahead_steps!r}: must be an integer in [0, 64]"
         return None
 
     def speculation_problem(self) -> str | None:

@@ -34,6 +34,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     ep_master = "10.0.0.2:29500"          #   N > 1 needs this rendezvous, host:port, and no kvcache yet)
     redundant_experts = 2                 # MoE: extra expert replicas per layer (default: max(1, E // 8); 0: none)
     stream_interval_ms = 50               # send new tokens at most this often (first tokens, finishes: at once)
+    lookup_ahead_steps = 2                # with a kvcache: look a job's prefix up as it enters the engine's queue,
+                                          #   kept this many steps deep (0: as the job arrives)
     [[kvcache]]
     name = "kvcache-0"
     endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here

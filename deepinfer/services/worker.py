@@ -90,7 +90,8 @@ class WorkerService(Service):
     def __init__(self, instance: str, role: str, backend: str, ctx: zmq.asyncio.Context, model: str,
                  config: EngineConfig, kv_bind: str | None, decode_peers: dict[str, str],
                  tokenizers: dict[str, str], kvcache: tuple[str, str] | None = None, ep: int = 1,
-                 ep_master: str = "", stream_interval_s: float = STREAM_INTERVAL_S, **kw: Any) -> None:
+                 ep_master: str = "", stream_interval_s: float = STREAM_INTERVAL_S,
+                 lookup_ahead_steps: int = STAGE_DEPTH_STEPS, **kw: Any) -> None:
         # Rank 0 of a group waits here for every rank to join, then loads the model like each of them.
         # `group`: the same engine, for a group's own calls (keepalive, close, load, expert placement); None
         # when the engine is one LLMEngine.
@@ -101,8 +102,10 @@ class WorkerService(Service):
                          block_hash_scheme=self.engine.cache_namespace.handshake_scheme, **kw)
         self.kvcache = kvcache  # (daemon name, endpoint)
         self.cache: CacheClient | None = None
-        # With a daemon, jobs wait in the stage and their prefix is looked up only as they enter the engine.
-        self.stage: Stage[AddJob] = Stage(STAGE_DEPTH_STEPS * config.max_num_batched_tokens)
+        # With a daemon, jobs wait in the stage and their prefix is looked up only as they enter the engine
+        # (lookup_ahead_steps 0: as they arrive, no stage).
+        self.stage: Stage[AddJob] | None = (Stage(lookup_ahead_steps * config.max_num_batched_tokens)
+                                            if lookup_ahead_steps > 0 else None)
         self._staged = asyncio.Event()
         self.publisher = KvEventPublisher(instance, self.incarnation)
         self.role = role  # type: ignore[misc]  # the instance's role: worker, prefill or decode
@@ -173,7 +176,9 @@ class WorkerService(Service):
         if self.group is not None:
             tasks.append(self._expert_load_loop())
         if self.cache is not None:
-            tasks += [self.cache.recv_forever(), self._stage_loop()]
+            tasks.append(self.cache.recv_forever())
+            if self.stage is not None:
+                tasks.append(self._stage_loop())
         if self.engine.config.enable_prefix_caching:
             tasks.append(self._events_loop())
         if self._kv_router is not None:
@@ -203,7 +208,8 @@ class WorkerService(Service):
         e = self.engine
         self.progress = self._thread.steps if self._thread else 0
         load, stats = self.load(), e.stats
-        staged = len(self.stage), self.stage.staged_tokens + self.stage.entering_tokens
+        stage = self.stage
+        staged = (len(stage), stage.staged_tokens + stage.entering_tokens) if stage is not None else (0, 0)
         return dict(free_blocks=load.free_blocks, total_blocks=load.total_blocks, running=load.running,
                     waiting=load.waiting + staged[0], queued_prompt_tokens=load.queued_prompt_tokens + staged[1],
                     tokens_per_s=self._thread.tokens_per_s if self._thread else 0.0,
@@ -266,13 +272,15 @@ class WorkerService(Service):
 
     async def _on_abort(self, req: m.AbortRequest) -> None:
         held = self.core.track(req.request_id) is not None
-        self.stage.drop(req.request_id)
+        if self.stage is not None:
+            self.stage.drop(req.request_id)
         await self._run(self.core.on_abort(req.request_id))
         if held:
             self.log.info("aborted", request_id=req.request_id)
 
     async def on_router_restart(self) -> None:
-        self.stage.clear()
+        if self.stage is not None:
+            self.stage.clear()
         await self._run(self.core.on_router_restart())
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -392,6 +400,8 @@ class WorkerService(Service):
     async def _add_job(self, action: AddJob) -> None:
         if self.cache is None:
             self.spawn(self._added(action.job, self._queue_add(action, None)), "AddJob")
+        elif self.stage is None:
+            self.spawn(self._load_prefix_then_add(action), "AddJob")
         else:
             job = action.job
             self.stage.push(job.request_id, len(job.token_ids), job.priority, action)
@@ -399,6 +409,7 @@ class WorkerService(Service):
 
     async def _stage_loop(self) -> None:
         """Let staged jobs enter as the engine's queue drains (see worker_stage)."""
+        assert self.stage is not None
         while True:
             if not len(self.stage):
                 self._staged.clear()
@@ -413,14 +424,18 @@ class WorkerService(Service):
         try:
             fetch_s, importer = await self.cache.load_prefix(job.request_id, job.token_ids, job.cache_salt)
         except Exception as exc:
-            self.stage.entered(job.request_id)
+            self._entered(job)
             await self._add_failed(job, exc)
             return
         if importer is not None and self.worker_export is not None:
             self.worker_export.prefix_fetched(fetch_s)
         if self.core.on_prefix_loaded(job, fetch_s):  # else aborted while staged or while its prefix loaded
             await self._added(job, self._queue_add(action, importer))
-        self.stage.entered(job.request_id)
+        self._entered(job)
+
+    def _entered(self, job: m.PrefillJob) -> None:
+        if self.stage is not None:
+            self.stage.entered(job.request_id)
 
     def _queue_add(self, action: AddJob, importer: Callable[[], int] | None) -> asyncio.Future[None]:
         """Queue the job on the engine thread now, so that an abort read after it is queued after it."""
