@@ -64,6 +64,9 @@ from deepinfer.launch.topology import Topology
 from deepinfer.loading.fetch import fetch_smollm2
 
 SAMPLE_S = 10.0
+# Per worker: 182 blocks of 16 tokens. The slow client's unread streams hold ~120 of them until the router ends
+# them; with half as much, the load's own requests were refused ("overloaded: KV blocks not free") meanwhile.
+KV_CACHE_MB = 128
 IDLE_S = 25.0  # after the load: handoff leases of abandoned requests expire in 10 s, the router logs every 10 s
 
 
@@ -84,8 +87,10 @@ def main() -> None:
     ap.add_argument("--fault-every-s", type=float, default=30.0)
     ap.add_argument("--fault-window-s", type=float, default=10.0, help="TTFT counts as 'during a fault' this long")
     ap.add_argument("--drain-timeout-s", type=float, default=10.0, help="the drains' --timeout")
-    ap.add_argument("--slow-pause-s", type=float, default=15.0, help="how long the slow client stops reading")
-    ap.add_argument("--slow-streams", type=int, default=16, help="the slow client's streams")
+    ap.add_argument("--slow-pause-s", type=float, default=10.0,
+                    help="how long the slow client stops reading (every other time 4x as long)")
+    ap.add_argument("--slow-streams", type=int, default=6, help="the slow client's streams ...")
+    ap.add_argument("--slow-tokens", type=int, default=320, help="... of this many tokens each")
     ap.add_argument("--faults", default=",".join(Faults.ROTATION), help="the rotation (comma-separated kinds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
@@ -96,7 +101,7 @@ def main() -> None:
         ap.error(f"unknown fault kinds {sorted(unknown)}; the kinds are {', '.join(Faults.ROTATION)}")
     run = Path(tempfile.mkdtemp(prefix="deepinfer-soak-"))
     topo = Topology.local(str(fetch_smollm2(progress=False)), "ipc", run, disaggregated=True, num_decode=2,
-                          num_tokenizers=2, threads=1, kv_cache_mb=64, cache_dir=run / "kv")
+                          num_tokenizers=2, threads=1, kv_cache_mb=KV_CACHE_MB, cache_dir=run / "kv")
     (run / "topology.toml").write_text(topo.to_toml())
     sup = Supervisor(run / "topology.toml", log_dir=run)
     sup.on_exit = notes = ExitNotifier(topo.backend)
@@ -109,7 +114,8 @@ def main() -> None:
         answers = undisturbed_answers(client)
         load = Load(client, args.clients, args.seed, answers)
         faults = Faults(sup, topo.frontend, run, load, args.seed, args.drain_timeout_s, args.slow_pause_s,
-                        tuple(args.faults.split(",")), args.slow_streams)
+                        tuple(args.faults.split(",")), args.slow_streams,
+                        args.slow_tokens)
         load.start()
         next_fault, next_sample = args.fault_every_s, 0.0
         while (t := time.monotonic() - load.t0) < args.minutes * 60:

@@ -11,8 +11,11 @@
   frame, an unknown type, random payloads): each answered by one "bad_message" with no id; plus 10 whose
   request id is readable (garbage after it, or `max_tokens` = 2**64-1): each ends with one "invalid_request".
 * ``slow_client``: on a DEALER of its own with a tiny receive queue, `slow_streams` greedy streams of
-  SLOW_TOKENS tokens that it does not read for `slow_pause_s`; then it reads. Each must end exactly once: finished, its deltas equal to its final tokens and
-  to the undisturbed answer, or "overloaded" (the router ends a client's requests when it reads too slowly).
+  `slow_tokens` tokens that it does not read for `slow_pause_s` (every other time LONG_PAUSE times as long);
+  then it reads. Together they are more deltas than the router's send queue to one client (1,000) and the
+  socket buffers hold, so after the long pause the router has ended its requests ("overloaded").
+  Each must end exactly once: finished, its deltas equal to its final tokens and to the undisturbed answer,
+  or "overloaded" (the router ends a client's requests when it reads too slowly).
   Beside it, a stream of the shared Client whose reader pauses as long, which must simply finish.
 
 Kills and drains pick the worker or tokenizer disturbed longest ago. A fault's requests that did not end as
@@ -49,10 +52,8 @@ BIG = Limits(max_payload=64 * MiB, max_frame=64 * MiB, max_total=64 * MiB, max_s
 UNKNOWN_TYPE = b"\xfe"  # a type byte that names no message
 REPLY_WAIT_S = 60.0  # how long a fault's requests get to end once it reads
 NO_ID_REFUSAL = "ErrorReply('', bad_message)"  # how Ends shows the front's answer to a message without an id
-LINGER_S = 1.0
-# The slow client's streams: more deltas than the router's send queue to it (1,000) and the socket buffers hold,
-# so that it does fall behind (the router then ends its requests with "overloaded").
-SLOW_TOKENS = 256  # read on this long after the last expected end, to catch a second end of a request
+LONG_PAUSE = 4  # the slow client's long pause, in short ones: long enough for ~1,500 deltas on 2 busy cores
+LINGER_S = 1.0  # read on this long after the last expected end, to catch a second end of a request
 
 
 @dataclass
@@ -130,10 +131,10 @@ class Faults:
     ROTATION = ("kill", "oversized", "drain", "malformed", "slow_client")
 
     def __init__(self, sup: Supervisor, frontend: str, run_dir: Path, load: Load, seed: int,
-                 drain_timeout_s: float = 10.0, slow_pause_s: float = 15.0, rotation: tuple[str, ...] = ROTATION,
-                 slow_streams: int = 16) -> None:
+                 drain_timeout_s: float = 10.0, slow_pause_s: float = 10.0, rotation: tuple[str, ...] = ROTATION,
+                 slow_streams: int = 6, slow_tokens: int = 320) -> None:
         self.sup, self.frontend, self.run_dir, self.load = sup, frontend, run_dir, load
-        self.rotation, self.slow_streams = rotation, slow_streams
+        self.rotation, self.slow_streams, self.slow_tokens = rotation, slow_streams, slow_tokens
         self.rng = random.Random(seed)
         self.drain_timeout_s, self.slow_pause_s = drain_timeout_s, slow_pause_s
         self.records: list[FaultRecord] = []
@@ -141,6 +142,7 @@ class Faults:
         self.victims = [c.name for c in sup.children if c.role in ("worker", "tokenizer")]
         self.disturbed = {name: -1.0 for name in self.victims}  # when each was last killed or drained
         self._turn = 0
+        self._slow_turn = 0
 
     def inject(self, t: float) -> FaultRecord:
         """Start the next fault of the rotation at `t` (seconds since the load started)."""
@@ -283,10 +285,14 @@ class Faults:
             front.greet()
             ends = Ends(list(prompts))
             for rid, i in prompts.items():
-                params = m.SamplingParamsWire(max_tokens=SLOW_TOKENS, ignore_eos=True)
+                params = m.SamplingParamsWire(max_tokens=self.slow_tokens, ignore_eos=True)
                 front.send(encode_frames(m.GenerateRequest(rid, prompt_token_ids=PROMPTS[i], params=params,
                                                            stream=True)))
-            time.sleep(self.slow_pause_s)  # the reader stops reading
+            # Every other time it stops reading long enough for the router to give up on it ("overloaded").
+            pause_s = self.slow_pause_s * (1 if self._slow_turn % 2 == 0 else LONG_PAUSE)
+            self._slow_turn += 1
+            rec.detail["pause_s"] = pause_s
+            time.sleep(pause_s)  # the reader stops reading
             ends.read(front, time.monotonic() + REPLY_WAIT_S + 120)
         finally:
             front.close()
