@@ -54,6 +54,7 @@ from bench.soak_report import (
     mesh_state,
     print_summary,
     proc_stat,
+    refused_windows,
     rss_growth,
     ttft_around_faults,
 )
@@ -185,6 +186,7 @@ def build_report(args: argparse.Namespace, load: Load, faults: Faults, samples: 
         "refused": dict(refused),
         "refused_why": dict(Counter(re.sub(r"request_id=\S+ ", "", r.detail) for r in load.records
                                     if r.outcome.startswith("refused"))),
+        "refused_windows": refused_windows(load.records, faults.records),
         "ttft": ttft_around_faults(load.records, faults.records, args.fault_window_s),
         "greedy_mismatches": load.mismatches,
         "faults": [vars(f) for f in faults.records],

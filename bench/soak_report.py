@@ -69,6 +69,26 @@ def ttft_around_faults(records: list[Outcome], faults: list[FaultRecord], window
             "during": {kind: percentiles(v) for kind, v in sorted(during.items())}}
 
 
+def refused_windows(records: list[Outcome], faults: list[FaultRecord], gap_s: float = 2.0) -> list[dict[str, Any]]:
+    """When the load's requests were refused: refusals less than `gap_s` apart merged into one window, with
+    its refusals by outcome and the last fault that started before it. (The clients retry 0.1 s after a
+    refusal, so a window's length says more than its count.)"""
+    windows: list[dict[str, Any]] = []
+    for r in sorted((r for r in records if r.outcome.startswith("refused")), key=lambda r: r.t):
+        if windows and r.t - windows[-1]["to_t"] <= gap_s:
+            w = windows[-1]
+        else:
+            before = [f for f in faults if f.t <= r.t]
+            w = {"from_t": r.t, "to_t": r.t, "refused": {},
+                 "after_fault": f"{before[-1].kind} {before[-1].target} at {before[-1].t:.0f}s" if before else None}
+            windows.append(w)
+        w["to_t"] = r.t
+        w["refused"][r.outcome] = w["refused"].get(r.outcome, 0) + 1
+    for w in windows:
+        w["from_t"], w["to_t"] = round(w["from_t"], 1), round(w["to_t"], 1)
+    return windows
+
+
 def rss_growth(samples: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Per service, per incarnation (pid) it was sampled in: mean RSS and fds over the first WINDOW_S after
     its warm-up against the last WINDOW_S it lived. An incarnation whose steady life is under 2 × WINDOW_S
@@ -121,6 +141,8 @@ def print_summary(report: dict[str, Any]) -> None:
           f"{report['lost']['fault_requests']}); refused with a typed retryable error: {report['refused']}")
     for why, n in report["refused_why"].items():
         print(f"  refused {n}x: {why}")
+    for w in report["refused_windows"]:
+        print(f"  refused from {w['from_t']}s to {w['to_t']}s (after {w['after_fault']}): {w['refused']}")
     for r in report["lost_requests"][:20]:
         print(f"  LOST t={r['t']:.1f}s {r['kind']}: {r['outcome']} {r['detail']}")
     t = report["ttft"]
