@@ -3,6 +3,7 @@
     python -m bench.soak                    # 20 minutes (issue 30's soak)
     python -m bench.soak --minutes 3        # a short run
     python -m bench.soak --out bench/results/soak-faults-DATE.json [--keep]
+    python -m bench.soak --minutes 3 --faults kill,drain --fault-every-s 20     # some faults only
 
 The mesh runs as `deepinfer-launch up` runs it: one process per service over ipc:// under the supervisor
 (one prefill worker, two decode workers, two tokenizers, a cache daemon), the router hearing of a dead
@@ -115,8 +116,7 @@ def main() -> None:
         answers = undisturbed_answers(client)
         load = Load(client, args.clients, args.seed, answers)
         faults = Faults(sup, topo.frontend, run, load, args.seed, args.drain_timeout_s, args.slow_pause_s,
-                        tuple(args.faults.split(",")), args.slow_streams,
-                        args.slow_tokens)
+                        tuple(args.faults.split(",")), args.slow_streams, args.slow_tokens)
         load.start()
         next_fault, next_sample = args.fault_every_s, 0.0
         while (t := time.monotonic() - load.t0) < args.minutes * 60:
