@@ -340,7 +340,8 @@ def test_up_on_a_secured_topology_serves_clients_with_a_tenant_key_only(tmp_path
         ask = ("generate", "--endpoint", topo.frontend, "--prompt", "The capital of France is", "--max-tokens", "6",
                "--json")
         served = cli(*ask, "--keys", str(keys))
-        stranger = cli(*ask)  # no key: the router's CURVE handshake never completes
+        # No key: the router's CURVE handshake never completes, which looks like a router not up yet (waited for).
+        stranger = cli(*ask, "--wait", "10")
         misused = cli("generate", *ask[3:], "--keys", str(keys))  # --keys without a tcp --endpoint
     finally:
         up.send_signal(signal.SIGTERM)
