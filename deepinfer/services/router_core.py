@@ -16,9 +16,12 @@ Decisions:
   prefill. Past `max_queued_requests`, or past `max_queued_prompt_tokens` with anything else queued
   (a lone prompt is never refused for its size: the tokenizer bounds it by the context), the request is
   refused at once with `overloaded` (as with a tenant at its in-flight cap or its queued prompt-token cap,
-  or a draining router); with no live tokenizer or worker it is refused with `unavailable` (both carry
-  retry_after_s). When the encoding gives the exact count, it replaces the estimate, and a request that
-  then breaks a token limit (with others queued) ends with `overloaded` before any prefill is spent on it.
+  or a draining router); with no live tokenizer it is refused with `unavailable` (both carry
+  retry_after_s), and so it is with no live worker (pair) unless one was live within the last
+  `placement_timeout_s`: then it is admitted and waits parked (below) for one to come back — the only
+  prefill worker restarting or drained in a rolling restart loses no request. When the encoding gives the
+  exact count, it replaces the estimate, and a request that then breaks a token limit (with others
+  queued) ends with `overloaded` before any prefill is spent on it.
 * Load shedding: while the prefill backlog's predicted wait (every prompt token ahead — queued on the
   live prefill-capable workers and not yet placed — over their summed measured rates:
   `PrefillCostModel.backlog_s`) is over `max_queue_wait_s`, a new request is refused at once with
@@ -142,6 +145,9 @@ class RouterCore(MovesMixin):
         self._inflight_by_tenant: Counter[str] = Counter()
         self._queued_tokens_by_tenant: Counter[str] = Counter()  # of queued requests, like queued_tokens
         self.unplaced_tokens = 0  # queued tokens of requests no worker has yet (tokenizing or parked)
+        # When a worker (pair) last could take a request: for `placement_timeout_s` after, new requests are
+        # admitted and wait parked for one (a restart, a rolling drain) instead of being refused.
+        self._servable_at = -math.inf
         self._refusal_logged_at = -math.inf  # refused deltas are logged at most once a second
 
     @property
@@ -197,7 +203,9 @@ class RouterCore(MovesMixin):
         if tenant_cap is not None and tenant_queued and tenant_queued + estimate > tenant_cap:
             return refuse("overloaded", f"this tenant already has {tenant_queued} prompt tokens waiting",
                           "tenant_tokens")
-        if self.table.place(estimate, req.params.max_tokens, now) is None:
+        if self.table.place(estimate, req.params.max_tokens, now) is not None:
+            self._servable_at = now
+        elif now - self._servable_at > cfg.placement_timeout_s:
             return refuse("unavailable", "no live prefill/decode workers")
         tokenizer = self.table.pick_tokenizer(now)
         if tokenizer is None:
@@ -400,6 +408,8 @@ class RouterCore(MovesMixin):
     def tick(self, now: float) -> list[Outbound]:
         """Periodic: dead instances, deadlines, parked requests."""
         out: list[Outbound] = []
+        if self.table.place(1, 1, now) is not None:
+            self._servable_at = now
         for inst, why in self.table.expire(now):
             self.cache.index.forget(inst.name)  # if it comes back, its events resume past a gap: resync
             out += self._lose(inst, why, now, tell_instance=True)  # it may be wedged, not gone

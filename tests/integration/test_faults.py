@@ -326,10 +326,21 @@ def test_kill_9_every_prefill_worker_mid_prefill_parks_their_requests_for_the_re
         mesh, reference_engine):
     prompts, want = long_prompts(reference_engine, "lighthouses")
     before = migrations(mesh, "prefill_death")
-    fault = kill_mid_prefill(mesh, PREFILLS)
-    results = asyncio.run(streams_through_a_fault(mesh.topology.frontend, prompts, fault, greedy_short, fault_after=0))
+    kill, late = kill_mid_prefill(mesh, PREFILLS), []
+
+    async def kill_then_ask() -> None:  # a request that arrives once the router knows no prefill worker lives
+        await kill()
+        deadline = time.monotonic() + 60
+        while migrations(mesh, "prefill_death") <= before:
+            assert time.monotonic() < deadline, "no prefill_death migration counted"
+            await asyncio.sleep(0.1)
+        async with AsyncClient(mesh.topology.frontend, timeout_s=300) as c:
+            late.append(await c.generate(prompt_token_ids=prompts[0], **greedy_short(0)))
+
+    results = asyncio.run(streams_through_a_fault(mesh.topology.frontend, prompts, kill_then_ask, greedy_short,
+                                                  fault_after=0))
     assert_undisturbed(results, want)  # no spare: they waited for a restarted prefill worker and finished
-    wait_for_migrations(mesh, "prefill_death", before)
+    assert late[0].token_ids == want[0]  # admitted and parked beside them, not refused as unavailable
 
 
 def test_kill_9_every_prefill_worker_once_every_stream_decodes_leaves_decoding_alone(

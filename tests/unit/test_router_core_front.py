@@ -76,6 +76,23 @@ def test_prefill_death_mid_prefill_moves_its_requests_to_the_spare() -> None:
     assert_clean(mesh.core)
 
 
+def test_new_requests_are_refused_once_no_worker_was_live_for_the_placement_timeout() -> None:
+    mesh = mesh_of(tok0="tokenizer", pre0="prefill", dec0="decode")
+    with_pid(mesh, "pre0", "prefill", 10)
+    mesh.placed()  # a worker pair took a request at 0
+    [enc] = msgs(mesh.core.on_service_exited(ServiceExited("pre0", 10, -9), mesh.now), EncodeRequest)
+    assert reencode(mesh, enc) == []  # parked
+    timeout = mesh.core.config.placement_timeout_s
+    ended = []
+    for mesh.now in (1.0, timeout - 1, timeout + 1):  # the tokenizer and the decode worker beat throughout
+        ended += msgs(mesh.beat("tok0", "tokenizer") + mesh.beat("dec0", "decode") + mesh.core.tick(mesh.now),
+                      ErrorReply)
+    assert [e.code for e in ended] == ["worker_lost"]  # parked for longer than the same bound
+    refused = msgs(mesh.generate(), ErrorReply)[0]
+    assert (refused.code, refused.message) == ("unavailable", "no live prefill/decode workers")
+    assert mesh.core.metrics.rejected["unavailable"] == 1 and mesh.core.num_inflight == 0
+
+
 def test_without_a_spare_requests_wait_parked_for_the_restarted_prefill_worker() -> None:
     mesh = mesh_of(tok0="tokenizer", pre0="prefill", dec0="decode")
     assert mesh.core.config.placement_timeout_s == 30.0  # a restart and a model load fit in it
@@ -84,18 +101,23 @@ def test_without_a_spare_requests_wait_parked_for_the_restarted_prefill_worker()
     [enc] = msgs(mesh.core.on_service_exited(ServiceExited("pre0", 10, -9), mesh.now), EncodeRequest)
     assert reencode(mesh, enc) == []
     assert mesh.core.request(enc.request_id).phase is Phase.PARKED
-    assert msgs(mesh.generate(), ErrorReply)[0].code == "unavailable"  # new ones are refused meanwhile
+    # A new request meanwhile is admitted too (a worker was live moments ago) and waits parked beside it.
+    late = mesh.admit(prompt_token_ids=[7, 8, 9])
+    assert mesh.encoded(late) == [] and mesh.core.request(late.request_id).phase is Phase.PARKED
     mesh.now = 2.0  # the others keep beating; the restarted pre0 says Hello, then beats
     for name, role in (("tok0", "tokenizer"), ("dec0", "decode")):
         mesh.beat(name, role)
     assert mesh.core.tick(mesh.now) == []
     with_pid(mesh, "pre0", "prefill", 11, incarnation="i1")
     assert mesh.core.tick(mesh.now) == []  # known, but no load yet: not placeable
-    [job2] = msgs(mesh.beat("pre0", "prefill", incarnation="i1"), PrefillJob)
+    job2, job3 = msgs(mesh.beat("pre0", "prefill", incarnation="i1"), PrefillJob)  # in arrival order
     assert job2.token_ids == job.token_ids and job2.decode_worker == "dec0"
-    mesh.done(job2)
-    fin = finish(mesh, job2.request_id, 0, [3, 4])
-    assert (fin.request_id, fin.token_ids) == ("c1", [3, 4])
+    assert job3.token_ids == [7, 8, 9]
+    for j, tokens in ((job2, [3, 4]), (job3, [5])):
+        mesh.done(j)
+        fin = finish(mesh, j.request_id, 0, tokens)
+        assert fin.token_ids == tokens
+    assert fin.request_id == "c2"
     assert mesh.core.metrics.migrations == {"prefill_death": 1}
     assert_clean(mesh.core)
 
