@@ -134,6 +134,13 @@ KV_TRANSFER_SECONDS = Histogram(
     "One KV move: handoff_send from KvTransfer sent to KvAck; cache_fetch, a prefix loaded from the daemon.",
     (*WHO, "path"), buckets=TRANSFER_BUCKETS)
 
+CACHE_FETCH_PLANS = Counter(
+    "deepinfer_cache_fetch_plans",
+    "A worker's prefixes past its device pool, by what it chose (cache.fetch_plan): faster (fetched), slower "
+    "(computed: fetching was predicted slower), probe (slower, fetched to measure again), unmeasured (fetched "
+    "before its prefill rate was known), miss (the cache daemon held none).",
+    (*WHO, "decision"))
+
 # --- the cache daemon ---------------------------------------------------------------------------------------
 
 CACHE_TIER_BLOCKS = Gauge("deepinfer_cache_tier_blocks", "Blocks held by a cache daemon tier.", (*WHO, "tier"),

@@ -24,13 +24,14 @@ from typing import Any
 import structlog
 import torch
 
+from deepinfer.cache.fetch_plan import MISS, FetchPlan, FetchPlanner
 from deepinfer.engine.interface import PrefixTarget, ServingEngine
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import ClientAuth
 from deepinfer.protocol.sockets import arecv_msg, asend_msg, make_dealer
 from deepinfer.services.engine_thread import EngineThread
 
-FETCH_DEADLINE_S = 1.0  # the daemon sends what it has read by then
+FETCH_DEADLINE_S = 1.0  # the longest a fetch waits: the daemon sends what it has read by then
 REPLY_SLACK_S = 1.0  # on top of a deadline, for the wire and the daemon's queue
 STORE_TIMEOUT_S = 10.0
 PROBE_PERIOD_S = 1.0
@@ -59,6 +60,9 @@ class CacheClient:
         self.sock = make_dealer(ctx, endpoint, instance.encode(), auth=auth)
         self.up = True
         self.stats = CacheClientStats()
+        # Fetch or recompute: how much of a prefix to load, and how long to wait for it (cache.fetch_plan).
+        self.planner = FetchPlanner(engine.config.block_size if engine is not None else 1,
+                                    max_deadline_s=FETCH_DEADLINE_S)
         self.log = structlog.get_logger("deepinfer").bind(service="cache-client", instance=instance)
         self._replies: dict[tuple[str, type], asyncio.Future[Any]] = {}
         self._ids = itertools.count()
@@ -149,13 +153,19 @@ class CacheClient:
         target, have = await self.thread.call(lambda: self._lookup(request_id, hashes))
         if have == len(hashes):
             return time.monotonic() - t0, None
+        plan = await self._plan(request_id, hashes[have:])
+        if plan.blocks == 0:
+            self.stats.fetch_misses += plan.decision == MISS
+            return time.monotonic() - t0, None
         self.stats.fetches += 1
+        wanted = hashes[have:have + plan.blocks]
         got: list[bytes] = []
         tiers: list[str] = []
         blocks: list[torch.Tensor] = []
-        deadline = t0 + FETCH_DEADLINE_S
-        while have + len(got) < len(hashes):  # one reply per MAX_FETCH_BLOCKS blocks
-            want = hashes[have + len(got):]
+        started = time.monotonic()
+        deadline = started + plan.deadline_s
+        while len(got) < len(wanted):  # one reply per MAX_FETCH_BLOCKS blocks
+            want = wanted[len(got):]
             left = deadline - time.monotonic()
             try:
                 fetch = m.CacheFetch(f"{request_id}/fetch-{len(got)}", want, max(left, 0.0),
@@ -172,11 +182,25 @@ class CacheClient:
             blocks += reply.blocks
             if n < min(len(want), m.MAX_FETCH_BLOCKS) or n == 0:
                 break  # the daemon's prefix ends here
+        self.planner.observe(tiers, time.monotonic() - started, first_asked=plan.first_tier)
         if not got:
             self.stats.fetch_misses += 1
             return time.monotonic() - t0, None
         self.stats.fetched_blocks += len(got)
         return time.monotonic() - t0, lambda: self._import(target, hashes[:have], got, tiers, blocks)
+
+    async def _plan(self, request_id: str, hashes: list[bytes]) -> FetchPlan:
+        """Ask the daemon where it holds `hashes` (the blocks past the device-held head), and plan from that and
+        the measured rates how many to fetch and for how long (`cache.fetch_plan`)."""
+        try:
+            reply = await self._call(m.CacheLookup(f"{request_id}/lookup", hashes, self.engine.cache_namespace.id),
+                                     m.CacheLookupReply, REPLY_SLACK_S)
+        except TimeoutError:
+            return self.planner.plan([], 0.0)  # marked down: computed in full
+        if len(reply.tiers) != len(hashes):
+            self.log.warning("cache daemon answered another lookup; ignored", request_id=request_id)
+            return self.planner.plan([], 0.0)
+        return self.planner.plan(reply.tiers, self.thread.tokens_per_s)
 
     def _lookup(self, request_id: str, hashes: list[bytes]) -> tuple[PrefixTarget, int]:
         """On the engine thread: what the request's lookup and import go to (a group places the request

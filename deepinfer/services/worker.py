@@ -223,7 +223,8 @@ class WorkerService(Service):
             nbytes = self.engine.kv_spec.block_nbytes
             self.worker_export.totals(self.engine.stats.num_preemptions,
                                       cache.fetched_blocks * nbytes if cache else 0,
-                                      cache.stored_blocks * nbytes if cache else 0)
+                                      cache.stored_blocks * nbytes if cache else 0,
+                                      self.cache.planner.decisions if self.cache is not None else None)
 
     def idle(self) -> bool:
         e = self.engine

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 
 from deepinfer.metrics import definitions as d
 from deepinfer.metrics.bind import TotalsFeed, bind
@@ -49,7 +50,7 @@ class WorkerExport:
     """A worker's KV movement and preemptions (service: its role, worker / prefill / decode)."""
 
     def __init__(self, service: str, instance: str) -> None:
-        who = (service, instance)
+        who = self._who = (service, instance)
         self.steps = StepMetrics(service, instance)
         self._bytes = {p: bind(d.KV_TRANSFER_BYTES, *who, p) for p in PATHS}
         self._seconds = {p: bind(d.KV_TRANSFER_SECONDS, *who, p) for p in ("handoff_send", "cache_fetch")}
@@ -60,6 +61,8 @@ class WorkerExport:
     def _child(self, key: str) -> object | None:
         if key == "preemptions":
             return self._preemptions
+        if key.startswith("plan:"):  # fetch-or-recompute decisions, bound as they are first seen
+            return bind(d.CACHE_FETCH_PLANS, *self._who, key.removeprefix("plan:"))
         return self._bytes.get(key)
 
     def handoff_sent(self, request_id: str, nbytes: int) -> None:
@@ -85,8 +88,10 @@ class WorkerExport:
         """A prompt's cached prefix came from the cache daemon in `seconds`."""
         self._seconds["cache_fetch"].observe(seconds)
 
-    def totals(self, preemptions: int, fetched_bytes: int, stored_bytes: int) -> None:
+    def totals(self, preemptions: int, fetched_bytes: int, stored_bytes: int,
+               fetch_plans: Mapping[str, int] | None = None) -> None:
         """At heartbeat rate: the steps queued since the last call, and the monotonic totals of the engine
-        and the cache client."""
+        and the cache client (`fetch_plans`: its fetch-or-recompute decisions so far, by decision)."""
         self.steps.flush()
-        self._totals.update({"preemptions": preemptions, "cache_fetch": fetched_bytes, "cache_store": stored_bytes})
+        self._totals.update({"preemptions": preemptions, "cache_fetch": fetched_bytes, "cache_store": stored_bytes,
+                             **{f"plan:{k}": v for k, v in (fetch_plans or {}).items()}})
