@@ -97,6 +97,11 @@ ROUTER_MIGRATIONS = Counter(
     "deepinfer_router_migrations",
     "Requests placed anew on other workers, by cause: prefill_death, decode_death, worker_death, "
     "tokenizer_death, handoff_failure (a prefill or KV handoff failed without a death), drain.", (*WHO, "cause"))
+ROUTER_PREFILL_SITES = Counter(
+    "deepinfer_router_prefill_sites",
+    "Requests with a prefill/decode pair to choose from, by where they were prefilled: remote (a prefill worker, "
+    "then the KV handoff) or local (on their decode worker: conditional disaggregation, local_prefill_max_tokens).",
+    (*WHO, "site"))
 ROUTER_SLOW_CLIENTS = Gauge("deepinfer_router_slow_clients", "Clients whose messages wait in a backlog.", WHO,
                             multiprocess_mode="livesum")
 MESH_LIVE_INSTANCES = Gauge("deepinfer_router_live_instances", "Mesh members the router sees alive, by role.",

@@ -86,7 +86,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -516,6 +516,7 @@ class PrefillDone:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0
     fetch_s: float = 0.0  # of prefill_s, the time spent loading cached blocks from the cache daemon
+    handoff_s: float = 0.0  # of prefill_s, the KV handoff to the decode worker: the prefill's end to KvAck
 
 
 @message(0x32)

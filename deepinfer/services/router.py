@@ -478,7 +478,7 @@ class RouterService(BaseService):
                   "handoffs_adopted": metrics.handoffs_adopted, "drains_begun": self.drains.begun,
                   "drains_finished": self.drains.finished, "drains_timed_out": self.drains.timed_out}
         self.export.state(self.core.phase_counts(), len(self._backlog), events, self.core.table.instances.values())
-        self.export.by_cause(metrics.shed, metrics.migrations)
+        self.export.by_cause(metrics.shed, metrics.migrations, metrics.prefill_sites)
 
     def _log_state(self) -> None:
         """One line per period: what an operator (or bench/soak.py) watches for leaks and stalls."""

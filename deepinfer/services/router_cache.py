@@ -15,6 +15,16 @@ from the prefix index and rates measured on the mesh. Pure: no sockets, no clock
 * `fetch_s_per_token`: per tier, an EWMA over PrefillDone's fetch_s per token loaded from the daemon; the
   device tier costs nothing (those blocks are in the worker's own pool). One fetch_s covers both daemon
   tiers: a report with both is split in proportion to the current estimates.
+
+Conditional disaggregation: where the placement is a prefill/decode pair, the request may instead prefill on
+the decode worker it will decode on (a decode worker runs a job sent to it to the end, as a co-located one
+does). Remote costs the prefill worker's predicted time plus the KV handoff (`handoff_s_per_block`, an EWMA
+over PrefillDone's handoff_s per block of prompt); local costs the decode worker's predicted time (its own
+device-cached prefix, the prompt tokens already queued on it, at the rate its own prefills taught, else the
+prefill worker's). Local wins when what the request gains there (remote − local) pays for the stall it
+causes — each of the decode worker's running streams waits about as long as the local prefill computes — and
+it computes at most `local_prefill_max_tokens` there: short or mostly cached prompts on a quiet decode worker,
+or any short prompt behind a long prefill queue.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ class Prediction:
     cached_tokens: dict[str, int]  # the same in tokens, capped at prompt − 1 in all
     uncached_tokens: int  # prompt tokens to compute
     seconds: float  # queue ahead + compute + fetch
+    rate: float  # the prefill tokens/s the prediction assumed
 
     @property
     def cached_blocks(self) -> int:
@@ -66,11 +77,15 @@ class PrefillCostModel:
             HOST: config.prior_host_fetch_s_per_token,
             DISK: config.prior_disk_fetch_s_per_token,
         }
+        self.local_prefill_max_tokens = config.local_prefill_max_tokens if self.cache_aware else 0
+        self.handoff_s_per_block = config.prior_handoff_s_per_block
 
     def rate(self, worker: str) -> float:
         return self.rates.get(worker, self.prior_rate)
 
-    def predict(self, inst: Instance, block_hashes: Sequence[bytes], prompt_tokens: int) -> Prediction:
+    def predict(self, inst: Instance, block_hashes: Sequence[bytes], prompt_tokens: int,
+                rate: float | None = None) -> Prediction:
+        """`rate`: the worker's prefill tokens/s, by default its measured or learnt one."""
         blocks = self.index.cached_by_tier(block_hashes, inst.name, inst.kvcache)
         budget = max(prompt_tokens - 1, 0)
         cached: dict[str, int] = {}
@@ -78,11 +93,12 @@ class PrefillCostModel:
             cached[tier] = min(blocks[tier] * self.block_size, budget)
             budget -= cached[tier]
         uncached = prompt_tokens - sum(cached.values())
-        measured = inst.load.tokens_per_s if inst.load is not None else 0.0
-        rate = measured if measured > 0 else self.rate(inst.name)
+        if rate is None:
+            measured = inst.load.tokens_per_s if inst.load is not None else 0.0
+            rate = measured if measured > 0 else self.rate(inst.name)
         fetch = sum(n * self.fetch_s_per_token[t] for t, n in cached.items())
         seconds = (inst.queued_tokens + uncached) / rate + fetch
-        return Prediction(inst.name, blocks, cached, uncached, seconds)
+        return Prediction(inst.name, blocks, cached, uncached, seconds, rate)
 
     def choose(
         self,
@@ -94,8 +110,9 @@ class PrefillCostModel:
         exclude: Iterable[str] = (),
     ) -> Chosen | None:
         """Where to send an encoded prompt — by least predicted time when `cache_aware`, else by the table's
-        least-loaded rule — and the prediction for the prefill worker chosen (either way, for the job's
-        expected_cached_blocks and the index's accuracy)."""
+        least-loaded rule; for a P/D pair, its decode worker instead where conditional disaggregation says so
+        (above) — and the prediction for the worker that prefills it (for the job's expected_cached_blocks and
+        the index's accuracy)."""
         predictions: dict[str, Prediction] = {}
 
         def predicted_s(inst: Instance) -> float:
@@ -106,7 +123,20 @@ class PrefillCostModel:
         if placement is None:
             return None
         chosen = placement.prefill
-        return placement, predictions.get(chosen.name) or self.predict(chosen, block_hashes, prompt_tokens)
+        remote = predictions.get(chosen.name) or self.predict(chosen, block_hashes, prompt_tokens)
+        if chosen is placement.decode or not self.local_prefill_max_tokens:
+            return placement, remote
+        decode = placement.decode
+        # A decode worker's heartbeat rate times its decode steps, not prefill: until its own prefills taught
+        # one, it is taken to prefill as fast as the prefill worker it would stand in for.
+        local = self.predict(decode, block_hashes, prompt_tokens, self.rates.get(decode.name, remote.rate))
+        gain = remote.seconds + table.blocks_for(prompt_tokens) * self.handoff_s_per_block - local.seconds
+        # What the request gains locally must pay for what its prefill costs the decode worker's running
+        # streams: each waits about as long as that prefill computes.
+        stall = decode.batch * local.uncached_tokens / local.rate
+        if local.uncached_tokens <= self.local_prefill_max_tokens and gain >= stall:
+            return Placement(decode, decode), local
+        return placement, remote
 
     def backlog_s(self, table: InstanceTable, unplaced_tokens: int, now: float) -> float | None:
         """The predicted wait of a request arriving now before its prefill starts: every prompt token ahead of
@@ -124,7 +154,10 @@ class PrefillCostModel:
     def observe(self, done: PrefillDone) -> None:
         """Learn from a finished prefill. Reports without timings (0 s) teach nothing."""
         computed = done.num_prompt_tokens - done.num_cached_tokens
-        compute_s = done.prefill_s - done.fetch_s
+        compute_s = done.prefill_s - done.fetch_s - done.handoff_s
+        if done.handoff_s > 0:
+            blocks = -(-done.num_prompt_tokens // self.block_size)
+            self.handoff_s_per_block = ewma(self.handoff_s_per_block, done.handoff_s / blocks, self.alpha)
         # Below a block of computed tokens the time is mostly fixed overhead, not throughput.
         if computed >= self.block_size and compute_s > 0:
             rate = self.rate(done.prefill_worker)

@@ -108,7 +108,7 @@ from deepinfer.protocol.messages import (
 )
 from deepinfer.services.router_cache import Chosen, Prediction, PrefillCostModel
 from deepinfer.services.router_moves import MAX_HANDOFF_RETRIES, RETRIED_CODES, MovesMixin
-from deepinfer.services.router_placement import Assignment, Beat, InstanceTable, Placement
+from deepinfer.services.router_placement import DECODE, Assignment, Beat, InstanceTable, Placement
 from deepinfer.services.router_state import (
     ClientId,
     Outbound,
@@ -447,6 +447,12 @@ class RouterCore(MovesMixin):
             # need not compute them again, and can reuse cached blocks.
             params = dataclasses.replace(params, prompt_logprobs=None)
         self.table.assign(st.where, placement, len(st.job_tokens), compute)
+        if placement.decode.role == DECODE:  # a P/D pair was there to choose from (router_cache)
+            site = "remote" if placement.prefill is not placement.decode else "local"
+            self.metrics.prefill_sites[site] += 1
+            log.debug("prefill placed", request_id=st.rid, site=site, prefill=placement.prefill.name,
+                      decode=placement.decode.name, uncached_tokens=prediction.uncached_tokens,
+                      predicted_s=round(prediction.seconds, 4))
         st.predicted_blocks = prediction.blocks
         self._set_phase(st, Phase.PREFILLING)
         st.attempts, st.job_output, st.avoid = st.attempts + 1, len(st.output_ids), frozenset()

@@ -156,6 +156,12 @@ class RouterConfig:
     prior_host_fetch_s_per_token: float = 2e-5  # loading a cached token from the daemon's DRAM…
     prior_disk_fetch_s_per_token: float = 6e-5  # …and from its disk, until measured
     estimate_alpha: float = 0.2  # EWMA weight of each new measurement
+    # Conditional disaggregation (with cache_aware placement): a request is prefilled on the decode worker
+    # it will decode on when that is predicted no slower than a prefill worker plus the KV handoff, and it
+    # leaves at most this many prompt tokens to compute there (they share the decode worker's steps with its
+    # running streams). 0 (the default: a P/D pair was asked for): always on a prefill worker.
+    local_prefill_max_tokens: int = 0
+    prior_handoff_s_per_block: float = 2e-3  # a KV handoff's time per block of prompt, until measured
     kv_resync_interval_s: float = 5.0  # least time between KvResyncs to one publisher awaiting a snapshot
 
     def __post_init__(self) -> None:
@@ -163,9 +169,12 @@ class RouterConfig:
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
-        rates = (self.prior_prefill_tokens_per_s, self.prior_host_fetch_s_per_token, self.prior_disk_fetch_s_per_token)
+        rates = (self.prior_prefill_tokens_per_s, self.prior_host_fetch_s_per_token, self.prior_disk_fetch_s_per_token,
+                 self.prior_handoff_s_per_block)
         if not all(math.isfinite(r) and r >= 0 for r in rates) or self.prior_prefill_tokens_per_s <= 0:
             raise ValueError("prior rates must be finite, the prefill rate positive and fetch costs non-negative")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if not 0 < self.estimate_alpha <= 1:
             raise ValueError(f"estimate_alpha must be in (0, 1], got {self.estimate_alpha}")
         if self.max_queue_wait_s is not None and not (math.isfinite(self.max_queue_wait_s) and
@@ -204,6 +213,9 @@ class RouterMetrics:
     # prompt length, known once encoded, broke a token limit).
     shed: Counter[str] = field(default_factory=Counter)
     refused_deltas: int = 0  # text deltas of a request from another worker than the one it was placed on
+    # Where requests with a prefill/decode pair to choose from were prefilled (conditional disaggregation):
+    # "remote" (a prefill worker, then the KV handoff) or "local" (on their decode worker).
+    prefill_sites: Counter[str] = field(default_factory=Counter)
     handoffs_adopted: int = 0  # prefill worker lost after its KV reached the decode worker: decoding went on
     kv_events: int = 0  # KvEvents applied to the prefix index
     resyncs: int = 0  # KvResync sent

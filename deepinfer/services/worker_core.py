@@ -178,6 +178,7 @@ class Handoff:
     lease_id: str = ""  # granted, from TRANSFERRING on
     deadline: float = float("inf")  # for the reply awaited in RESERVING / TRANSFERRING
     failure: HandoffFailure | None = None
+    started: float = 0.0  # when the prefill ended and the handoff began
 
 
 @dataclass(eq=False)
@@ -305,7 +306,7 @@ class WorkerCore:
             if track is None or track.handoff is not None:
                 continue  # aborted meanwhile (the engine still reports the abort), or already handed off
             if out.handoff:
-                actions += self._start_handoff(track, out)
+                actions += self._start_handoff(track, out, now)
                 continue
             if track.job is not None and not track.prefill_reported and out.new_token_ids:
                 track.prefill_reported = True
@@ -350,14 +351,16 @@ class WorkerCore:
 
     def _prefill_done(self, out: RequestOutput, track: Track, now: float) -> PrefillDone:
         assert track.job is not None
+        handoff_s = now - track.handoff.started if track.handoff is not None else 0.0
         return PrefillDone(out.request_id, self.instance, len(track.job.token_ids), out.usage.cached_tokens,
-                           dict(out.usage.cached_by_tier), prefill_s=now - track.started, fetch_s=track.fetch_s)
+                           dict(out.usage.cached_by_tier), prefill_s=now - track.started, fetch_s=track.fetch_s,
+                           handoff_s=handoff_s)
 
     # -- prefill side of the handoff -----------------------------------------------------------------
 
-    def _start_handoff(self, track: Track, out: RequestOutput) -> list[Action]:
+    def _start_handoff(self, track: Track, out: RequestOutput, now: float) -> list[Action]:
         peer = track.job.decode_worker if track.job is not None else ""
-        track.handoff = Handoff(out, peer)
+        track.handoff = Handoff(out, peer, started=now)
         if peer not in self.decode_peers:
             return self._fail(track, HandoffFailure.UNKNOWN_PEER, f"handoff failed: unknown decode worker {peer!r}")
         # Export first: the engine thread may be busy with a long prefill step, and the decode side's lease

@@ -5,6 +5,7 @@ engine's; every request ends exactly once; aborts anywhere leave every worker's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -32,8 +33,10 @@ def reference(smollm2_path):
     return [o.token_ids for o in outs]
 
 
-def topology(path, disaggregated: bool) -> Topology:
-    return Topology.local(str(path), "inproc", disaggregated=disaggregated, threads=1, kv_cache_mb=64)
+def topology(path, disaggregated: bool, local_prefill_max_tokens: int = 0) -> Topology:
+    topo = Topology.local(str(path), "inproc", disaggregated=disaggregated, threads=1, kv_cache_mb=64)
+    router = dataclasses.replace(topo.router, local_prefill_max_tokens=local_prefill_max_tokens)
+    return dataclasses.replace(topo, router=router)
 
 
 def worker_engines(mesh: InprocMesh) -> list[LLMEngine]:
@@ -51,10 +54,15 @@ async def settle(mesh: InprocMesh, free: list[int], timeout_s: float = 10.0) -> 
     raise AssertionError(f"blocks not returned: {[e.num_free_blocks for e in worker_engines(mesh)]} != {free}")
 
 
-@pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
-def test_greedy_outputs_equal_the_engine(smollm2_path, reference, disaggregated):
+@pytest.mark.parametrize(("disaggregated", "local_max"), [(False, 0), (True, 0), (True, 4096)],
+                         ids=["colocated", "disaggregated", "conditional"])
+def test_greedy_outputs_equal_the_engine(smollm2_path, reference, disaggregated, local_max):
+    """`conditional`: a P/D pair whose router may prefill a request on its decode worker: the first request
+    finds it idle and prefills there; the others, arriving while it runs, go to the prefill worker."""
+    sites = {}
+
     async def run():
-        mesh = InprocMesh(topology(smollm2_path, disaggregated))
+        mesh = InprocMesh(topology(smollm2_path, disaggregated, local_max))
         await mesh.start()
         free = [e.num_free_blocks for e in worker_engines(mesh)]
         try:
@@ -64,12 +72,18 @@ def test_greedy_outputs_equal_the_engine(smollm2_path, reference, disaggregated)
                 streamed = [msg async for msg in c.stream(messages=[{"role": "user", "content": QUESTIONS[0]}],
                                                           max_tokens=MAX_TOKENS)]
             await settle(mesh, free)
+            sites.update(next(s for s in mesh.services if hasattr(s, "core") and hasattr(s.core, "cache"))
+                         .core.metrics.prefill_sites)
         finally:
             await mesh.stop()
         return results, streamed
 
     results, streamed = asyncio.run(run())
     assert [r.token_ids for r in results] == reference
+    if local_max:
+        assert sites["local"] >= 1 and sites["remote"] >= 1, sites
+    else:
+        assert not sites.get("local"), sites
     for r in results:
         assert r.usage.completion_tokens == len(r.token_ids) and r.usage.prompt_tokens > 0
         assert r.timings.ttft_s is not None and r.timings.e2e_s >= r.timings.ttft_s

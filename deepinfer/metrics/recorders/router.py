@@ -19,6 +19,7 @@ EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forg
           "handoffs_adopted", "drains_begun", "drains_finished", "drains_timed_out")
 SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_inflight", "tenant_tokens", "draining")
 MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain")
+SITES = ("remote", "local")  # where a request with a prefill/decode pair was prefilled
 REFUSED_CODES = ("request_too_large", "invalid_request", "bad_message", "other")  # front refusals' reply codes
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
 MAX_RANKS = 256
@@ -54,6 +55,7 @@ class RouterExport:
         self.events = TotalsFeed(lambda e: bind(d.ROUTER_EVENTS, *who, e) if e in EVENTS else None)
         self.shed = TotalsFeed(lambda c: bind(d.ROUTER_SHED, *who, _known(c, SHED_CAUSES)))
         self.migrations = TotalsFeed(lambda c: bind(d.ROUTER_MIGRATIONS, *who, _known(c, MIGRATION_CAUSES)))
+        self.prefill_sites = TotalsFeed(lambda s: bind(d.ROUTER_PREFILL_SITES, *who, s) if s in SITES else None)
         self._groups: dict[str, tuple[Any, Any, list[Any], list[Any]]] = {}
 
     # -- per message to a client ------------------------------------------------------------------------
@@ -108,10 +110,13 @@ class RouterExport:
         for role, n in live.items():
             self.live[role].set(n)
 
-    def by_cause(self, shed: Mapping[str, int], migrations: Mapping[str, int]) -> None:
-        """The router's totals of shed requests and of migrations, each by cause (monotonic)."""
+    def by_cause(self, shed: Mapping[str, int], migrations: Mapping[str, int],
+                 prefill_sites: Mapping[str, int] | None = None) -> None:
+        """The router's totals of shed requests and of migrations, each by cause, and of prefill placements by
+        site (all monotonic)."""
         self.shed.update(shed)
         self.migrations.update(migrations)
+        self.prefill_sites.update(prefill_sites or {})
 
     # -- expert parallelism -------------------------------------------------------------------------------
 
