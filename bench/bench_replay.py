@@ -12,7 +12,9 @@ greedy, EOS ignored, max_tokens = the scaled output length.
 Default mode: the same replay against a fresh mesh with the KV cache (device pool + cache daemon's host and
 disk tiers) and one without; prints the token hit rate per tier next to the trace's own reusable fraction,
 TTFT p50/p99 and throughput, and the off/on ratios. --placement: two prefill workers, cache on, router
-placement "cache_aware" vs "least_loaded". See bench/README.md.
+placement "cache_aware" vs "least_loaded". --lookup: prefixes looked up as jobs start vs as they arrive.
+--disagg N: conditional disaggregation (the router may prefill up to N tokens on the decode worker) vs every
+prompt on the prefill worker. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -194,6 +196,12 @@ def ratios(arms: dict[str, dict[str, Any]], reusable_kv: float, mode: str) -> di
                 "TTFT p99, at arrival / at start": ratio(arrival["ttft_p99_s"], start["ttft_p99_s"]),
                 "hit rate at start / reusable (KV blocks)": ratio(start["hit_rate"], reusable_kv),
                 "hit rate at arrival / reusable (KV blocks)": ratio(arrival["hit_rate"], reusable_kv)}
+    if mode == "disagg":
+        cond, remote = arms["conditional"], arms["always remote"]
+        return {"TTFT p50, always remote / conditional": ratio(remote["ttft_p50_s"], cond["ttft_p50_s"]),
+                "TTFT p99, always remote / conditional": ratio(remote["ttft_p99_s"], cond["ttft_p99_s"]),
+                "throughput (req/s), conditional / always remote": ratio(cond["req_s"], remote["req_s"]),
+                "hit rate conditional / reusable (KV blocks)": ratio(cond["hit_rate"], reusable_kv)}
     if mode == "placement":
         ca, ll = arms["cache_aware"], arms["least_loaded"]
         return {"TTFT p50, least_loaded / cache_aware": ratio(ll["ttft_p50_s"], ca["ttft_p50_s"]),
@@ -282,6 +290,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--colocated"] if args.colocated else []
     parts += ["--placement"] if args.placement else []
     parts += ["--lookup"] if args.lookup else []
+    parts += [f"--disagg {args.disagg}"] if args.disagg else []
     return " ".join(parts)
 
 
@@ -317,6 +326,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lookup", action="store_true",
                     help="cache on, a job's prefix looked up as it enters the engine's queue (the default) vs as "
                          "it arrives at the worker (lookup_ahead_steps = 0)")
+    ap.add_argument("--disagg", type=int, default=0, metavar="N",
+                    help="conditional disaggregation: the P/D pair with the router's local_prefill_max_tokens = N "
+                         "against N = 0 (every prompt on the prefill worker), cache on")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="device KV pool per worker")
     ap.add_argument("--host-cache-mb", type=int, default=256, help="cache daemon DRAM tier")
     ap.add_argument("--disk-cache-mb", type=int, default=2048, help="cache daemon disk tier")
@@ -344,8 +356,13 @@ def main(argv: list[str] | None = None) -> None:
     settings = MeshSettings(str(path), args.transport, args.colocated,
                             args.threads if args.colocated else max(1, args.threads // 2),
                             args.kv_cache_mb, args.host_cache_mb, args.disk_cache_mb, queue)
-    mode = "placement" if args.placement else "lookup" if args.lookup else "cache"
-    if args.placement:
+    mode = "placement" if args.placement else "lookup" if args.lookup else "disagg" if args.disagg else "cache"
+    if args.disagg and args.colocated:
+        raise SystemExit("--disagg compares placements on a P/D pair: not with --colocated")
+    if args.disagg:
+        arms = [Arm("conditional", True, router_options={"local_prefill_max_tokens": args.disagg}),
+                Arm("always remote", True)]
+    elif args.placement:
         arms = [Arm(p, True, 2, {"placement": p}) for p in ("cache_aware", "least_loaded")]
     elif args.lookup:
         arms = [Arm("lookup at start", True), Arm("lookup at arrival", True, worker_options={"lookup_ahead_steps": 0})]
