@@ -91,12 +91,18 @@ ROUTER_REFUSED_MESSAGES = Counter(
 ROUTER_SHED = Counter(
     "deepinfer_router_shed",
     "Requests refused with overloaded instead of queueing, by cause: predicted_wait (the prefill backlog's "
-    "predicted wait over max_queue_wait_s), queue_requests, queue_tokens, tenant_inflight, tenant_tokens, draining.",
+    "predicted wait over max_queue_wait_s), queue_requests, queue_tokens, tenant_inflight, tenant_tokens, draining, "
+    "ttft_slo (the predicted time to first token over the request's SLO).",
     (*WHO, "cause"))
 ROUTER_MIGRATIONS = Counter(
     "deepinfer_router_migrations",
     "Requests placed anew on other workers, by cause: prefill_death, decode_death, worker_death, "
     "tokenizer_death, handoff_failure (a prefill or KV handoff failed without a death), drain.", (*WHO, "cause"))
+TTFT_PREDICTION_RATIO = Histogram(
+    "deepinfer_router_ttft_over_predicted",
+    "Per request, its actual time to first token over the one predicted at its first placement (the wait so far "
+    "plus the worker's predicted queue, fetch and compute; what TTFT SLOs are enforced with): 1 is exact.",
+    WHO, buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0))
 ROUTER_PREFILL_SITES = Counter(
     "deepinfer_router_prefill_sites",
     "Requests with a prefill/decode pair to choose from, by where they were prefilled: remote (a prefill worker, "

@@ -371,6 +371,9 @@ class GenerateRequest:
     priority: int = 0  # lower is served first
     api_key: str | None = None  # the router derives the tenant (and its cache salt) from it
     timeout_s: float | None = None  # deadline from arrival; the router ends the request with "timeout"
+    # Time-to-first-token SLO from arrival: tightens the tenant's (never loosens it). A request predicted to
+    # miss it when it is placed ends with "overloaded" (and retry_after_s) before any prefill is spent on it.
+    ttft_slo_s: float | None = None
 
 
 @message(0x11)

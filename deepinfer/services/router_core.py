@@ -27,6 +27,10 @@ Decisions:
   `PrefillCostModel.backlog_s`) is over `max_queue_wait_s`, a new request is refused at once with
   `overloaded` and a retry_after_s of the excess (at least `retry_after_s`, at most a minute), instead of
   joining a queue it would wait in for longer. Every `overloaded` refusal is counted by cause (`shed`).
+* TTFT SLOs (`RouterConfig.ttft_slo_s`, tightened per request): refused with `overloaded` (shed cause
+  ttft_slo) at arrival when the backlog's predicted wait alone is over the SLO, and at the first placement
+  when the wait so far plus the chosen worker's predicted prefill is; the ratio of each request's actual TTFT
+  to that prediction is kept (`ttft_over_predicted`) as the predictor's error.
 * Tenancy: `config.tenants` maps api_key → cache salt; an unknown or missing key gets
   `default_cache_salt`, or `unauthorized` when `require_api_key`. Clients never send a salt. A key that
   no tenant setting names falls under the one anonymous tenant (`RouterConfig.known_tenant`): made-up
@@ -216,6 +220,11 @@ class RouterCore(MovesMixin):
             retry = min(MAX_RETRY_AFTER_S, max(cfg.retry_after_s, wait - cfg.max_queue_wait_s))
             msg = f"overloaded: the predicted wait is {wait:.1f}s (the bound is {cfg.max_queue_wait_s:g}s)"
             return refuse("overloaded", msg, "predicted_wait", retry)
+        slo = cfg.ttft_slo(tenant, req.ttft_slo_s)
+        if slo is not None and wait is not None and wait > slo:  # the wait alone misses it: refused unencoded
+            retry = min(MAX_RETRY_AFTER_S, max(cfg.retry_after_s, wait - slo))
+            return refuse("overloaded", f"the predicted wait is {wait:.2f}s, over the SLO of {slo:g}s", "ttft_slo",
+                          retry)
 
         rid = f"{cfg.id_prefix}{self._counter}"
         deadline = now + (req.timeout_s if req.timeout_s is not None else cfg.request_timeout_s)
@@ -226,6 +235,7 @@ class RouterCore(MovesMixin):
         heapq.heappush(self._deadlines, (deadline, rid))
         st.cache_salt = salt
         st.tenant, st.priority = tenant, max(req.priority, cfg.priority_floor.get(tenant, cfg.default_priority_floor))
+        st.ttft_slo_s = slo
         self._inflight_by_tenant[tenant] += 1
         self._enqueue(st, estimate)
         self.table.hold(st.where, {tokenizer.name})
@@ -432,7 +442,17 @@ class RouterCore(MovesMixin):
     def _place(self, st: RouterRequest, now: float) -> list[Outbound]:
         # After a failed handoff it avoids that handoff's workers, unless only they can take it now.
         chosen = (self._choose(st, now, exclude=st.avoid) if st.avoid else None) or self._choose(st, now)
-        return [] if chosen is None else self._send_job(st, *chosen, now)
+        if chosen is None:
+            return []
+        if not st.attempts:  # its first placement: the TTFT it is predicted, against its SLO
+            st.predicted_ttft_s = predicted = now - st.arrival + chosen[1].seconds
+            slo = st.ttft_slo_s
+            if slo is not None and predicted > slo:
+                self.metrics.shed["ttft_slo"] += 1
+                retry = min(MAX_RETRY_AFTER_S, max(self.config.retry_after_s, predicted - slo))
+                return self._error(st, "overloaded", f"the predicted time to first token is {predicted:.2f}s, over "
+                                   f"the SLO of {slo:g}s", now, retry_after_s=retry)
+        return self._send_job(st, *chosen, now)
 
     def _choose(self, st: RouterRequest, now: float, exclude: Iterable[str] = ()) -> Chosen | None:
         return self.cache.choose(self.table, st.block_hashes, len(st.job_tokens), st.params.max_tokens, now, exclude)
@@ -544,6 +564,8 @@ class RouterCore(MovesMixin):
             if st.first_token_at is None and item.token_ids:
                 st.first_token_at = now
                 self.metrics.ttft_s.append(now - st.arrival)
+                if st.predicted_ttft_s:
+                    self.metrics.ttft_over_predicted.append((now - st.arrival) / st.predicted_ttft_s)
             if item.token_ids:
                 st.last_token_at = now
             st.text.append(item.text)

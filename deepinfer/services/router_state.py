@@ -96,6 +96,8 @@ class RouterRequest:
     job_output: int = 0  # output tokens it had when its current prefill job was sent (the job's resume point)
     handoff_retries: int = 0  # times it was placed anew after its prefill or KV handoff failed
     avoid: frozenset[str] = frozenset()  # workers its next placement avoids (where its handoff failed)
+    ttft_slo_s: float | None = None  # its tenant's, tightened by its own
+    predicted_ttft_s: float | None = None  # at its first placement: its wait then plus the predicted prefill
 
     @property
     def params(self) -> SamplingParamsWire:
@@ -147,6 +149,13 @@ class RouterConfig:
     # requests get "overloaded" (a lone prompt is never refused for its size). None: only the global limit.
     max_queued_prompt_tokens_per_tenant: Mapping[str, int] = field(default_factory=dict)
     default_max_queued_prompt_tokens_per_tenant: int | None = None
+    # Time-to-first-token SLO (seconds from arrival) by api_key, and for keys it does not name; None: none.
+    # A request may tighten its tenant's (GenerateRequest.ttft_slo_s), never loosen it. When it is placed,
+    # a request whose predicted TTFT — its wait so far plus the chosen worker's predicted queue, fetch and
+    # compute (router_cache) — is over its SLO ends with "overloaded" (shed cause ttft_slo) and a retry_after_s
+    # of the excess, before any prefill is spent on it: refused early rather than served late.
+    ttft_slo_s: Mapping[str, float] = field(default_factory=dict)
+    default_ttft_slo_s: float | None = None
     id_prefix: str = ""
     max_ttft_samples: int = 1024
     # Prefill placement: "cache_aware" (least predicted prefill time, from the prefix index and measured
@@ -165,7 +174,8 @@ class RouterConfig:
     kv_resync_interval_s: float = 5.0  # least time between KvResyncs to one publisher awaiting a snapshot
 
     def __post_init__(self) -> None:
-        for name in ("tenants", "priority_floor", "max_inflight_per_tenant", "max_queued_prompt_tokens_per_tenant"):
+        for name in ("tenants", "priority_floor", "max_inflight_per_tenant", "max_queued_prompt_tokens_per_tenant",
+                     "ttft_slo_s"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
@@ -173,6 +183,9 @@ class RouterConfig:
                  self.prior_handoff_s_per_block)
         if not all(math.isfinite(r) and r >= 0 for r in rates) or self.prior_prefill_tokens_per_s <= 0:
             raise ValueError("prior rates must be finite, the prefill rate positive and fetch costs non-negative")
+        slos = [*self.ttft_slo_s.values(), *([] if self.default_ttft_slo_s is None else [self.default_ttft_slo_s])]
+        if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in slos):
+            raise ValueError(f"TTFT SLOs must be positive numbers of seconds, got {slos}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if not 0 < self.estimate_alpha <= 1:
@@ -181,13 +194,19 @@ class RouterConfig:
                                                       self.max_queue_wait_s > 0):
             raise ValueError(f"max_queue_wait_s must be a positive number of seconds, got {self.max_queue_wait_s}")
 
+    def ttft_slo(self, tenant: str, asked: float | None) -> float | None:
+        """A request's TTFT SLO: its tenant's, tightened by the one it `asked` for."""
+        own = self.ttft_slo_s.get(tenant, self.default_ttft_slo_s)
+        return asked if own is None else own if asked is None else min(own, asked)
+
     def known_tenant(self, api_key: str | None) -> str:
         """Whose quota and policy a request falls under: its api_key when the configuration names that key
         (a salt or any per-tenant setting), else the one anonymous tenant "" — every unknown or missing key
         shares it, so rotating made-up keys cannot escape the per-tenant limits."""
         if api_key and any(api_key in table for table in (self.tenants, self.priority_floor,
                                                            self.max_inflight_per_tenant,
-                                                           self.max_queued_prompt_tokens_per_tenant)):
+                                                           self.max_queued_prompt_tokens_per_tenant,
+                                                           self.ttft_slo_s)):
             return api_key
         return ANONYMOUS
 
@@ -209,8 +228,9 @@ class RouterMetrics:
     # failed without a death: moved, or a refused reservation retried), "drain".
     migrations: Counter[str] = field(default_factory=Counter)
     # Admission refusals with "overloaded", by cause: queue_requests, queue_tokens, predicted_wait,
-    # tenant_inflight, tenant_tokens, draining (also counted in `rejected`, or in `errors` when the exact
-    # prompt length, known once encoded, broke a token limit).
+    # tenant_inflight, tenant_tokens, draining, ttft_slo (also counted in `rejected`, or in `errors` when
+    # the refusal came once the request was encoded: a token limit broken by the exact prompt length, a
+    # TTFT SLO the placement's prediction misses).
     shed: Counter[str] = field(default_factory=Counter)
     refused_deltas: int = 0  # text deltas of a request from another worker than the one it was placed on
     # Where requests with a prefill/decode pair to choose from were prefilled (conditional disaggregation):
@@ -229,9 +249,12 @@ class RouterMetrics:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     ttft_s: deque[float] = field(init=False)  # the latest time-to-first-token samples
+    # Actual TTFT over the TTFT predicted at first placement, per request, until the metrics take them.
+    ttft_over_predicted: deque[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.ttft_s = deque(maxlen=self.max_ttft_samples)
+        self.ttft_over_predicted = deque(maxlen=self.max_ttft_samples)
 
     def count_cached(self, predicted_blocks: Mapping[str, int], block_size: int, done: PrefillDone) -> None:
         """One finished prefill's cached tokens: as the prefix index predicted (blocks by tier), as the
@@ -261,8 +284,10 @@ def input_problem(req: GenerateRequest) -> str | None:
         return "give exactly one of prompt, messages or prompt_token_ids"
     if not given[0]:
         return "the prompt is empty"
-    if req.timeout_s is not None and not (math.isfinite(req.timeout_s) and req.timeout_s > 0):
-        return f"timeout_s must be a positive number of seconds, got {req.timeout_s!r}"
+    for name in ("timeout_s", "ttft_slo_s"):
+        value = getattr(req, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"{name} must be a positive number of seconds, got {value!r}"
     try:
         to_engine_params(req.params).validate()
     except InvalidRequestError as e:

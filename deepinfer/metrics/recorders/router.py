@@ -4,6 +4,7 @@ expert load. All children are bound once; a label value outside its known set is
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, get_args
 
@@ -17,7 +18,8 @@ TIERS = ("device", "host", "disk")
 ROLES = ("tokenizer", "worker", "prefill", "decode", "kvcache", "balancer")
 EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed", "refused_deltas",
           "handoffs_adopted", "drains_begun", "drains_finished", "drains_timed_out")
-SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_inflight", "tenant_tokens", "draining")
+SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_inflight", "tenant_tokens", "draining",
+               "ttft_slo")
 MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain")
 SITES = ("remote", "local")  # where a request with a prefill/decode pair was prefilled
 REFUSED_CODES = ("request_too_large", "invalid_request", "bad_message", "other")  # front refusals' reply codes
@@ -55,6 +57,7 @@ class RouterExport:
         self.events = TotalsFeed(lambda e: bind(d.ROUTER_EVENTS, *who, e) if e in EVENTS else None)
         self.shed = TotalsFeed(lambda c: bind(d.ROUTER_SHED, *who, _known(c, SHED_CAUSES)))
         self.migrations = TotalsFeed(lambda c: bind(d.ROUTER_MIGRATIONS, *who, _known(c, MIGRATION_CAUSES)))
+        self.ttft_over_predicted = bind(d.TTFT_PREDICTION_RATIO, *who)
         self.prefill_sites = TotalsFeed(lambda s: bind(d.ROUTER_PREFILL_SITES, *who, s) if s in SITES else None)
         self._groups: dict[str, tuple[Any, Any, list[Any], list[Any]]] = {}
 
@@ -117,6 +120,11 @@ class RouterExport:
         self.shed.update(shed)
         self.migrations.update(migrations)
         self.prefill_sites.update(prefill_sites or {})
+
+    def ttft_predictions(self, ratios: deque[float]) -> None:
+        """Take the router's actual-over-predicted TTFT samples (emptying the deque)."""
+        while ratios:
+            self.ttft_over_predicted.observe(ratios.popleft())
 
     # -- expert parallelism -------------------------------------------------------------------------------
 
