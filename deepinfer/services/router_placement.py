@@ -295,9 +295,11 @@ class InstanceTable:
         return live[(self._rr - 1) % len(live)]
 
     def unservable(self, now: float) -> str | None:
-        """Why a request sent now would be refused as "unavailable" (the router core's admission asks `place`
-        and then for a tokenizer, in that order), or None when a tokenizer and a worker pair (or a co-located
-        worker) would take it. Changes nothing: no round robin advances, nothing is held."""
+        """Why a request sent now would not be placed at once — refused as "unavailable" (the router core's
+        admission asks `place` and then for a tokenizer, in that order), or, within `placement_timeout_s` of a
+        worker's loss, admitted to wait parked for one — or None when a tokenizer and a worker pair (or a
+        co-located worker) would take it now. Readiness says not ready in both cases: a balancer should send
+        the request elsewhere. Changes nothing: no round robin advances, nothing is held."""
         if self.place(1, 1, now) is None:
             return "no live prefill/decode workers"
         if not self.has_live(TOKENIZER, now):
