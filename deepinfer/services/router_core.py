@@ -11,30 +11,8 @@ reuse an id once its request has ended; a duplicate of a live id is refused (`in
 original goes on — the client broke the contract, so its view of that id is ambiguous).
 
 Decisions:
-* Admission happens at arrival, from an estimate of the prompt's tokens (len(prompt_token_ids), else a
-  quarter of the characters). "Queued" means not yet decoding: tokenizing, waiting for placement or in
-  prefill. Past `max_queued_requests`, or past `max_queued_prompt_tokens` with anything else queued
-  (a lone prompt is never refused for its size: the tokenizer bounds it by the context), the request is
-  refused at once with `overloaded` (as with a tenant at its in-flight cap or its queued prompt-token cap,
-  or a draining router); with no live tokenizer it is refused with `unavailable` (both carry
-  retry_after_s), and so it is with no live worker (pair) unless one was live within the last
-  `placement_timeout_s`: then it is admitted and waits parked (below) for one to come back — the only
-  prefill worker restarting or drained in a rolling restart loses no request. When the encoding gives the
-  exact count, it replaces the estimate, and a request that then breaks a token limit (with others
-  queued) ends with `overloaded` before any prefill is spent on it.
-* Load shedding: while the prefill backlog's predicted wait (every prompt token ahead — queued on the
-  live prefill-capable workers and not yet placed — over their summed measured rates:
-  `PrefillCostModel.backlog_s`) is over `max_queue_wait_s`, a new request is refused at once with
-  `overloaded` and a retry_after_s of the excess (at least `retry_after_s`, at most a minute), instead of
-  joining a queue it would wait in for longer. Every `overloaded` refusal is counted by cause (`shed`).
-* TTFT SLOs (`RouterConfig.ttft_slo_s`, tightened per request): refused with `overloaded` (shed cause
-  ttft_slo) at arrival when the backlog's predicted wait alone is over the SLO, and at the first placement
-  when the wait so far plus the chosen worker's predicted prefill is; the ratio of each request's actual TTFT
-  to that prediction is kept (`ttft_over_predicted`) as the predictor's error.
-* Tenancy: `config.tenants` maps api_key → cache salt; an unknown or missing key gets
-  `default_cache_salt`, or `unauthorized` when `require_api_key`. Clients never send a salt. A key that
-  no tenant setting names falls under the one anonymous tenant (`RouterConfig.known_tenant`): made-up
-  keys share its quotas instead of each getting fresh ones.
+* Admission, load shedding, TTFT SLOs and tenancy: `router_admission` (who gets in, and the queue's
+  accounting). A refusal at arrival is an ErrorReply and nothing else; admitted requests end exactly once.
 * A request that finds no live worker after encoding waits (parked) up to `placement_timeout_s` for
   one to appear or come back (a restarted worker, e.g. the only prefill worker), then ends with
   `worker_lost`; its deadline applies throughout.
@@ -110,6 +88,7 @@ from deepinfer.protocol.messages import (
     Timings,
     UsageWire,
 )
+from deepinfer.services.router_admission import AdmissionMixin, Refusal
 from deepinfer.services.router_cache import Chosen, Prediction, PrefillCostModel
 from deepinfer.services.router_moves import MAX_HANDOFF_RETRIES, RETRIED_CODES, MovesMixin
 from deepinfer.services.router_placement import DECODE, Assignment, Beat, InstanceTable, Placement
@@ -128,11 +107,9 @@ __all__ = ["ClientId", "Outbound", "Phase", "RouterConfig", "RouterCore", "Route
 
 log = structlog.get_logger("deepinfer.router")
 
-UNPLACED = (Phase.TOKENIZING, Phase.PARKED)  # phases in which no worker has the request
-MAX_RETRY_AFTER_S = 60.0  # the longest retry_after_s a shed request is given
 
 
-class RouterCore(MovesMixin):
+class RouterCore(AdmissionMixin, MovesMixin):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.table = InstanceTable(config.heartbeat_timeout_s, config.progress_timeout_s, config.block_size)
@@ -192,39 +169,12 @@ class RouterCore(MovesMixin):
         salt = cfg.tenants.get(req.api_key, cfg.default_cache_salt) if req.api_key else cfg.default_cache_salt
         if cfg.require_api_key and req.api_key not in cfg.tenants:
             return refuse("unauthorized", "unknown or missing api_key")
-        estimate = estimate_tokens(req)
-        if self.draining:
-            return refuse("overloaded", "the router is shutting down", "draining")
-        if self.queued_requests >= cfg.max_queued_requests:
-            return refuse("overloaded", f"queue full: {self.queued_requests} requests waiting", "queue_requests")
-        if self.queued_requests and self.queued_tokens + estimate > cfg.max_queued_prompt_tokens:
-            return refuse("overloaded", f"queue full: {self.queued_tokens} prompt tokens waiting", "queue_tokens")
-        tenant = cfg.known_tenant(req.api_key)
-        cap = cfg.max_inflight_per_tenant.get(tenant, cfg.default_max_inflight_per_tenant)
-        if cap is not None and self._inflight_by_tenant[tenant] >= cap:
-            return refuse("overloaded", f"this tenant already has {cap} requests in flight", "tenant_inflight")
-        tenant_queued, tenant_cap = self._queued_tokens_by_tenant[tenant], self._tenant_token_cap(tenant)
-        if tenant_cap is not None and tenant_queued and tenant_queued + estimate > tenant_cap:
-            return refuse("overloaded", f"this tenant already has {tenant_queued} prompt tokens waiting",
-                          "tenant_tokens")
-        if self.table.place(estimate, req.params.max_tokens, now) is not None:
-            self._servable_at = now
-        elif now - self._servable_at > cfg.placement_timeout_s:
-            return refuse("unavailable", "no live prefill/decode workers")
-        tokenizer = self.table.pick_tokenizer(now)
-        if tokenizer is None:
-            return refuse("unavailable", "no live tokenizer")
-        wait = self.cache.backlog_s(self.table, self.unplaced_tokens, now)
-        if cfg.max_queue_wait_s is not None and wait is not None and wait > cfg.max_queue_wait_s:
-            # The hint: how long the backlog takes to drain below the bound at the predicted rate.
-            retry = min(MAX_RETRY_AFTER_S, max(cfg.retry_after_s, wait - cfg.max_queue_wait_s))
-            msg = f"overloaded: the predicted wait is {wait:.1f}s (the bound is {cfg.max_queue_wait_s:g}s)"
-            return refuse("overloaded", msg, "predicted_wait", retry)
+        estimate, tenant = estimate_tokens(req), cfg.known_tenant(req.api_key)
         slo = cfg.ttft_slo(tenant, req.ttft_slo_s)
-        if slo is not None and wait is not None and wait > slo:  # the wait alone misses it: refused unencoded
-            retry = min(MAX_RETRY_AFTER_S, max(cfg.retry_after_s, wait - slo))
-            return refuse("overloaded", f"the predicted wait is {wait:.2f}s, over the SLO of {slo:g}s", "ttft_slo",
-                          retry)
+        admitted = self._admit(req, tenant, estimate, slo, now)
+        if isinstance(admitted, Refusal):
+            return refuse(admitted.code, admitted.message, admitted.shed, admitted.retry_after_s)
+        tokenizer = admitted
 
         rid = f"{cfg.id_prefix}{self._counter}"
         deadline = now + (req.timeout_s if req.timeout_s is not None else cfg.request_timeout_s)
@@ -445,13 +395,10 @@ class RouterCore(MovesMixin):
         if chosen is None:
             return []
         if not st.attempts:  # its first placement: the TTFT it is predicted, against its SLO
-            st.predicted_ttft_s = predicted = now - st.arrival + chosen[1].seconds
-            slo = st.ttft_slo_s
-            if slo is not None and predicted > slo:
-                self.metrics.shed["ttft_slo"] += 1
-                retry = min(MAX_RETRY_AFTER_S, max(self.config.retry_after_s, predicted - slo))
-                return self._error(st, "overloaded", f"the predicted time to first token is {predicted:.2f}s, over "
-                                   f"the SLO of {slo:g}s", now, retry_after_s=retry)
+            st.predicted_ttft_s = now - st.arrival + chosen[1].seconds
+            refusal = self._misses_slo(st)
+            if refusal is not None:
+                return self._error(st, refusal.code, refusal.message, now, retry_after_s=refusal.retry_after_s)
         return self._send_job(st, *chosen, now)
 
     def _choose(self, st: RouterRequest, now: float, exclude: Iterable[str] = ()) -> Chosen | None:
@@ -502,55 +449,6 @@ class RouterCore(MovesMixin):
             else:
                 out += self._place(st, now)
         return out
-
-    # ----- internals: the queue's accounting -----
-    # A queued request (admitted, not decoding yet) counts once in queued_requests, its queued_charge in
-    # queued_tokens and in its tenant's queued tokens, and also in unplaced_tokens while no worker has it
-    # (TOKENIZING, PARKED). Every change of those goes through the four methods below.
-
-    def _enqueue(self, st: RouterRequest, charge: int) -> None:
-        assert not st.queued
-        st.queued, st.queued_charge = True, charge
-        self.queued_requests += 1
-        self._count_charge(st, charge)
-
-    def _recharge(self, st: RouterRequest, charge: int) -> None:
-        if st.queued:
-            self._count_charge(st, charge - st.queued_charge)
-        st.queued_charge = charge
-
-    def _dequeue(self, st: RouterRequest) -> None:
-        if st.queued:
-            self.queued_requests -= 1
-            self._count_charge(st, -st.queued_charge)
-            st.queued = False
-
-    def _set_phase(self, st: RouterRequest, phase: Phase) -> None:
-        if st.queued:
-            self.unplaced_tokens += st.queued_charge * ((phase in UNPLACED) - (st.phase in UNPLACED))
-        st.phase = phase
-
-    def _count_charge(self, st: RouterRequest, tokens: int) -> None:
-        self.queued_tokens += tokens
-        if st.phase in UNPLACED:
-            self.unplaced_tokens += tokens
-        self._queued_tokens_by_tenant[st.tenant] += tokens
-        if not self._queued_tokens_by_tenant[st.tenant]:
-            del self._queued_tokens_by_tenant[st.tenant]
-
-    def _tenant_token_cap(self, tenant: str) -> int | None:
-        cfg = self.config
-        return cfg.max_queued_prompt_tokens_per_tenant.get(tenant, cfg.default_max_queued_prompt_tokens_per_tenant)
-
-    def _over_token_limits(self, st: RouterRequest) -> tuple[str, str] | None:
-        """(shed cause, message) when the queue, counting `st` exactly, breaks the router's or its tenant's
-        prompt-token limit while others wait too (a lone prompt is never refused for its size); else None."""
-        if self.queued_requests > 1 and self.queued_tokens > self.config.max_queued_prompt_tokens:
-            return "queue_tokens", f"queue full: {self.queued_tokens} prompt tokens waiting"
-        cap, mine = self._tenant_token_cap(st.tenant), self._queued_tokens_by_tenant[st.tenant]
-        if cap is not None and mine > cap and mine > st.queued_charge:
-            return "tenant_tokens", f"this tenant has {mine} prompt tokens waiting"
-        return None
 
     # ----- internals: output and endings -----
 

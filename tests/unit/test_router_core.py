@@ -32,7 +32,8 @@ from deepinfer.protocol.messages import (
     TextDeltas,
 )
 from deepinfer.services.router import MeshPins
-from deepinfer.services.router_core import UNPLACED, Outbound, Phase, RouterConfig, RouterCore
+from deepinfer.services.router_admission import UNPLACED
+from deepinfer.services.router_core import Outbound, Phase, RouterConfig, RouterCore
 
 C1, C2 = b"client-1", b"client-2"
 
