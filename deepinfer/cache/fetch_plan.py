@@ -21,6 +21,9 @@ was merely descheduled for a moment (two busy cores) from losing a hit that the 
 
 A prefix judged slower to fetch than to compute is computed; every `probe_every`-th such decision fetches it
 anyway (to that same deadline), so an estimate that went stale — a disk busy for a while — is measured again.
+
+`always=True` (a worker's `fetch_policy = "always"`) fetches every hit, to the longest deadline, as a cache that
+always loads a hit does: the baseline the plan is measured against (bench/bench_replay.py --sweep).
 """
 
 from __future__ import annotations
@@ -33,15 +36,17 @@ MIN_DEADLINE_S = 0.1  # below this a daemon's reply is lost in scheduling noise:
 DEADLINE_SLACK = 2.0  # a fetch may take this many times the compute time of its blocks before it is cut
 DEFAULT_MAX_DEADLINE_S = 1.0  # the longest any fetch waits (also the deadline before the compute rate is known)
 
-FASTER, UNMEASURED, SLOWER, PROBE, MISS = "faster", "unmeasured", "slower", "probe", "miss"
-DECISIONS = (FASTER, UNMEASURED, SLOWER, PROBE, MISS)
+FASTER, UNMEASURED, SLOWER, PROBE, MISS, ALWAYS = "faster", "unmeasured", "slower", "probe", "miss", "always"
+DECISIONS = (FASTER, UNMEASURED, SLOWER, PROBE, MISS, ALWAYS)
+FETCH_POLICIES = ("plan", "always")  # WorkerSpec.fetch_policy: plan per hit, or fetch every hit
 
 
 @dataclass(frozen=True)
 class FetchPlan:
     """Fetch the `blocks` leading blocks within `deadline_s` (0 blocks: compute them all); `decision` says why:
     FASTER (predicted faster than computing), UNMEASURED (the compute rate is not known yet: fetch all),
-    SLOWER (computed), PROBE (slower, fetched to measure again), MISS (the daemon holds none)."""
+    SLOWER (computed), PROBE (slower, fetched to measure again), MISS (the daemon holds none), ALWAYS (fetched
+    without a plan: `FetchPlanner.always`)."""
 
     blocks: int
     deadline_s: float
@@ -67,6 +72,7 @@ class FetchPlanner:
     alpha: float = 0.25
     probe_every: int = 16
     max_deadline_s: float = DEFAULT_MAX_DEADLINE_S
+    always: bool = False  # fetch every hit to max_deadline_s, without planning (rates are still measured)
     fetch_s_per_block: dict[str, float] = field(default_factory=dict)  # tier → EWMA seconds per fetched block
     decisions: Counter[str] = field(default_factory=Counter)
     computed_blocks: int = 0  # blocks a plan left to compute although the daemon held them
@@ -78,6 +84,8 @@ class FetchPlanner:
         n = leading_run(tiers)
         if n == 0:
             return self._decided(FetchPlan(0, 0.0, MISS))
+        if self.always:
+            return self._decided(FetchPlan(n, self.max_deadline_s, ALWAYS, tiers[0]))
         if tokens_per_s <= 0:
             return self._decided(FetchPlan(n, self.max_deadline_s, UNMEASURED, tiers[0]))
         compute_s = self.block_size / tokens_per_s

@@ -79,7 +79,7 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
             tokenizers={t.name: t.detok for t in topology.tokenizers},
             kvcache=(daemon.name, daemon.endpoint) if daemon is not None else None, auth=auth,
             ep=spec.ep, ep_master=spec.ep_master, stream_interval_s=spec.stream_interval_ms / 1000,
-            lookup_ahead_steps=spec.lookup_ahead_steps,
+            lookup_ahead_steps=spec.lookup_ahead_steps, fetch_policy=spec.fetch_policy,
         )
     if role == "kvcache":
         from deepinfer.services.kvcache import KvCacheService

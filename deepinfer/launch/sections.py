@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from deepinfer.cache.fetch_plan import FETCH_POLICIES
 from deepinfer.config.engine import (
     DEFAULT_DEVICE,
     DEFAULT_EP_TIMEOUT_S,
@@ -100,6 +101,9 @@ class WorkerSpec:
     # With a cache daemon: a job's cached prefix is looked up as it enters the engine's queue, which is kept
     # this many steps' token budgets deep (services/worker_stage.py); 0: looked up as the job arrives.
     lookup_ahead_steps: int = 2
+    # With a cache daemon: "plan" loads a cached prefix only where fetching is predicted faster than computing
+    # it (cache/fetch_plan.py); "always" loads every hit, as a cache without that plan would.
+    fetch_policy: str = "plan"
 
     def rank_device(self, rank: int) -> str:
         """The device rank `rank` runs on: "cuda" gives rank R cuda:R (a group takes devices 0..ep-1 of its
@@ -135,11 +139,13 @@ class WorkerSpec:
         return None
 
     def stream_problem(self) -> str | None:
-        """What is wrong with this worker's `stream_interval_ms` or `lookup_ahead_steps`, or None."""
+        """What is wrong with this worker's `stream_interval_ms`, `lookup_ahead_steps` or `fetch_policy`, or None."""
         if not 0 <= self.stream_interval_ms <= 10_000:
             return f"stream_interval_ms = {self.stream_interval_ms!r}: must be a number of milliseconds in [0, 10000]"
         if not 0 <= self.lookup_ahead_steps <= 64:
             return f"lookup_ahead_steps = {self.lookup_ahead_steps!r}: must be an integer in [0, 64]"
+        if self.fetch_policy not in FETCH_POLICIES:
+            return f"fetch_policy = {self.fetch_policy!r}: must be one of {', '.join(map(repr, FETCH_POLICIES))}"
         return None
 
     def speculation_problem(self) -> str | None:

@@ -36,6 +36,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     stream_interval_ms = 50               # send new tokens at most this often (first tokens, finishes: at once)
     lookup_ahead_steps = 2                # with a kvcache: look a job's prefix up as it enters the engine's queue,
                                           #   kept this many steps deep (0: as the job arrives)
+    fetch_policy = "plan"                 # with a kvcache: load a hit only where faster than computing it
+                                          #   ("always": load every hit)
     [[kvcache]]
     name = "kvcache-0"
     endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here

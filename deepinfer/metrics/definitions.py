@@ -149,7 +149,8 @@ CACHE_FETCH_PLANS = Counter(
     "deepinfer_cache_fetch_plans",
     "A worker's prefixes past its device pool, by what it chose (cache.fetch_plan): faster (fetched), slower "
     "(computed: fetching was predicted slower), probe (slower, fetched to measure again), unmeasured (fetched "
-    "before its prefill rate was known), miss (the cache daemon held none).",
+    "before its prefill rate was known), miss (the cache daemon held none), always (fetched without a plan: "
+    "fetch_policy = always).",
     (*WHO, "decision"))
 
 # --- the cache daemon ---------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ class CacheClientStats:
 
 class CacheClient:
     def __init__(self, instance: str, endpoint: str, ctx: Any, engine: ServingEngine, thread: EngineThread,
-                 auth: ClientAuth | None = None) -> None:
+                 auth: ClientAuth | None = None, fetch_always: bool = False) -> None:
         self.instance = instance
         self.engine = engine
         self.thread = thread
@@ -62,7 +62,7 @@ class CacheClient:
         self.stats = CacheClientStats()
         # Fetch or recompute: how much of a prefix to load, and how long to wait for it (cache.fetch_plan).
         self.planner = FetchPlanner(engine.config.block_size if engine is not None else 1,
-                                    max_deadline_s=FETCH_DEADLINE_S)
+                                    max_deadline_s=FETCH_DEADLINE_S, always=fetch_always)
         self.log = structlog.get_logger("deepinfer").bind(service="cache-client", instance=instance)
         self._replies: dict[tuple[str, type], asyncio.Future[Any]] = {}
         self._ids = itertools.count()

@@ -91,7 +91,7 @@ class WorkerService(Service):
                  config: EngineConfig, kv_bind: str | None, decode_peers: dict[str, str],
                  tokenizers: dict[str, str], kvcache: tuple[str, str] | None = None, ep: int = 1,
                  ep_master: str = "", stream_interval_s: float = STREAM_INTERVAL_S,
-                 lookup_ahead_steps: int = STAGE_DEPTH_STEPS, **kw: Any) -> None:
+                 lookup_ahead_steps: int = STAGE_DEPTH_STEPS, fetch_policy: str = "plan", **kw: Any) -> None:
         # Rank 0 of a group waits here for every rank to join, then loads the model like each of them.
         # `group`: the same engine, for a group's own calls (keepalive, close, load, expert placement); None
         # when the engine is one LLMEngine.
@@ -101,6 +101,7 @@ class WorkerService(Service):
         super().__init__(instance, backend, ctx, model_fingerprint=self.engine.fingerprint,
                          block_hash_scheme=self.engine.cache_namespace.handshake_scheme, **kw)
         self.kvcache = kvcache  # (daemon name, endpoint)
+        self.fetch_policy = fetch_policy  # WorkerSpec.fetch_policy
         self.cache: CacheClient | None = None
         # With a daemon, jobs wait in the stage and their prefix is looked up only as they enter the engine
         # (lookup_ahead_steps 0: as they arrive, no stage).
@@ -150,7 +151,8 @@ class WorkerService(Service):
             self.experts = ExpertLink(self.instance, self.group, self._thread.call, self.send_router, self.log)
         if self.kvcache is not None:
             self.cache = CacheClient(self.instance, self.kvcache[1], self.ctx, self.engine, self._thread,
-                                     auth=self.auth.for_connect(self.kvcache[1], self.kvcache[0]))
+                                     auth=self.auth.for_connect(self.kvcache[1], self.kvcache[0]),
+                                     fetch_always=self.fetch_policy == "always")
         if self.engine.config.enable_prefix_caching:
             await self._publish_snapshot()
 

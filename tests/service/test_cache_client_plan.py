@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import zmq.asyncio
 
-from deepinfer.cache.fetch_plan import DEADLINE_SLACK, FASTER, SLOWER
+from deepinfer.cache.fetch_plan import ALWAYS, DEADLINE_SLACK, FASTER, SLOWER
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.sockets import arecv_routed, asend_msg, make_router
 from deepinfer.services.cache_client import CacheClient
@@ -63,12 +63,13 @@ class Daemon:
             await asend_msg(self.sock, reply, peer)
 
 
-def load(tmp_path, disk_s_per_block: float | None) -> tuple[Daemon, CacheClient, Any]:
+def load(tmp_path, disk_s_per_block: float | None, always: bool = False) -> tuple[Daemon, CacheClient, Any]:
     async def run() -> tuple[Daemon, CacheClient, Any]:
         ctx = zmq.asyncio.Context()
         endpoint = f"ipc://{tmp_path}/cache.sock"
         daemon = Daemon(make_router(ctx, endpoint))
-        client = CacheClient("worker-0", endpoint, ctx, Engine(), Thread())  # type: ignore[arg-type]
+        client = CacheClient("worker-0", endpoint, ctx, Engine(), Thread(),  # type: ignore[arg-type]
+                             fetch_always=always)
         if disk_s_per_block is not None:
             client.planner.fetch_s_per_block["disk"] = disk_s_per_block
         tasks = [asyncio.ensure_future(daemon.serve()), asyncio.ensure_future(client.recv_forever())]
@@ -102,3 +103,12 @@ def test_a_prefix_slower_to_fetch_is_computed_without_a_fetch(tmp_path) -> None:
     assert importer is None and client.stats.fetches == 0 and client.stats.fetch_misses == 0
     assert client.planner.decisions == {SLOWER: 1} and client.planner.computed_blocks == 4
     assert client.up  # a choice, not a failure: the daemon stays in use
+
+
+def test_fetch_policy_always_fetches_a_prefix_slower_to_fetch(tmp_path) -> None:
+    daemon, client, importer = load(tmp_path, disk_s_per_block=0.25, always=True)
+    lookup, fetch = daemon.seen
+    assert isinstance(fetch, m.CacheFetch) and len(fetch.block_hashes) == 4
+    assert 0.9 < fetch.deadline_s <= client.planner.max_deadline_s  # the time left of the longest wait
+    assert importer is not None and client.stats.fetched_blocks == 4
+    assert client.planner.decisions == {ALWAYS: 1} and client.planner.computed_blocks == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.cache.fetch_plan import (
+    ALWAYS,
     DEADLINE_SLACK,
     FASTER,
     MIN_DEADLINE_S,
@@ -82,6 +83,18 @@ def test_a_prefix_slower_to_fetch_is_computed_and_probed_now_and_then() -> None:
     for _ in range(10):
         planner.observe(["disk"] * 4, 4 * COMPUTE_S / 10)
     assert planner.plan(["disk"] * 4, RATE).decision == FASTER
+
+
+def test_always_fetches_every_hit_however_slow_and_still_measures() -> None:
+    planner = measured(disk=COMPUTE_S * 3)
+    planner.always = True
+    plan = planner.plan(["disk"] * 4 + [""], RATE)  # slower than computing: the plan would compute it
+    assert (plan.blocks, plan.deadline_s, plan.decision, plan.first_tier) == (4, planner.max_deadline_s, ALWAYS,
+                                                                              "disk")
+    assert planner.plan(["", "disk"], RATE).decision == MISS
+    planner.observe(["disk"] * 4, 4 * COMPUTE_S)
+    assert planner.fetch_s_per_block["disk"] < COMPUTE_S * 3
+    assert planner.computed_blocks == 0
 
 
 def test_a_fetch_time_is_split_over_its_tiers_by_their_estimates() -> None:

@@ -166,6 +166,14 @@ def test_lookup_ahead_reads_back_and_is_checked(tmp_path):
             load(tmp_path, MINIMAL + f"lookup_ahead_steps = {bad}\n")
 
 
+def test_fetch_policy_reads_back_and_is_checked(tmp_path):
+    assert load(tmp_path, MINIMAL).workers[0].fetch_policy == "plan"  # the default
+    topo = load(tmp_path, MINIMAL + 'fetch_policy = "always"\n')
+    assert topo.workers[0].fetch_policy == "always" and load(tmp_path, topo.to_toml()) == topo
+    with pytest.raises(TopologyError, match="fetch_policy = 'sometimes': must be one of 'plan', 'always'"):
+        load(tmp_path, MINIMAL + 'fetch_policy = "sometimes"\n')
+
+
 # -- every table checked when read ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, match", [
@@ -260,7 +268,8 @@ def every_field(tmp_path: Path) -> Topology:
                                   max_num_batched_tokens=256, prefix_caching=False,
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
                                   ep=2, ep_master="10.0.0.3:29500", ep_timeout_s=42.0, redundant_experts=3,
-                                  weights="q8_0", stream_interval_ms=12.5, lookup_ahead_steps=5)
+                                  weights="q8_0", stream_interval_ms=12.5, lookup_ahead_steps=5,
+                                  fetch_policy="always")
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, max_moves_total=7,
