@@ -277,6 +277,21 @@ def build_workload(args: argparse.Namespace, vocab: int, context: int) -> tuple[
     }
 
 
+def mesh_settings(args: argparse.Namespace, model: str, workload: dict[str, Any]) -> MeshSettings:
+    # Queue limits sized to the whole workload: a replay measures latency, not the queue's limits.
+    queue = {"max_queued_requests": workload["requests"] + 16,
+             "max_queued_prompt_tokens": workload["prompt_tokens"] + 4096}
+    return MeshSettings(model, args.transport, args.colocated,
+                        args.threads if args.colocated else max(1, args.threads // 2),
+                        args.kv_cache_mb, args.host_cache_mb, args.disk_cache_mb, queue)
+
+
+def warm_prompts(seed: int, low: int, vocab: int) -> list[list[int]]:
+    """Two short prompts sent before the clock starts; they share no block with the trace's."""
+    rng = random.Random(f"warm:{seed}")
+    return [[rng.randrange(low, vocab) for _ in range(32)] for _ in range(2)]
+
+
 def command_line(args: argparse.Namespace) -> str:
     parts = ["python -m bench.bench_replay"] + ([f"--trace {args.trace}"] if args.trace != DEFAULT_TRACE else [])
     parts += [f"--block-tokens {args.block_tokens}", f"--sample {args.sample}", f"--sample-seed {args.sample_seed}",
@@ -288,9 +303,9 @@ def command_line(args: argparse.Namespace) -> str:
     parts += [f"--requests {args.requests}"] if args.requests else []
     parts += [f"--max-input-tokens {args.max_input_tokens}"] if args.max_input_tokens else []
     parts += ["--colocated"] if args.colocated else []
-    parts += ["--placement"] if args.placement else []
-    parts += ["--lookup"] if args.lookup else []
-    parts += [f"--disagg {args.disagg}"] if args.disagg else []
+    parts += ["--placement"] if getattr(args, "placement", False) else []
+    parts += ["--lookup"] if getattr(args, "lookup", False) else []
+    parts += [f"--disagg {args.disagg}"] if getattr(args, "disagg", 0) else []
     return " ".join(parts)
 
 
@@ -305,8 +320,9 @@ def fraction(text: str) -> str:
     return text
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_parser(description: str | None) -> argparse.ArgumentParser:
+    """The options that pick the workload and the mesh (bench.replay_sweep adds its own to these)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="a Mooncake-format JSONL trace")
     ap.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block (b)")
     ap.add_argument("--sample", type=fraction, default=DEFAULT_SAMPLE, help="fraction of prefix groups (requests "
@@ -321,14 +337,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--transport", choices=("ipc", "inproc"), default="ipc",
                     help="ipc: one process per service; inproc: the whole mesh in this process")
     ap.add_argument("--colocated", action="store_true", help="one prefill+decode worker instead of a P/D pair")
-    ap.add_argument("--placement", action="store_true",
-                    help="two prefill workers, cache on: router placement cache_aware vs least_loaded")
-    ap.add_argument("--lookup", action="store_true",
-                    help="cache on, a job's prefix looked up as it enters the engine's queue (the default) vs as "
-                         "it arrives at the worker (lookup_ahead_steps = 0)")
-    ap.add_argument("--disagg", type=int, default=0, metavar="N",
-                    help="conditional disaggregation: the P/D pair with the router's local_prefill_max_tokens = N "
-                         "against N = 0 (every prompt on the prefill worker), cache on")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="device KV pool per worker")
     ap.add_argument("--host-cache-mb", type=int, default=256, help="cache daemon DRAM tier")
     ap.add_argument("--disk-cache-mb", type=int, default=2048, help="cache daemon disk tier")
@@ -340,9 +348,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "model's special tokens")
     ap.add_argument("--seed", type=int, default=0, help="the token ids each block id stands for")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="client wait per request")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON report (default: bench/results/replay[-placement].json)")
     ap.add_argument("--no-plots", action="store_true", help="no PNG figures beside the JSON (bench/plots.py)")
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = workload_parser(__doc__)
+    ap.add_argument("--placement", action="store_true",
+                    help="two prefill workers, cache on: router placement cache_aware vs least_loaded")
+    ap.add_argument("--lookup", action="store_true",
+                    help="cache on, a job's prefix looked up as it enters the engine's queue (the default) vs as "
+                         "it arrives at the worker (lookup_ahead_steps = 0)")
+    ap.add_argument("--disagg", type=int, default=0, metavar="N",
+                    help="conditional disaggregation: the P/D pair with the router's local_prefill_max_tokens = N "
+                         "against N = 0 (every prompt on the prefill worker), cache on")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON report (default: bench/results/replay[-mode].json)")
     return ap.parse_args(argv)
 
 
@@ -351,11 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_model(args.model)
     mc = model_config_at(path)
     st, workload = build_workload(args, mc.vocab_size, mc.max_position_embeddings)
-    # Queue limits sized to the whole workload: a replay measures latency, not admission control.
-    queue = {"max_queued_requests": len(st.requests) + 16, "max_queued_prompt_tokens": workload["prompt_tokens"] + 4096}
-    settings = MeshSettings(str(path), args.transport, args.colocated,
-                            args.threads if args.colocated else max(1, args.threads // 2),
-                            args.kv_cache_mb, args.host_cache_mb, args.disk_cache_mb, queue)
+    settings = mesh_settings(args, str(path), workload)
     mode = "placement" if args.placement else "lookup" if args.lookup else "disagg" if args.disagg else "cache"
     if args.disagg and args.colocated:
         raise SystemExit("--disagg compares placements on a P/D pair: not with --colocated")
@@ -368,8 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         arms = [Arm("lookup at start", True), Arm("lookup at arrival", True, worker_options={"lookup_ahead_steps": 0})]
     else:
         arms = [Arm("cache on", True), Arm("cache off", False)]
-    rng = random.Random(f"warm:{args.seed}")  # warm-up prompts share no block with the trace's
-    warm = [[rng.randrange(args.low, mc.vocab_size) for _ in range(32)] for _ in range(2)]
+    warm = warm_prompts(args.seed, args.low, mc.vocab_size)
     print(f"{workload['requests']} requests, {workload['prompt_tokens']} prompt tokens over "
           f"{workload['span_s']:.0f} s; arms: {', '.join(a.name for a in arms)}", file=sys.stderr)
 

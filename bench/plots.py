@@ -13,6 +13,7 @@ bench prints one line saying the figures were skipped and carries on. Kinds, and
 | engine (bench_engine) | tokens/s vs concurrency: engine vs transformers, with the linear-layer cap |
 | mesh (bench_mesh) | tokens/s by arrangement against the engine; TTFT p50/p99 vs request rate |
 | replay (bench_replay) | TTFT CDF cache on vs off (or per placement); TTFT CDF by the tier that served the prefix |
+| sweep (bench.replay_sweep) | goodput, hits over reusable, TTFT p50 and p99 against load, a line per policy arm |
 | prefix (bench_prefix) | TTFT of a miss vs a prefix hit from the device, DRAM, DRAM over ZeroMQ, disk |
 | soak (bench.soak) | tokens/s over time with every kill -9 marked |
 | eplb_mesh (bench_eplb_mesh) | tokens/s over time with the balancer's start and every expert move marked |
@@ -324,9 +325,40 @@ def eplb_mesh(report: Report, out: Path) -> list[Path]:
     return [_save(fig, png_path(out, "tokens-over-time"))]
 
 
+def sweep(report: Report, out: Path) -> list[Path]:
+    plt = _pyplot()
+    points = report["points"]
+    loads = list(points)
+    arms = list(dict.fromkeys(name for arms in points.values() for name in arms))
+    fig, axes = plt.subplots(2, 2, figsize=(10.0, 7.0))
+    panels = ((axes[0][0], "goodput_req_s", f"goodput (req/s within TTFT {report['slo_s']:g} s)", False),
+              (axes[0][1], "hit_of_reusable", "cache hits / reusable tokens", False),
+              (axes[1][0], "ttft_p50_s", "TTFT p50 of admitted requests (s)", True),
+              (axes[1][1], "ttft_p99_s", "TTFT p99 of admitted requests (s)", True))
+    for ax, key, label, log in panels:
+        for arm in arms:
+            xs = [float(x) for x in loads if points[x].get(arm, {}).get(key) is not None]
+            ys = [points[x][arm][key] for x in loads if points[x].get(arm, {}).get(key) is not None]
+            if xs:
+                ax.plot(xs, ys, marker="o", label=arm)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([float(x) for x in loads], [f"{x}x" for x in loads])
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("offered load (x the mesh's capacity without cache)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    w = report["workload"]
+    fig.suptitle(f"replay_sweep: Mooncake trace sample ({w['requests']} requests, "
+                 f"{100 * w['reusable_kv_blocks']:.0f}% reusable), capacity {report['capacity_req_s']:.2f} req/s",
+                 fontsize=10)
+    return [_save(fig, png_path(out, "load"))]
+
+
 KINDS: dict[str, Callable[[Report, Path], list[Path]]] = {
     "serving": serving, "engine": engine, "mesh": mesh, "replay": replay, "prefix": prefix, "soak": soak,
-    "eplb_mesh": eplb_mesh,
+    "eplb_mesh": eplb_mesh, "sweep": sweep,
 }
 
 
@@ -350,7 +382,8 @@ def write(kind: str, report: Report, out: Path) -> list[Path]:
 
 def guess_kind(report: Report) -> str | None:
     keys = set(report)
-    for kind, needs in (("serving", {"scenarios"}), ("engine", {"concurrency", "caps"}),
+    for kind, needs in (("sweep", {"points", "capacity_req_s"}), ("serving", {"scenarios"}),
+                        ("engine", {"concurrency", "caps"}),
                         ("mesh", {"throughput", "kv_transfer"}), ("replay", {"rows", "arms"}),
                         ("prefix", {"rounds", "cached_blocks"}), ("soak", {"samples", "kills"}),
                         ("eplb_mesh", {"tokens_per_bin", "moves"})):

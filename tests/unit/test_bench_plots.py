@@ -33,8 +33,13 @@ SOAK = {"kills": [[15.0, "decode-1"]], "samples": [{"t": 10.0 * i, "tokens": 900
 EPLB = {"bin_s": 1.0, "tokens_per_bin": [14, 15, 13, 12, 15], "balancer_start_s": 2.0, "moves": [[2.5, 3.0, 1]],
         "steady_tok_s": 14.0}
 
+ARM_POINT = {"goodput_req_s": 0.4, "hit_of_reusable": 0.97, "ttft_p50_s": 0.3, "ttft_p99_s": 4.0}
+SWEEP = {"workload": {"requests": 40, "reusable_kv_blocks": 0.6}, "slo_s": 5.0, "capacity_req_s": 0.5,
+         "rows": {}, "points": {"0.5": {"full": ARM_POINT, "cache off": {**ARM_POINT, "hit_of_reusable": None}},
+                                "2": {"full": {**ARM_POINT, "ttft_p99_s": None}}}}
+
 CASES = {"engine": (ENGINE, 1), "mesh": (MESH, 2), "replay": (REPLAY, 2), "prefix": (PREFIX, 1), "soak": (SOAK, 1),
-         "eplb_mesh": (EPLB, 1)}
+         "eplb_mesh": (EPLB, 1), "sweep": (SWEEP, 1)}
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
