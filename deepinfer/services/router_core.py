@@ -414,12 +414,16 @@ class RouterCore(AdmissionMixin, MovesMixin):
             # need not compute them again, and can reuse cached blocks.
             params = dataclasses.replace(params, prompt_logprobs=None)
         self.table.assign(st.where, placement, len(st.job_tokens), compute)
+        site = "colocated"
         if placement.decode.role == DECODE:  # a P/D pair was there to choose from (router_cache)
             site = "remote" if placement.prefill is not placement.decode else "local"
             self.metrics.prefill_sites[site] += 1
-            log.debug("prefill placed", request_id=st.rid, site=site, prefill=placement.prefill.name,
-                      decode=placement.decode.name, uncached_tokens=prediction.uncached_tokens,
-                      predicted_s=round(prediction.seconds, 4))
+        # Every placement and its reasons, for `--log-level debug`: where, and what the prediction saw.
+        log.debug("prefill placed", request_id=st.rid, site=site, prefill=placement.prefill.name,
+                  decode=placement.decode.name, attempt=st.attempts + 1, cached_blocks=prediction.cached_blocks,
+                  uncached_tokens=prediction.uncached_tokens, predicted_s=round(prediction.seconds, 4),
+                  waited_s=round(now - st.arrival, 4), policy="cache_aware" if self.cache.cache_aware else
+                  "least_loaded")
         st.predicted_blocks = prediction.blocks
         self._set_phase(st, Phase.PREFILLING)
         st.attempts, st.job_output, st.avoid = st.attempts + 1, len(st.output_ids), frozenset()

@@ -5,6 +5,7 @@ at most `local_prefill_max_tokens` to compute there. Scripted heartbeats set the
 from __future__ import annotations
 
 import pytest
+import structlog.testing
 
 from deepinfer.protocol.messages import PrefillDone, PrefillJob, RequestFinished, TextDeltaItem
 from deepinfer.services.router_cache import PrefillCostModel
@@ -88,3 +89,15 @@ def test_the_handoff_cost_is_learnt_from_prefill_done_and_taken_out_of_the_compu
     model.observe(PrefillDone("r", "pre0", 160, 0, prefill_s=0.5, fetch_s=0.1, handoff_s=0.2))
     assert model.handoff_s_per_block == pytest.approx(0.02)  # 0.2 s over 10 blocks
     assert model.rate("pre0") == pytest.approx(800.0)  # 160 tokens in 0.5 − 0.1 − 0.2 s
+
+
+def test_every_placement_is_logged_with_its_reasons() -> None:
+    mesh = pair(running=8)
+    mesh.kv("dec0", "device", chain(992))
+    with structlog.testing.capture_logs() as logs:
+        mesh.job(1000)  # cached on the decode worker: local
+        mesh.job(1000, salt="other")  # nothing cached: remote
+    placed = [e for e in logs if e["event"] == "prefill placed"]
+    assert [(e["site"], e["prefill"], e["decode"], e["cached_blocks"]) for e in placed] == [
+        ("local", "dec0", "dec0", 62), ("remote", "pre0", "dec0", 0)]
+    assert all(e["log_level"] == "debug" and e["policy"] == "cache_aware" and e["predicted_s"] > 0 for e in placed)
