@@ -44,6 +44,7 @@ __all__ = [
     "CacheFetch",
     "CacheLookup",
     "CacheLookupReply",
+    "CachePrefetch",
     "CacheStore",
     "CacheStoreAck",
     "DetokenizeBatch",
@@ -86,7 +87,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12  # 12: CachePrefetch
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -656,6 +657,17 @@ class CacheStoreAck:
     stored: int
     skipped: int
     reason: str = ""
+
+
+@message(0x48)
+class CachePrefetch:
+    """Worker → cache daemon, no reply: these blocks will be fetched soon (their job waits in the worker's
+    stage); read the disk-held ones of the leading run into DRAM now, so the fetch costs no disk time. Best
+    effort: past the daemon's prefetch limit it is dropped (counted), and a namespace not its own is refused."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    namespace: str = ""
 
 
 @message(0x46)

@@ -1,4 +1,5 @@
-"""A worker's side of the cache daemon: fetch a cached prefix before prefill, write new blocks behind.
+"""A worker's side of the cache daemon: fetch a cached prefix before prefill (its disk-held part prefetched
+into the daemon's DRAM while the job waits in the worker's stage), write new blocks behind.
 
 The daemon is an optimisation, never a dependency. Every call has a deadline; a call that times out marks
 the daemon down, and while it is down fetches and writes are skipped (requests are computed in full)
@@ -23,6 +24,7 @@ from typing import Any
 
 import structlog
 import torch
+import zmq
 
 from deepinfer.cache.fetch_plan import MISS, FetchPlan, FetchPlanner
 from deepinfer.engine.interface import PrefixTarget, ServingEngine
@@ -49,6 +51,7 @@ class CacheClientStats:
     stores: int = 0
     stored_blocks: int = 0
     stores_dropped: int = 0  # write-behind not attempted: too many in flight
+    prefetches: int = 0  # CachePrefetch sent for jobs that wait in the stage
 
 
 class CacheClient:
@@ -133,6 +136,22 @@ class CacheClient:
         self.sock.close(linger=0)
 
     # -- before prefill ---------------------------------------------------------------------
+
+    async def prefetch(self, request_id: str, token_ids: list[int], cache_salt: str | None) -> None:
+        """The prompt's blocks will be fetched once its job leaves the stage: ask the daemon to read the
+        disk-held ones into DRAM meanwhile (no reply; never waits on the daemon, never raises for it)."""
+        if not self.up or not self.engine.config.enable_prefix_caching:
+            return
+        full = (len(token_ids) - 1) // self.engine.config.block_size  # as load_prefix: never the last token's
+        hashes = self.engine.block_hashes(token_ids, cache_salt)[:full]
+        if not hashes:
+            return
+        try:
+            await asend_msg(self.sock, m.CachePrefetch(f"{request_id}/prefetch", hashes[: m.MAX_FETCH_BLOCKS],
+                                                       self.engine.cache_namespace.id), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # the daemon is not reading: its fetch will find out; a prefetch only saves time
+            return
+        self.stats.prefetches += 1
 
     async def load_prefix(self, request_id: str, token_ids: list[int],
                           cache_salt: str | None) -> tuple[float, Callable[[], int] | None]:

@@ -8,6 +8,9 @@ heartbeats, KvEvents out; KvResync, Shutdown in) and a bound ROUTER where the wo
   read, promoted from disk to DRAM), one zero-copy frame per block straight from the tier's own bytes
   (gathering ~90 MB into one fresh buffer would cost more than the wire); whatever is not ready by the
   deadline is left out — a slow disk means fewer hits, never a stalled prefill;
+* CachePrefetch, no reply: the disk-held head of a prefix a worker will fetch soon is read into DRAM on the I/O
+  threads, at most `max_prefetches_in_flight` at once (past that, dropped and counted: prefetching only saves
+  time, and must not take the room of a fetch someone waits for);
 * CacheStore → CacheStoreAck: write-behind from workers; blocks go to DRAM now and to disk behind, on
   the I/O threads (files are written and fsynced before they become visible).
 
@@ -53,7 +56,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.cache.hashing import HASH_BYTES
-from deepinfer.cache.store import TieredStore
+from deepinfer.cache.store import DISK, TieredStore
 from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE
 from deepinfer.loading.fetch import resolve_model
 from deepinfer.loading.identity import model_identity
@@ -70,6 +73,8 @@ FLUSH_BATCH = 16  # blocks per disk-flush call: bounds how long one I/O-thread t
 MAX_FETCHES_IN_FLIGHT = 64
 # Each in-flight store holds its received KV until copied into the store: this bounds that memory.
 MAX_STORES_IN_FLIGHT = 16
+MAX_PREFETCHES_IN_FLIGHT = 2  # a prefetch reads disk ahead of need: a couple at once keep the disk busy
+PREFETCH_DEADLINE_S = 10.0  # a prefetch still reading after this has been overtaken by its fetch
 OVERLOADED = "overloaded"  # the reason in a reply to a request refused for lack of room (ErrorCode's word)
 LOG_PERIOD_S = 10.0  # a warning that a flood or a failing disk would repeat is logged at most this often
 
@@ -124,7 +129,8 @@ class KvCacheService(Service):
                  directory: str | Path, host_mb: int, disk_mb: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE, io_threads: int = 4,
                  max_fetches_in_flight: int = MAX_FETCHES_IN_FLIGHT,
-                 max_stores_in_flight: int = MAX_STORES_IN_FLIGHT, **kw: Any) -> None:
+                 max_stores_in_flight: int = MAX_STORES_IN_FLIGHT,
+                 max_prefetches_in_flight: int = MAX_PREFETCHES_IN_FLIGHT, **kw: Any) -> None:
         identity = model_identity(resolve_model(model), block_size, kv_cache_dtype)
         # The engine's KV as the workers hold it: the daemon stores and serves blocks of exactly this spec.
         self.kv = identity.kv
@@ -138,6 +144,8 @@ class KvCacheService(Service):
         self.sock: Any = None
         self.fetches = TaskLimit(max_fetches_in_flight)
         self.stores = TaskLimit(max_stores_in_flight)
+        self.prefetches = TaskLimit(max_prefetches_in_flight)
+        self.prefetched_blocks = 0  # blocks a prefetch read from disk into DRAM
         self.refused_stores = 0
         self.refused: collections.Counter[str] = collections.Counter()  # requests refused, by reason
         self.replies_dropped = 0  # the peer was gone or not reading (its queue full)
@@ -162,13 +170,14 @@ class KvCacheService(Service):
     async def on_stop(self) -> None:
         self.fetches.cancel_all()
         self.stores.cancel_all()
+        self.prefetches.cancel_all()
         self.io.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
     def tasks(self) -> list[Any]:
         # The workers' socket takes cache requests only: control comes from the router's side.
         cache_table: dict[type, Handler] = {m.CacheLookup: self._on_lookup, m.CacheFetch: self._on_fetch,
-                                            m.CacheStore: self._on_store}
+                                            m.CacheStore: self._on_store, m.CachePrefetch: self._on_prefetch}
         return [self.dispatch_forever(self.sock, arecv_routed, cache_table), self._flush_loop(), self._events_loop()]
 
     def handlers(self) -> dict[type, Handler]:
@@ -183,7 +192,8 @@ class KvCacheService(Service):
             self.cache_export.refused(self.refused)
 
     def idle(self) -> bool:
-        return not self.fetches.tasks and not self.stores.tasks and not self.store.pending_writes()
+        return (not self.fetches.tasks and not self.stores.tasks and not self.prefetches.tasks
+                and not self.store.pending_writes())
 
     def _io(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         return asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
@@ -201,7 +211,7 @@ class KvCacheService(Service):
 
     # -- requests from workers --------------------------------------------------------------
 
-    def _foreign(self, peer: bytes, req: m.CacheLookup | m.CacheFetch | m.CacheStore) -> str | None:
+    def _foreign(self, peer: bytes, req: m.CacheLookup | m.CacheFetch | m.CacheStore | m.CachePrefetch) -> str | None:
         """Why `req` is not this daemon's to answer (its namespace is another's), counted and logged; None
         when it is."""
         if req.namespace == self.namespace.id:
@@ -240,6 +250,24 @@ class KvCacheService(Service):
         if not self.stores.try_spawn(self._store, peer, req):
             self._log_overload()
             await self._reply(peer, m.CacheStoreAck(req.request_id, 0, len(req.block_hashes), OVERLOADED))
+
+    async def _on_prefetch(self, peer: bytes, req: m.CachePrefetch) -> None:
+        if self._foreign(peer, req) is not None:
+            return
+        hashes = _valid_hashes(req.block_hashes)[: m.MAX_FETCH_BLOCKS]
+        tiers = self.store.lookup(hashes)
+        run = next((i for i, t in enumerate(tiers) if not t), len(tiers))  # the leading run: what a fetch reads
+        if DISK in tiers[:run] and not self.prefetches.try_spawn(self._prefetch, hashes[:run]):
+            self._log_overload()
+
+    async def _prefetch(self, hashes: list[bytes]) -> None:
+        self.progress += 1
+        try:
+            result = await self._io(self.store.read, hashes, time.monotonic() + PREFETCH_DEADLINE_S)
+        except Exception:  # a store bug costs this prefetch only
+            self.log.exception("prefetch failed")
+            return
+        self.prefetched_blocks += sum(t == DISK for t in result.tiers)
 
     def _log_overload(self) -> None:
         if self._overload_throttle.ready():

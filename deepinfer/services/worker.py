@@ -407,6 +407,9 @@ class WorkerService(Service):
             self.spawn(self._load_prefix_then_add(action), "AddJob")
         else:
             job = action.job
+            if len(self.stage) or self.stage.entering_tokens or self.load().queued_prompt_tokens:
+                # It will wait behind others: the daemon reads its disk-held prefix into DRAM meanwhile.
+                self.spawn(self.cache.prefetch(job.request_id, job.token_ids, job.cache_salt), "CachePrefetch")
             self.stage.push(job.request_id, len(job.token_ids), job.priority, action)
             self._staged.set()
 

@@ -144,6 +144,36 @@ def test_disk_hit_after_eviction_from_dram_through_a_pd_transfer(smollm2_path, e
     assert sum(disk.usage.cached_by_tier.values()) == n
 
 
+def test_jobs_that_wait_have_their_disk_held_prefix_prefetched_and_answer_the_same(smollm2_path, engine, tmp_path):
+    questions = [f"Question {i}: how long do refunds take?" for i in range(4)]
+    wants = [reference(engine, chat(q))[1] for q in questions]
+    ids, _ = reference(engine, chat("Where is the nearest warehouse?"))
+    shared = cacheable(engine, ids)[:-1]  # the system prompt's blocks, common to every question
+
+    async def run():
+        # 1 MB of DRAM: the shared prefix lives on the disk tier, read into DRAM only when asked for.
+        mesh = InprocMesh(topology(smollm2_path, tmp_path / "kv", host_mb=1))
+        await mesh.start()
+        try:
+            async with AsyncClient(mesh.topology.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                await c.generate(messages=chat("Where is the nearest warehouse?"), max_tokens=MAX_TOKENS)
+                await stored(mesh, shared, {"host", "disk"})
+                await reset_devices(mesh)
+                outs = await asyncio.gather(*(c.generate(messages=chat(q), max_tokens=MAX_TOKENS)
+                                              for q in questions))
+            [worker] = workers(mesh)
+            return outs, worker.cache.stats.prefetches
+        finally:
+            await mesh.stop()
+
+    outs, sent = asyncio.run(run())
+    assert [o.token_ids for o in outs] == wants
+    assert all(o.usage.cached_tokens >= len(shared) * engine.config.block_size for o in outs)
+    # Four prompts at once: those queued behind the first asked the daemon to prefetch (whether it then read
+    # anything from disk depends on whether the first one's fetch had already: tests/service covers that).
+    assert sent >= 1
+
+
 def test_an_fp16_kv_cache_moves_half_the_bytes_through_every_tier_and_the_pd_transfer(smollm2_path, engine,
                                                                                        tmp_path):
     """`kv_cache_dtype = "float16"` for the whole mesh: the workers' pools, the P/D transfer and the daemon's

@@ -55,6 +55,8 @@ class Daemon:
         while True:
             peer, msg = await arecv_routed(self.sock)
             self.seen.append(msg)
+            if isinstance(msg, m.CachePrefetch):
+                continue  # no reply
             if isinstance(msg, m.CacheLookup):
                 reply: Any = m.CacheLookupReply(msg.request_id, ["disk"] * len(msg.block_hashes))
             else:
@@ -112,3 +114,31 @@ def test_fetch_policy_always_fetches_a_prefix_slower_to_fetch(tmp_path) -> None:
     assert 0.9 < fetch.deadline_s <= client.planner.max_deadline_s  # the time left of the longest wait
     assert importer is not None and client.stats.fetched_blocks == 4
     assert client.planner.decisions == {ALWAYS: 1} and client.planner.computed_blocks == 0
+
+
+def test_a_prefetch_names_the_prompts_full_blocks_and_waits_for_nothing(tmp_path) -> None:
+    async def run() -> tuple[list[Any], int]:
+        ctx = zmq.asyncio.Context()
+        endpoint = f"ipc://{tmp_path}/cache.sock"
+        daemon = Daemon(make_router(ctx, endpoint))
+        client = CacheClient("worker-0", endpoint, ctx, Engine(), Thread())  # type: ignore[arg-type]
+        task = asyncio.ensure_future(daemon.serve())
+        try:
+            await asyncio.wait_for(client.prefetch("r1", PROMPT, None), 10)  # returns at once: no reply comes
+            await asyncio.wait_for(client.prefetch("r2", PROMPT[:BS], None), 10)  # no full block before the last
+            for _ in range(400):
+                if daemon.seen:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            client.close()
+            daemon.sock.close(linger=0)
+            ctx.destroy(linger=0)
+        return daemon.seen, client.stats.prefetches
+
+    seen, sent = asyncio.run(run())
+    [prefetch] = seen
+    assert isinstance(prefetch, m.CachePrefetch) and prefetch.namespace == "ns"
+    assert prefetch.block_hashes == Engine().block_hashes(PROMPT)[:4] and sent == 1

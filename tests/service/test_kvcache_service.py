@@ -220,6 +220,38 @@ def test_warm_restart_serves_from_disk_and_never_serves_a_corrupt_block(smollm2_
     assert later.tiers == ["host", "host", "", "disk"]  # promoted on hit; the corrupt one is gone
 
 
+def test_a_prefetch_reads_the_disk_held_head_into_dram_before_its_fetch(smollm2_path, tmp_path):
+    async def run():
+        mesh = Mesh(smollm2_path, tmp_path / "kv")
+        try:
+            d = await mesh.start_daemon()
+            hashes = block_hashes(4)
+            kv = kv_for(d, 4, seed=3)
+            assert (await mesh.ask(m.CacheStore("w", d.namespace.id, hashes, kv))).stored == 4
+            await mesh.flushed()
+            await mesh.stop_daemon()
+            d = await mesh.start_daemon()  # a warm restart: every block on disk only
+            before = await mesh.ask(m.CacheLookup("l0", hashes, d.namespace.id))
+            await asend_msg(mesh.worker, m.CachePrefetch("p-foreign", hashes, "another-namespace"))
+            await asend_msg(mesh.worker, m.CachePrefetch("p", hashes[:3] + block_hashes(1, b"absent"),
+                                                         d.namespace.id))
+            for _ in range(400):
+                if d.prefetched_blocks == 3 and not d.prefetches.tasks:
+                    break
+                await asyncio.sleep(0.025)
+            after = await mesh.ask(m.CacheLookup("l1", hashes, d.namespace.id))  # (no reply came to either)
+            got = await mesh.ask(m.CacheFetch("f", hashes, namespace=d.namespace.id))
+            return before, after, got, kv, d.prefetched_blocks, dict(d.refused)
+        finally:
+            await mesh.close()
+
+    before, after, got, kv, prefetched, refused = asyncio.run(run())
+    assert before.request_id == "l0" and before.tiers == ["disk"] * 4
+    assert after.request_id == "l1" and after.tiers == ["host", "host", "host", "disk"]
+    assert prefetched == 3 and refused == {"namespace": 1}
+    assert got.tiers == ["host", "host", "host", "disk"] and torch.equal(torch.stack(got.blocks), kv)
+
+
 def test_a_fetch_longer_than_one_reply_is_cut_at_the_frame_limit(smollm2_path, tmp_path, monkeypatch):
     monkeypatch.setattr(m, "MAX_FETCH_BLOCKS", 2)
 
