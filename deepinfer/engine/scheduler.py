@@ -12,8 +12,15 @@ Policy:
 * when a running request needs a block and none is free, the lowest-priority, latest running request
   is preempted: its blocks are freed and it returns to the waiting queue to recompute (its generated
   tokens are kept and recomputed as part of its prompt);
-* a waiting request is admitted only if its first chunk's blocks are free (admission never preempts),
-  and not at all in a step that preempted.
+* a waiting request is admitted only if its first chunk's blocks are free, and not at all in a step where
+  running requests' growth preempted;
+* priority classes: a waiting request of a higher class (lower `priority`) than some running ones, whose
+  first chunk's blocks or seat are not free, takes them from the running requests of lower classes, lowest
+  class and latest first, at the start of the step — but only where preempting all of those would make room
+  (never preempt for nothing), and never for a request of the same class (within a class, arrival order
+  rules and nothing is preempted to admit). A preempted request's full blocks stay named in the pool until
+  reused, so it takes them back as a prefix hit when it is admitted again: what it recomputes is only what
+  was reused meanwhile.
 
 Prefix caching (when enabled, for requests that carry a hash chain):
 * admission without blocks (first admission, or re-admission after preemption) first takes the
@@ -208,6 +215,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._reclaim_for_higher_class(out)
+        reclaimed = len(out.preempted)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -224,10 +233,11 @@ class Scheduler:
             budget -= n + spec
             i += 1
 
-        # After a preemption memory is short: admitting new work would only thrash.
+        # After running requests' growth preempted, memory is short: admitting new work would only thrash.
         computing = self._computing_now() if self.enable_prefix_caching else set()
         j = 0
-        while not out.preempted and j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (len(out.preempted) == reclaimed and j < len(self.waiting) and budget > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting[j]
             hit = self._cached_prefix(req)
             if self._next_block_computing(req, len(hit), computing):
@@ -265,6 +275,44 @@ class Scheduler:
                     self.pool.free(reversed(req.block_ids[keep:]))
                     del req.block_ids[keep:]
             self._register_full_blocks(req)
+
+    def _reclaim_for_higher_class(self, out: SchedulerOutput) -> None:
+        """Preempt running requests of lower classes than the head of `waiting` until its first chunk's blocks
+        and a seat are free (see the module's policy); nothing if that cannot make room."""
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting[0]
+        victims = [r for r in reversed(self.running) if r.priority > head.priority]  # lowest class, latest first
+        if not victims:
+            return
+        hit = self._cached_prefix(head)
+        if self._next_block_computing(head, len(hit), self._computing_now() if self.enable_prefix_caching else set()):
+            return  # it waits for a prefix a running request computes, not for memory
+        need = self._first_chunk_blocks(head, len(hit), self.max_num_batched_tokens)
+
+        def short() -> bool:  # as admission judges it: hit blocks that are free now count as taken
+            free_hits = sum(self.pool.ref_cnt(b) == 0 for b in hit)
+            return need + free_hits > self.pool.num_free or len(self.running) >= self.max_num_seqs
+
+        if not short():
+            return
+        # Blocks only victims hold come free with them; a hit block among them is then free but taken.
+        only_victims = {b for v in victims for b in v.block_ids if self.pool.ref_cnt(b) == 1}
+        free_hits_after = sum(self.pool.ref_cnt(b) == 0 or b in only_victims for b in hit)
+        if need + free_hits_after > self.pool.num_free + len(only_victims):
+            return  # even every lower-class request's blocks would not do: keep them running
+        for victim in victims:
+            if not short():
+                break
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+    def _first_chunk_blocks(self, req: Request, num_hit: int, budget: int) -> int:
+        """Blocks a waiting request's admission allocates beyond its `num_hit` cached ones, for a chunk within
+        `budget` tokens."""
+        computed = req.num_computed_tokens + num_hit * self.block_size
+        n = min(req.num_tokens - computed, budget, _chunk_cap(req))
+        return self._blocks_for(computed + n) - len(req.block_ids) - num_hit
 
     # -- prefix cache -----------------------------------------------------------------------
 

@@ -73,8 +73,9 @@ def prompts(seed: int = 0, n: int = 9) -> list[list[int]]:
     return [[rng.randrange(320) for _ in range(k)] for k in lengths]
 
 
-def run_staggered(engine: LLMEngine, batch: list[list[int]]) -> dict[int, list[int]]:
-    """Submit a third of the prompts, step, submit more while the first are mid-flight, run to the end."""
+def run_staggered(engine: LLMEngine, batch: list[list[int]], classes: bool = False) -> dict[int, list[int]]:
+    """Submit a third of the prompts, step, submit more while the first are mid-flight, run to the end.
+    `classes`: each later third is of a higher priority class than the one before."""
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs: dict[int, list[int]] = {}
     pending = list(enumerate(batch))
@@ -85,7 +86,7 @@ def run_staggered(engine: LLMEngine, batch: list[list[int]]) -> dict[int, list[i
             for _ in range(3):
                 if pending:
                     i, p = pending.pop(0)
-                    ids[engine.add_request(f"p{i}", p, params)] = i
+                    ids[engine.add_request(f"p{i}", p, params, priority=-(i // 3) if classes else 0)] = i
         for out in engine.step():
             if out.finished:
                 assert out.finish_reason == FinishReason.LENGTH
@@ -107,6 +108,18 @@ def test_greedy_matches_transformers(tiny_model, mode):
     engine.pool.check_integrity()
     if mode == "preempt":
         assert engine.stats.num_preemptions > 0
+
+
+def test_higher_classes_preempting_lower_ones_match_transformers(tiny_model):
+    hf, loaded = tiny_model
+    engine = LLMEngine(loaded, None, EngineConfig(block_size=4, **MODES["preempt"]))
+    start_free = engine.num_free_blocks
+    batch = prompts()
+    ours = run_staggered(engine, batch, classes=True)  # the longest prompts come last, in the highest class
+    for i, p in enumerate(batch):
+        assert_same_greedy(hf, p, ours[i], hf_greedy(hf, p, NEW_TOKENS))
+    assert engine.num_free_blocks == start_free and engine.stats.num_preemptions > 0
+    engine.pool.check_integrity()
 
 
 def test_logits_within_tolerance(tiny_model):

@@ -166,6 +166,60 @@ def test_preempts_lowest_priority_first():
     assert s.waiting == [lo] and s.pool.num_free == 0
 
 
+def test_a_higher_class_arrival_preempts_lower_running_requests_to_be_admitted_at_once():
+    s = Scheduler(BlockPool(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    # 7-token prompts: two blocks each, and their first output token still fits in the second.
+    lo1, lo2, same = make("lo1", 7, priority=5, t=0), make("lo2", 7, priority=5, t=1), make("same", 4, priority=5, t=2)
+    for r in (lo1, lo2, same):
+        s.add(r)
+    assert run_step(s) == {"lo1": 7, "lo2": 7}  # same class: `same` waits its turn, preempting no one
+    assert s.pool.num_free == 0 and s.waiting == [same]
+    hi = make("hi", 4, priority=0, t=3)  # needs one block: the latest lower-class request gives up its two
+    s.add(hi)
+    out = s.schedule()
+    assert out.preempted == [lo2] and lo2.status == RequestStatus.PREEMPTED and lo2.block_ids == []
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("lo1", 1), ("hi", 4)]
+    assert s.waiting == [lo2, same]  # by class, then arrival
+    s.update(out)
+    s.pool.check_integrity()
+
+
+def test_a_higher_class_preempts_no_one_where_that_cannot_make_room():
+    s = Scheduler(BlockPool(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    mid, lo = make("mid", 7, priority=1, t=0), make("lo", 7, priority=5, t=1)
+    s.add(mid)
+    s.add(lo)
+    run_step(s)
+    hi = make("hi", 12, priority=0, t=2)  # three blocks: lo's two are not enough, but mid is of a lower class
+    s.add(hi)
+    out = s.schedule()
+    assert out.preempted == [lo, mid]  # than hi too: both go, latest of the lowest class first, and hi fits
+    assert [c.request.request_id for c in out.chunks] == ["hi"]
+    s2 = Scheduler(BlockPool(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    top, lo = make("top", 7, priority=0, t=0), make("lo", 7, priority=5, t=1)
+    s2.add(top)
+    s2.add(lo)
+    run_step(s2)
+    hi = make("hi", 12, priority=1, t=2)  # lo's two blocks cannot hold three: lo keeps running
+    s2.add(hi)
+    out = s2.schedule()
+    assert out.preempted == [] and s2.waiting == [hi] and lo.status == RequestStatus.RUNNING
+    assert [c.request.request_id for c in out.chunks] == ["top", "lo"]
+
+
+def test_a_higher_class_takes_a_seat_from_a_lower_one():
+    s = Scheduler(BlockPool(16), block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    a, b = make("a", 4, priority=3, t=0), make("b", 4, priority=3, t=1)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    hi = make("hi", 4, priority=0, t=2)
+    s.add(hi)
+    out = s.schedule()
+    assert out.preempted == [b] and {c.request.request_id for c in out.chunks} == {"a", "hi"}
+    assert len(s.running) == 2
+
+
 def test_request_preempts_itself_when_it_is_the_lowest():
     s = Scheduler(BlockPool(2), block_size=2, max_num_seqs=8, max_num_batched_tokens=64)
     a, b = make("a", 2, t=0), make("b", 2, t=1)
@@ -392,9 +446,9 @@ def test_random_workload_with_handoffs_keeps_invariants():
 NS = CacheNamespace("model", "tokenizer", "float32", "test-layout", block_size=4)
 
 
-def cached(rid: str, tokens: list[int], t: float = 0.0, salt: str | None = None) -> Request:
+def cached(rid: str, tokens: list[int], t: float = 0.0, salt: str | None = None, priority: int = 0) -> Request:
     """A request that takes part in the prefix cache: it carries its hash chain."""
-    return Request(rid, list(tokens), SamplingParams(max_tokens=100), arrival_time=t,
+    return Request(rid, list(tokens), SamplingParams(max_tokens=100), arrival_time=t, priority=priority,
                    hasher=ChainHasher(NS, HashKeys(salt)))
 
 
@@ -650,7 +704,8 @@ def test_random_workload_with_shared_prefixes_computes_the_right_kv():
             break
         for k in range(rng.choice([0, 0, 0, 1, 1, 2]) if step < 500 else 0):  # sometimes two at once
             tokens = rng.choice(stems)[: rng.randint(1, 12)] + [rng.randrange(1, 50) for _ in range(rng.randint(0, 6))]
-            r = cached(f"r{step}.{k}", tokens, t=step, salt=rng.choice([None, None, "x"]))
+            r = cached(f"r{step}.{k}", tokens, t=step, salt=rng.choice([None, None, "x"]),
+                       priority=rng.choice([0, 0, 1]))  # two classes: arrivals of the higher one preempt
             s.add(r)
             live.append(r)
         out = s.schedule()
