@@ -23,7 +23,7 @@ A prefix judged slower to fetch than to compute is computed; every `probe_every`
 anyway (to that same deadline), so an estimate that went stale — a disk busy for a while — is measured again.
 
 `always=True` (a worker's `fetch_policy = "always"`) fetches every hit, to the longest deadline, as a cache that
-always loads a hit does: the baseline the plan is measured against (bench/bench_replay.py --sweep).
+always loads a hit does: the baseline the plan is measured against (bench/replay_sweep.py).
 """
 
 from __future__ import annotations

@@ -659,17 +659,6 @@ class CacheStoreAck:
     reason: str = ""
 
 
-@message(0x48)
-class CachePrefetch:
-    """Worker → cache daemon, no reply: these blocks will be fetched soon (their job waits in the worker's
-    stage); read the disk-held ones of the leading run into DRAM now, so the fetch costs no disk time. Best
-    effort: past the daemon's prefetch limit it is dropped (counted), and a namespace not its own is refused."""
-
-    request_id: str
-    block_hashes: list[bytes]
-    namespace: str = ""
-
-
 @message(0x46)
 class KvEvents:
     """Worker or cache daemon → router: blocks that became present in, or left, one of the publisher's
@@ -691,6 +680,17 @@ class KvResync:
     """Router → publisher: your events had a gap (or I restarted); send a snapshot of every tier."""
 
     reason: str = ""
+
+
+@message(0x48)
+class CachePrefetch:
+    """Worker → cache daemon, no reply: these blocks will be fetched soon (their job waits in the worker's
+    stage); read the disk-held ones of the leading run into DRAM now, so the fetch costs no disk time. Best
+    effort: past the daemon's prefetch limit it is dropped (counted), and a namespace not its own is refused."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    namespace: str = ""
 
 
 # --- expert parallelism 0x50–0x5F ----------------------------------------------------------------------------

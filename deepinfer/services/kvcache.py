@@ -257,8 +257,8 @@ class KvCacheService(Service):
         hashes = _valid_hashes(req.block_hashes)[: m.MAX_FETCH_BLOCKS]
         tiers = self.store.lookup(hashes)
         run = next((i for i, t in enumerate(tiers) if not t), len(tiers))  # the leading run: what a fetch reads
-        if DISK in tiers[:run] and not self.prefetches.try_spawn(self._prefetch, hashes[:run]):
-            self._log_overload()
+        if DISK in tiers[:run]:  # past the limit it is dropped, counted in prefetches.refused: not worth a warning
+            self.prefetches.try_spawn(self._prefetch, hashes[:run])
 
     async def _prefetch(self, hashes: list[bytes]) -> None:
         self.progress += 1
