@@ -51,7 +51,8 @@ from deepinfer.loading.fetch import resolve_model
 from deepinfer.loading.identity import model_config_at
 
 ARMS = ("full", "cache off", "always fetch", "always remote", "no admission")
-UNLIMITED = {"max_queue_wait_s": None}  # router options: no shedding by the backlog's predicted wait
+# Router options: no shedding by the backlog's predicted wait (a topology file cannot say None, TOML has no null).
+UNLIMITED = {"max_queue_wait_s": 1e9}
 
 
 def arms_for(slo_s: float, local_prefill: int) -> dict[str, Arm]:

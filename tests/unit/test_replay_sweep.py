@@ -65,4 +65,4 @@ def test_each_arm_differs_from_the_full_policy_in_one_thing() -> None:
     assert arms["always fetch"].worker_options == {"fetch_policy": "always"}
     assert arms["always remote"].router_options["local_prefill_max_tokens"] == 0
     assert "default_ttft_slo_s" not in arms["no admission"].router_options
-    assert arms["no admission"].router_options["max_queue_wait_s"] is None
+    assert arms["no admission"].router_options["max_queue_wait_s"] >= 1e9  # never, in practice
