@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     all_arms = arms_for(args.slo_s, args.local_prefill)
     reusable = workload["reusable_kv_blocks"]
     r: dict[str, Any] = {"mode": "sweep", "model": str(path), "model_name": Path(path).stem, "workload": workload,
-                         "slo_s": args.slo_s, "local_prefill": args.local_prefill, "points": {}, "rows": {}}
+                         "slo_s": args.slo_s, "local_prefill": args.local_prefill, "points": {}, "rows": {},
+                         "env": {"python": platform.python_version(), "machine": platform.machine(),
+                                 "cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
     if args.capacity is not None:
         r["capacity_req_s"], r["capacity_source"] = args.capacity, "given"
     else:
