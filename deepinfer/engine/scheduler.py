@@ -244,9 +244,7 @@ class Scheduler:
                 out.prefix_waits += 1
                 j += 1
                 continue
-            computed = req.num_computed_tokens + len(hit) * self.block_size
-            n = min(req.num_tokens - computed, budget, _chunk_cap(req))
-            need = self._blocks_for(computed + n) - len(req.block_ids) - len(hit)
+            n, need = self._first_chunk(req, len(hit), budget)
             # Hit blocks that are free now stop being free once taken.
             if need + sum(self.pool.ref_cnt(b) == 0 for b in hit) > self.pool.num_free:
                 break
@@ -288,7 +286,7 @@ class Scheduler:
         hit = self._cached_prefix(head)
         if self._next_block_computing(head, len(hit), self._computing_now() if self.enable_prefix_caching else set()):
             return  # it waits for a prefix a running request computes, not for memory
-        need = self._first_chunk_blocks(head, len(hit), self.max_num_batched_tokens)
+        _, need = self._first_chunk(head, len(hit), self.max_num_batched_tokens)
 
         def short() -> bool:  # as admission judges it: hit blocks that are free now count as taken
             free_hits = sum(self.pool.ref_cnt(b) == 0 for b in hit)
@@ -307,12 +305,12 @@ class Scheduler:
             self._preempt(victim)
             out.preempted.append(victim)
 
-    def _first_chunk_blocks(self, req: Request, num_hit: int, budget: int) -> int:
-        """Blocks a waiting request's admission allocates beyond its `num_hit` cached ones, for a chunk within
-        `budget` tokens."""
+    def _first_chunk(self, req: Request, num_hit: int, budget: int) -> tuple[int, int]:
+        """A waiting request's first chunk within `budget` tokens after its `num_hit` cached blocks: its tokens,
+        and the blocks its admission allocates beyond the cached ones."""
         computed = req.num_computed_tokens + num_hit * self.block_size
         n = min(req.num_tokens - computed, budget, _chunk_cap(req))
-        return self._blocks_for(computed + n) - len(req.block_ids) - num_hit
+        return n, self._blocks_for(computed + n) - len(req.block_ids) - num_hit
 
     # -- prefix cache -----------------------------------------------------------------------
 
