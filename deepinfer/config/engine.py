@@ -18,6 +18,7 @@ from deepinfer.config.model import ConfigError
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
 DEFAULT_KV_CACHE_MB = 512  # a worker's device KV pool
+DEFAULT_SWAP_SPACE_MB = 256  # host memory a worker may copy preempted requests' KV into (engine/preemption.py)
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -105,6 +106,8 @@ class EngineConfig:
     # Bytes of KV cache to preallocate; `num_kv_blocks` overrides it when set.
     kv_cache_bytes: int = DEFAULT_KV_CACHE_MB * 1024 * 1024
     num_kv_blocks: int | None = None
+    # Host memory for preempted requests' KV, swapped out where that is cheaper than recomputing it; 0: recompute.
+    swap_space_bytes: int = DEFAULT_SWAP_SPACE_MB * 1024 * 1024
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # Context limit; None means the model's max_position_embeddings.
@@ -152,6 +155,8 @@ class EngineConfig:
         object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_name(self.kv_cache_dtype))  # the canonical name
         if self.block_size <= 0:
             raise ConfigError("block_size must be positive")
+        if self.swap_space_bytes < 0:
+            raise ConfigError(f"swap_space_bytes must not be negative, got {self.swap_space_bytes}")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
         if not MIN_SPECULATIVE_TOKENS <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

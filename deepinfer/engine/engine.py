@@ -52,6 +52,7 @@ from deepinfer.engine.ep.placement import ExpertPlacement
 from deepinfer.engine.handoff import Reservations
 from deepinfer.engine.model_runner import ModelRunner, PromptRows, num_blocks_for_budget
 from deepinfer.engine.models import build_model
+from deepinfer.engine.preemption import SwapPolicy
 from deepinfer.engine.prefix_cache import DevicePrefixCache
 from deepinfer.engine.request import (
     FinishReason,
@@ -80,6 +81,11 @@ class EngineStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    # Preemptions that swapped the victim's KV to host memory (the rest recompute it), and the blocks copied
+    # out and back (preemption.py).
+    num_swapped_preemptions: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
     tokens_computed: int = 0  # every token through the model, recomputation after preemption included
     tokens_generated: int = 0
     handoffs_out: int = 0  # prefill-only requests held for export
@@ -130,11 +136,15 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
         model = build_model(self.model_config, loaded.state_dict, self.max_model_len, self.config.device)
         self._init_expert_parallel(model, loaded, ep_group, ep_placement)
         self.pool = BlockPool(num_blocks)
+        swap_blocks = self.config.swap_space_bytes // self.kv_spec.block_nbytes
+        self.swap_policy = SwapPolicy(swap_blocks) if swap_blocks else None
         self.scheduler = Scheduler(
             self.pool, self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-            enable_prefix_caching=self.config.enable_prefix_caching,
+            enable_prefix_caching=self.config.enable_prefix_caching, swap=self.swap_policy,
         )
         self.runner = ModelRunner(model, self.config, self.kv_spec, num_blocks)
+        if self.swap_policy is not None:
+            self._seed_copy_rate()
         self.cache_namespace: CacheNamespace = cache_namespace(
             loaded.source, self.kv_spec, tokenizer.fingerprint if tokenizer else "none"
         )
@@ -271,11 +281,15 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
             return outputs
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(sched.preempted)
+        if sched.preempted:
+            self._log_preemptions(sched)
         self.stats.prefix_lookups += sched.prefix_lookups
         self.stats.prefix_query_tokens += sched.prefix_query_tokens
         self.stats.prefix_hit_tokens += sched.prefix_hit_tokens
         self.stats.prefix_waits += sched.prefix_waits
         try:
+            if sched.swap_out or sched.swap_in:
+                self._swap(sched)
             if spec is not None:
                 spec.draft(sched)
             started = time.perf_counter()
@@ -285,8 +299,11 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
                 for part in prompt_rows:
                     self._collect_prompt_logprobs(part)
                 results = verify(self.sampler, logits, [self._verify_group(c) for c in sampled])
+            elapsed = time.perf_counter() - started
             if spec is not None:
-                spec.record_step(sched.num_batched_tokens, time.perf_counter() - started)
+                spec.record_step(sched.num_batched_tokens, elapsed)
+            if self.swap_policy is not None:
+                self.swap_policy.record_step(sched.num_batched_tokens, elapsed)
         except Exception as exc:  # a failed step fails its requests, never the engine
             failed = [c.request.request_id for c in sched.chunks]
             if isinstance(exc, ExpertParallelError):
@@ -317,6 +334,43 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
                 self._hold(req)
             outputs.append(self._output(req, new_tokens))
         return outputs
+
+    def _swap(self, sched: SchedulerOutput) -> None:
+        """Carry out the step's swaps (scheduler.py): every copy out before any copy back, all before the forward
+        that may overwrite the blocks just freed. Times them for the swap policy's copy rate."""
+        kv, started, blocks = self.runner.kv, time.perf_counter(), 0
+        for out in sched.swap_out:
+            ids = torch.tensor(out.block_ids, dtype=torch.int64, device=kv.device)
+            out.request.swapped_kv = kv.index_select(0, ids).to("cpu")
+            blocks += len(out.block_ids)
+            self.stats.swap_out_blocks += len(out.block_ids)
+        self.stats.num_swapped_preemptions += len(sched.swap_out)
+        for back in sched.swap_in:
+            copy, back.request.swapped_kv = back.request.swapped_kv, None
+            if back.block_ids:
+                ids = torch.tensor(back.block_ids, dtype=torch.int64, device=kv.device)
+                kv.index_copy_(0, ids, copy[back.first_block : back.first_block + len(ids)].to(kv.device))
+                blocks += len(ids)
+                self.stats.swap_in_blocks += len(ids)
+        self.swap_policy.record_copy(blocks, time.perf_counter() - started)
+
+    def _seed_copy_rate(self) -> None:
+        """Time one copy of a few (still unused) blocks out and back, so the first preemption has a copy rate."""
+        kv = self.runner.kv
+        ids = torch.arange(min(4, kv.shape[0]), dtype=torch.int64, device=kv.device)
+        started = time.perf_counter()
+        kv.index_copy_(0, ids, kv.index_select(0, ids).to("cpu").to(kv.device))
+        self.swap_policy.record_copy(2 * len(ids), time.perf_counter() - started)
+
+    def _log_preemptions(self, sched: SchedulerOutput) -> None:
+        decisions = sched.preempt_decisions or [None] * len(sched.preempted)
+        for req, d in zip(sched.preempted, decisions, strict=True):
+            if d is None:
+                log.debug("preempted", request_id=req.request_id, priority=req.priority, mode="recompute")
+            else:
+                log.debug("preempted", request_id=req.request_id, priority=req.priority, mode=d.choice,
+                          tokens=d.num_tokens, blocks=d.num_blocks, predicted_swap_s=round(d.swap_s, 6),
+                          predicted_recompute_s=round(d.recompute_s, 6))
 
     def _forward(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
         """The step's one forward. Under expert parallelism any failure in it is the group's: the other

@@ -8,6 +8,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer.cache.hashing import BlockHash, ChainHasher
 
@@ -26,7 +27,7 @@ class FinishReason(str, enum.Enum):
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"  # back in the waiting queue, will recompute its KV
+    PREEMPTED = "preempted"  # back in the waiting queue; recomputes its KV, or copies it back (swapped out)
     # A prefill-only request that sampled its first token: out of the queues, its prompt's blocks
     # kept for export until released. FINISHED with finish_reason None once released.
     HELD = "held"
@@ -179,6 +180,10 @@ class Request:
     # to duplicate a block cached before); reset with `block_ids`.
     num_registered_blocks: int = 0
     num_preemptions: int = 0
+    # Swapped out at its last preemption (scheduler.py, preemption.py): its first `swapped_tokens` tokens' KV is
+    # in `swapped_kv`, the engine's host copy of its blocks [n, *block_shape]; 0 and None otherwise.
+    swapped_tokens: int = 0
+    swapped_kv: Any = None
     # Stop after the first token and hand the prompt's KV to a decode engine (see LLMEngine.add_request).
     prefill_only: bool = False
     # The tenant's cache salt: also scopes what a cross-request guesser may propose to it.

@@ -20,7 +20,12 @@ Policy:
   (never preempt for nothing), and never for a request of the same class (within a class, arrival order
   rules and nothing is preempted to admit). A preempted request's full blocks stay named in the pool until
   reused, so it takes them back as a prefix hit when it is admitted again: what it recomputes is only what
-  was reused meanwhile.
+  was reused meanwhile;
+* swap or recompute (with a `SwapPolicy`, preemption.py): a victim the policy swaps has its computed blocks
+  listed in `swap_out` (the engine copies them to host memory before the step's forward, so before any of them
+  is reused) and keeps `swapped_tokens`. At re-admission it takes its cached prefix as any request does, and
+  the blocks of its copy past that prefix come back through `swap_in` (copied after every `swap_out` of the
+  step) instead of being recomputed; its space is released then, or when it ends while swapped out.
 
 Prefix caching (when enabled, for requests that carry a hash chain):
 * admission without blocks (first admission, or re-admission after preemption) first takes the
@@ -66,6 +71,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.hashing import BlockHash
+from deepinfer.engine.preemption import SWAP, Decision, SwapPolicy
 from deepinfer.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -93,10 +99,32 @@ class ScheduledChunk:
         return self.request.num_computed_tokens + self.num_new_tokens - self.num_spec == self.request.num_tokens
 
 
+@dataclass(frozen=True)
+class SwapOut:
+    """Copy `block_ids` (the request's blocks holding its `swapped_tokens` computed tokens) to host memory."""
+
+    request: Request
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Copy blocks `first_block`.. of the request's host copy into `block_ids` (none: the cached prefix covered
+    the copy), then drop the copy."""
+
+    request: Request
+    block_ids: list[int]
+    first_block: int
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Swaps the engine carries out before the forward, every swap_out before any swap_in (see the policy above).
+    swap_out: list[SwapOut] = field(default_factory=list)
+    swap_in: list[SwapIn] = field(default_factory=list)
+    preempt_decisions: list[Decision] = field(default_factory=list)  # one per preempted request, with a policy
     # Prefix-cache lookups of the requests admitted this step: how many, their tokens, the tokens hit.
     prefix_lookups: int = 0
     prefix_query_tokens: int = 0
@@ -125,9 +153,10 @@ def _chunk_cap(req: Request) -> int:
 class Scheduler:
     def __init__(
         self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: bool = True, swap: SwapPolicy | None = None,
     ) -> None:
         self.pool = pool
+        self.swap = swap  # None: every victim recomputes
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -203,6 +232,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             del self.requests[request.request_id]
+        self._drop_swap(request)
         self._release_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -252,6 +282,8 @@ class Scheduler:
                 self._take_hit(req, hit, out)
             before = len(req.block_ids)
             req.block_ids.extend(self.pool.allocate(need))
+            if req.swapped_tokens:
+                self._swap_in(req, len(hit), out)
             self.waiting.pop(j)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=Request.sort_key)
@@ -302,13 +334,12 @@ class Scheduler:
         for victim in victims:
             if not short():
                 break
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, out)
 
     def _first_chunk(self, req: Request, num_hit: int, budget: int) -> tuple[int, int]:
         """A waiting request's first chunk within `budget` tokens after its `num_hit` cached blocks: its tokens,
         and the blocks its admission allocates beyond the cached ones."""
-        computed = req.num_computed_tokens + num_hit * self.block_size
+        computed = max(req.num_computed_tokens + num_hit * self.block_size, req.swapped_tokens)
         n = min(req.num_tokens - computed, budget, _chunk_cap(req))
         return n, self._blocks_for(computed + n) - len(req.block_ids) - num_hit
 
@@ -364,8 +395,8 @@ class Scheduler:
         a running request. Only for a request that would take a hit (see `_cached_prefix`)."""
         if not computing or not self._caches(req) or req.block_ids or req.wants_prompt_logprobs:
             return False
-        if num_hit >= (req.num_tokens - 1) // self.block_size:
-            return False  # nothing of its own to compute that could be shared
+        if num_hit >= (req.num_tokens - 1) // self.block_size or req.swapped_tokens > num_hit * self.block_size:
+            return False  # nothing of its own to compute that could be shared, or its next block is in its copy
         return req.block_hashes(num_hit + 1)[num_hit] in computing
 
     def _register_full_blocks(self, req: Request) -> None:
@@ -395,21 +426,46 @@ class Scheduler:
         need = self._blocks_for(num_tokens) - len(req.block_ids)
         while need > self.pool.num_free:
             victim = self.running[-1]
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, out)
             if victim is req:
                 return False
         if need > 0:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        out.preempted.append(req)
+        if self.swap is not None:
+            num_blocks = self._blocks_for(req.num_computed_tokens)
+            decision = self.swap.choose(req.num_computed_tokens, num_blocks)
+            out.preempt_decisions.append(decision)
+            if decision.choice == SWAP:
+                out.swap_out.append(SwapOut(req, req.block_ids[:num_blocks]))
+                req.swapped_tokens = req.num_computed_tokens
         self._release_blocks(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def _swap_in(self, req: Request, num_hit: int, out: SchedulerOutput) -> None:
+        """At re-admission of a swapped-out request holding its hit blocks and the new ones: bring back the blocks
+        of its copy past the hit and count its tokens computed."""
+        copied = self._blocks_for(req.swapped_tokens)
+        back = req.block_ids[num_hit:copied]
+        out.swap_in.append(SwapIn(req, back, num_hit))
+        self.swap.swapped_in_blocks += len(back)
+        req.num_computed_tokens = max(req.num_computed_tokens, req.swapped_tokens)
+        self.swap.release(copied)
+        req.swapped_tokens = 0
+
+    def _drop_swap(self, req: Request) -> None:
+        """A request ending while swapped out gives its space back and drops its copy."""
+        if req.swapped_tokens:
+            self.swap.release(self._blocks_for(req.swapped_tokens))
+            req.swapped_tokens = 0
+            req.swapped_kv = None
 
     def _release_blocks(self, req: Request) -> None:
         # Named blocks keep their names in the free queue: they stay cached until reused.

@@ -43,6 +43,7 @@ def engine_config(w: WorkerSpec, block_size: int = DEFAULT_BLOCK_SIZE, rank: int
     if w.ep > 1:
         threads = max(1, (threads or os.cpu_count() or 1) // w.ep)
     return EngineConfig(block_size=block_size, kv_cache_bytes=w.kv_cache_mb * 1024 * 1024,
+                        swap_space_bytes=w.swap_space_mb * 1024 * 1024,
                         max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
                         device=w.rank_device(rank), num_threads=threads, enable_prefix_caching=w.prefix_caching,
                         speculative=w.speculative, num_speculative_tokens=w.num_speculative_tokens,

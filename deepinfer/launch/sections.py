@@ -19,6 +19,7 @@ from deepinfer.config.engine import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_SWAP_SPACE_MB,
     DEFAULT_WEIGHTS,
     MAX_SPECULATIVE_TOKENS,
     MIN_SPECULATIVE_TOKENS,
@@ -75,6 +76,8 @@ class WorkerSpec:
     device: str = DEFAULT_DEVICE
     threads: int | None = None
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
+    # Host memory for preempted requests' KV, swapped out where that is cheaper than recomputing it; 0: recompute.
+    swap_space_mb: int = DEFAULT_SWAP_SPACE_MB
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     kvcache: str | None = None  # name of the cache daemon this worker reads from and writes to
@@ -139,13 +142,16 @@ class WorkerSpec:
         return None
 
     def stream_problem(self) -> str | None:
-        """What is wrong with this worker's `stream_interval_ms`, `lookup_ahead_steps` or `fetch_policy`, or None."""
+        """What is wrong with this worker's `stream_interval_ms`, `lookup_ahead_steps`, `fetch_policy` or
+        `swap_space_mb`, or None."""
         if not 0 <= self.stream_interval_ms <= 10_000:
             return f"stream_interval_ms = {self.stream_interval_ms!r}: must be a number of milliseconds in [0, 10000]"
         if not 0 <= self.lookup_ahead_steps <= 64:
             return f"lookup_ahead_steps = {self.lookup_ahead_steps!r}: must be an integer in [0, 64]"
         if self.fetch_policy not in FETCH_POLICIES:
             return f"fetch_policy = {self.fetch_policy!r}: must be one of {', '.join(map(repr, FETCH_POLICIES))}"
+        if self.swap_space_mb < 0:
+            return f"swap_space_mb = {self.swap_space_mb!r}: must not be negative (0: preempted requests recompute)"
         return None
 
     def speculation_problem(self) -> str | None:

@@ -38,6 +38,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
                                           #   kept this many steps deep (0: as the job arrives)
     fetch_policy = "plan"                 # with a kvcache: load a hit only where faster than computing it
                                           #   ("always": load every hit)
+    swap_space_mb = 256                   # host memory for preempted requests' KV where a copy beats recomputing
+                                          #   it (0: always recompute)
     [[kvcache]]
     name = "kvcache-0"
     endpoint = "tcp://10.0.0.2:5580"      # workers on its host connect here

@@ -127,7 +127,11 @@ KV_BLOCKS_FREE = Gauge("deepinfer_kv_blocks_free", "KV blocks of the device pool
                        multiprocess_mode="livesum")
 KV_CACHE_USAGE = Gauge("deepinfer_kv_cache_usage_perc", "Share of the device KV pool in use (1 = full).", WHO,
                        multiprocess_mode="livemax")
-NUM_PREEMPTIONS = Counter("deepinfer_num_preemptions", "Sequences preempted (their KV recomputed later).", WHO)
+NUM_PREEMPTIONS = Counter("deepinfer_num_preemptions", "Sequences preempted (their KV swapped out or recomputed).",
+                          WHO)
+NUM_SWAPPED_PREEMPTIONS = Counter("deepinfer_num_swapped_preemptions",
+                                  "Preemptions that copied the KV to host memory, predicted cheaper than recomputing.",
+                                  WHO)
 STEP_DURATION = Histogram("deepinfer_worker_step_duration_seconds", "Wall time of one engine step.", WHO,
                           buckets=STEP_BUCKETS)
 STEP_BATCH_SIZE = Histogram("deepinfer_worker_step_batch_size", "Requests given new tokens by one engine step.",
@@ -138,7 +142,8 @@ SPEC_DRAFT_TOKENS = Counter("deepinfer_spec_decode_num_draft_tokens", "Draft tok
 SPEC_ACCEPTED_TOKENS = Counter("deepinfer_spec_decode_num_accepted_tokens", "Draft tokens accepted.", WHO)
 KV_TRANSFER_BYTES = Counter(
     "deepinfer_kv_transfer_bytes",
-    "KV bytes moved: handoff_send / handoff_recv (prefill to decode), cache_fetch / cache_store (cache daemon).",
+    "KV bytes moved: handoff_send / handoff_recv (prefill to decode), cache_fetch / cache_store (cache daemon), "
+    "swap_out / swap_in (preempted requests to host memory and back).",
     (*WHO, "path"))
 KV_TRANSFER_SECONDS = Histogram(
     "deepinfer_kv_transfer_seconds",

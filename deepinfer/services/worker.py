@@ -223,10 +223,14 @@ class WorkerService(Service):
         if self.worker_export is not None:
             cache = self.cache.stats if self.cache is not None else None
             nbytes = self.engine.kv_spec.block_nbytes
-            self.worker_export.totals(self.engine.stats.num_preemptions,
+            stats = self.engine.stats
+            self.worker_export.totals(stats.num_preemptions,
                                       cache.fetched_blocks * nbytes if cache else 0,
                                       cache.stored_blocks * nbytes if cache else 0,
-                                      self.cache.planner.decisions if self.cache is not None else None)
+                                      self.cache.planner.decisions if self.cache is not None else None,
+                                      swapped_preemptions=stats.num_swapped_preemptions,
+                                      swap_out_bytes=stats.swap_out_blocks * nbytes,
+                                      swap_in_bytes=stats.swap_in_blocks * nbytes)
 
     def idle(self) -> bool:
         e = self.engine

@@ -169,6 +169,7 @@ def run_staggered(e, batch: list[list[int]], params, stagger: bool = True) -> li
 
 
 def assert_whole(e) -> None:  # type: ignore[no-untyped-def]
-    """Nothing running and every KV block back in the pool, the pool's books consistent."""
+    """Nothing running, every KV block back in the pool and no swapped copy left, the pool's books consistent."""
     assert not e.has_unfinished() and e.num_free_blocks == e.pool.num_blocks
+    assert e.swap_policy is None or e.swap_policy.used_blocks == 0
     e.pool.check_integrity()

@@ -105,7 +105,7 @@ def test_greedy_matches_transformers(tiny_model, mode):  # type: ignore[no-untyp
         assert_same_greedy(hf, p, ours[i], hf_greedy(hf, p, NEW_TOKENS))
     assert engine.num_free_blocks == engine.pool.num_blocks
     engine.pool.check_integrity()
-    if mode == "preempt":
+    if mode.startswith("preempt"):
         assert engine.stats.num_preemptions > 0
 
 

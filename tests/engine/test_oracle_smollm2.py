@@ -49,8 +49,8 @@ def test_greedy_matches_transformers(smollm2, mode):
     for i, p in enumerate(prompts):
         assert_same_greedy(hf, p, ours[i], refs[i])
     assert engine.num_free_blocks == free
-    if mode == "preempt":
-        assert engine.stats.num_preemptions > 0
+    if mode == "preempt":  # victims swapped to host memory and back (the default where a copy is cheaper)
+        assert engine.stats.num_preemptions > 0 and engine.stats.swap_in_blocks > 0
 
 
 def test_logits_within_tolerance(smollm2):

@@ -2,7 +2,8 @@
 
 Greedy outputs of 32 tokens for 9 prompts of different lengths, submitted at different times, must
 equal transformers' token for token (up to an oracle near-tie), with ample memory, with chunked
-prefill forced by a small token budget, and with preemption forced by a tiny KV pool.
+prefill forced by a small token budget, and with preemption forced by a tiny KV pool (victims swapped to host
+memory and back, or recomputed).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ VARIANTS = {
 MODES = {
     "ample": dict(num_kv_blocks=256, max_num_batched_tokens=512),
     "chunked": dict(num_kv_blocks=256, max_num_batched_tokens=24),
-    # 9 sequences of up to ~100 tokens in 40 blocks of 4: preemption is certain.
+    # 9 sequences of up to ~100 tokens in 40 blocks of 4: preemption is certain. Victims swap to host memory
+    # where that is predicted cheaper (the default), or always recompute (no swap space).
     "preempt": dict(num_kv_blocks=40, max_num_batched_tokens=512),
+    "preempt-recompute": dict(num_kv_blocks=40, max_num_batched_tokens=512, swap_space_bytes=0),
 }
 
 
@@ -106,8 +109,11 @@ def test_greedy_matches_transformers(tiny_model, mode):
         assert_same_greedy(hf, p, ours[i], hf_greedy(hf, p, NEW_TOKENS))
     assert engine.num_free_blocks == start_free
     engine.pool.check_integrity()
-    if mode == "preempt":
+    if mode.startswith("preempt"):
         assert engine.stats.num_preemptions > 0
+        swapped = engine.stats.num_swapped_preemptions
+        assert swapped > 0 if mode == "preempt" else swapped == 0
+        assert engine.stats.swap_in_blocks > 0 if mode == "preempt" else engine.swap_policy is None
 
 
 def test_higher_classes_preempting_lower_ones_match_transformers(tiny_model):

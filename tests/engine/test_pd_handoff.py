@@ -72,6 +72,7 @@ def assert_whole(*engines: LLMEngine) -> None:
     for e in engines:
         assert not e.has_unfinished() and e.num_held == 0 and len(e.reservations) == 0
         assert e.num_free_blocks == e.pool.num_blocks
+        assert e.swap_policy is None or e.swap_policy.used_blocks == 0
         e.pool.check_integrity()
 
 

@@ -159,7 +159,8 @@ def test_worker_steps_transfers_and_cache_tiers():
     w.handoff_acked("never-sent")  # no observation
     w.handoff_received(100)
     w.totals(preemptions=2, fetched_bytes=0, stored_bytes=512)
-    w.totals(preemptions=3, fetched_bytes=0, stored_bytes=512)
+    w.totals(preemptions=3, fetched_bytes=0, stored_bytes=512, swapped_preemptions=2, swap_out_bytes=64,
+             swap_in_bytes=32)
     c = CacheExport("kvcache", "c-tiers")
     c.stats({"host_blocks": 4, "host_bytes": 400, "host_capacity_bytes": 1000, "host_evictions": 2, "host_hits": 5,
              "host_misses": 1, "disk_blocks": 9, "disk_evictions": 1, "pending_writes": 3})
@@ -176,6 +177,9 @@ def test_worker_steps_transfers_and_cache_tiers():
     assert value(body, "deepinfer_kv_transfer_bytes_total", **w_who, path="cache_store") == 512
     assert value(body, "deepinfer_kv_transfer_seconds_count", **w_who, path="handoff_send") == 1
     assert value(body, "deepinfer_num_preemptions_total", **w_who) == 3
+    assert value(body, "deepinfer_num_swapped_preemptions_total", **w_who) == 2
+    assert value(body, "deepinfer_kv_transfer_bytes_total", **w_who, path="swap_out") == 64
+    assert value(body, "deepinfer_kv_transfer_bytes_total", **w_who, path="swap_in") == 32
     assert value(body, "deepinfer_cache_tier_blocks", **c_who, tier="host") == 2
     assert value(body, "deepinfer_cache_tier_blocks", **c_who, tier="disk") == 9
     assert value(body, "deepinfer_cache_evictions_total", **c_who, tier="host") == 7

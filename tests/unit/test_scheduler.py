@@ -8,6 +8,7 @@ import pytest
 
 from deepinfer.cache.block_pool import BlockPool, NoFreeBlocksError
 from deepinfer.cache.hashing import CacheNamespace, ChainHasher, HashKeys, hash_blocks
+from deepinfer.engine.preemption import SwapPolicy
 from deepinfer.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 
@@ -686,19 +687,22 @@ def test_handed_off_request_names_its_prompt_blocks():
     assert s.pool.lookup(chain(list(range(1, 13)))) == [0, 1]
 
 
-def test_random_workload_with_shared_prefixes_computes_the_right_kv():
+@pytest.mark.parametrize("swap_blocks", [0, 6], ids=["recompute", "swap"])
+def test_random_workload_with_shared_prefixes_computes_the_right_kv(swap_blocks: int):
     """A fake model writes each position's token into its KV slot; every chunk checks that the KV it
-    attends to (positions before it, hit or computed) is exactly its own prefix, and that it only
-    writes into blocks nobody else holds and nobody can find by hash."""
+    attends to (positions before it, hit, swapped back or computed) is exactly its own prefix, and that it
+    only writes into blocks nobody else holds and nobody can find by hash. With a swap space of 6 blocks
+    (rates unmeasured: a victim swaps whenever its blocks fit), swaps copy the fake KV out and back."""
     rng = random.Random(2)
     bs = 4
     pool = BlockPool(14)
-    s = Scheduler(pool, block_size=bs, max_num_seqs=4, max_num_batched_tokens=10)
+    policy = SwapPolicy(swap_blocks) if swap_blocks else None
+    s = Scheduler(pool, block_size=bs, max_num_seqs=4, max_num_batched_tokens=10, swap=policy)
     kv: dict[int, list[int | None]] = {b: [None] * bs for b in range(14)}
     stems = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
     live: list[Request] = []
     block_of_hash: dict[bytes, list[int]] = {}  # every chain hash seen -> the block's tokens
-    hit_tokens = preemptions = waits = 0
+    hit_tokens = preemptions = waits = swapped_in = 0
     for step in range(1000):  # arrivals and aborts for 500 steps, then every live request runs to its end
         if step >= 500 and not live:
             break
@@ -711,6 +715,14 @@ def test_random_workload_with_shared_prefixes_computes_the_right_kv():
         out = s.schedule()
         hit_tokens += out.prefix_hit_tokens
         waits += out.prefix_waits
+        for gone in out.swap_out:  # every copy out before any copy back, as the engine does
+            gone.request.swapped_kv = [list(kv[b]) for b in gone.block_ids]
+        for back in out.swap_in:
+            for b, data in zip(back.block_ids, back.request.swapped_kv[back.first_block:], strict=False):
+                assert pool.ref_cnt(b) == 1 and pool.name_of(b) is None, (back.request.request_id, b)
+                kv[b] = list(data)
+            back.request.swapped_kv = None
+            swapped_in += len(back.block_ids)
         for c in out.chunks:
             req, toks = c.request, c.request.all_token_ids
             for p in range(c.start):
@@ -745,6 +757,9 @@ def test_random_workload_with_shared_prefixes_computes_the_right_kv():
     assert hit_tokens > 0 and preemptions > 0 and waits > 0
     assert not live  # no request waited forever (for a prefix, for blocks) once arrivals stopped
     assert pool.num_free == 14
+    if policy is not None:  # both fates happened, and every swap's space came back (copied in, or dropped)
+        assert policy.decisions["swap"] > 0 and policy.decisions["recompute"] > 0 and swapped_in > 0
+        assert policy.used_blocks == 0
     pool.check_integrity()
 
 

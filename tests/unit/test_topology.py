@@ -174,6 +174,18 @@ def test_fetch_policy_reads_back_and_is_checked(tmp_path):
         load(tmp_path, MINIMAL + 'fetch_policy = "sometimes"\n')
 
 
+def test_swap_space_reads_back_reaches_the_engine_and_is_checked(tmp_path):
+    from deepinfer.launch.mesh import engine_config
+
+    assert load(tmp_path, MINIMAL).workers[0].swap_space_mb == 256  # the default
+    topo = load(tmp_path, MINIMAL + "swap_space_mb = 0\n")  # preempted requests always recompute
+    assert topo.workers[0].swap_space_mb == 0 and load(tmp_path, topo.to_toml()) == topo
+    assert engine_config(topo.workers[0]).swap_space_bytes == 0
+    assert engine_config(load(tmp_path, MINIMAL + "swap_space_mb = 3\n").workers[0]).swap_space_bytes == 3 << 20
+    with pytest.raises(TopologyError, match="swap_space_mb = -1: must not be negative"):
+        load(tmp_path, MINIMAL + "swap_space_mb = -1\n")
+
+
 # -- every table checked when read ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, match", [
@@ -269,7 +281,7 @@ def every_field(tmp_path: Path) -> Topology:
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
                                   ep=2, ep_master="10.0.0.3:29500", ep_timeout_s=42.0, redundant_experts=3,
                                   weights="q8_0", stream_interval_ms=12.5, lookup_ahead_steps=5,
-                                  fetch_policy="always")
+                                  fetch_policy="always", swap_space_mb=7)
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, max_moves_total=7,

@@ -16,7 +16,7 @@ from deepinfer.metrics.bind import TotalsFeed, bind
 
 MAX_STEPS_QUEUED = 65536  # steps not yet flushed; past this the oldest are dropped (heartbeats stalled)
 MAX_HANDOFFS_TIMED = 4096  # handoffs awaiting their KvAck; past this the oldest go untimed (bounded memory)
-PATHS = ("handoff_send", "handoff_recv", "cache_fetch", "cache_store")
+PATHS = ("handoff_send", "handoff_recv", "cache_fetch", "cache_store", "swap_out", "swap_in")
 
 
 class StepMetrics:
@@ -55,12 +55,15 @@ class WorkerExport:
         self._bytes = {p: bind(d.KV_TRANSFER_BYTES, *who, p) for p in PATHS}
         self._seconds = {p: bind(d.KV_TRANSFER_SECONDS, *who, p) for p in ("handoff_send", "cache_fetch")}
         self._preemptions = bind(d.NUM_PREEMPTIONS, *who)
+        self._swapped = bind(d.NUM_SWAPPED_PREEMPTIONS, *who)
         self._totals = TotalsFeed(self._child)
         self._sent: OrderedDict[str, float] = OrderedDict()  # request id → when its KvTransfer went out
 
     def _child(self, key: str) -> object | None:
         if key == "preemptions":
             return self._preemptions
+        if key == "swapped_preemptions":
+            return self._swapped
         if key.startswith("plan:"):  # fetch-or-recompute decisions, bound as they are first seen
             return bind(d.CACHE_FETCH_PLANS, *self._who, key.removeprefix("plan:"))
         return self._bytes.get(key)
@@ -89,9 +92,13 @@ class WorkerExport:
         self._seconds["cache_fetch"].observe(seconds)
 
     def totals(self, preemptions: int, fetched_bytes: int, stored_bytes: int,
-               fetch_plans: Mapping[str, int] | None = None) -> None:
+               fetch_plans: Mapping[str, int] | None = None, swapped_preemptions: int = 0,
+               swap_out_bytes: int = 0, swap_in_bytes: int = 0) -> None:
         """At heartbeat rate: the steps queued since the last call, and the monotonic totals of the engine
-        and the cache client (`fetch_plans`: its fetch-or-recompute decisions so far, by decision)."""
+        (preemptions, those swapped and the bytes they copied) and the cache client (`fetch_plans`: its
+        fetch-or-recompute decisions so far, by decision)."""
         self.steps.flush()
-        self._totals.update({"preemptions": preemptions, "cache_fetch": fetched_bytes, "cache_store": stored_bytes,
+        self._totals.update({"preemptions": preemptions, "swapped_preemptions": swapped_preemptions,
+                             "swap_out": swap_out_bytes, "swap_in": swap_in_bytes,
+                             "cache_fetch": fetched_bytes, "cache_store": stored_bytes,
                              **{f"plan:{k}": v for k, v in (fetch_plans or {}).items()}})
