@@ -2,6 +2,7 @@
 
     python -m bench.bench_serving                                  # starts a mesh + gateway on SmolLM2
     python -m bench.bench_serving --streams 32 --rates 1,2,inf --num-prompts 64 --max-tokens 64
+    python -m bench.bench_serving --rates none --load 0.5,1,2,4 --slo-ttft-ms 2000 --slo-tpot-ms 200
     python -m bench.bench_serving --trace bench/data/mooncake-fast25/<file>.jsonl --sample 1/48 --time-scale 10
     python -m bench.bench_serving --url http://127.0.0.1:8000 --zmq-endpoint ipc:///run/.../router-frontend.sock
 
@@ -18,7 +19,8 @@ Load: each scenario sends the same workload — `--num-prompts` prompts of `--mi
 from `deepinfer/data/moe_eval.txt` (or a Mooncake-format `--trace`, token-id prompts and the trace's arrival
 times, scaled by `bench.trace`), `--max-tokens` each — with Poisson arrivals at the scenario's rate (`inf`: all at
 once), at most `--max-concurrency` in flight. Scenarios: `--streams N` (rate inf, N in flight: the issue's "HTTP vs
-ZeroMQ tokens/s at 32 concurrent streams"), then one per `--rates` entry. HTTP runs first, then ZeroMQ, each after
+ZeroMQ tokens/s at 32 concurrent streams"), then one per `--rates` entry, then one per `--load` entry (a multiple of
+the capacity the `--streams` scenario measured: its HTTP requests/s). HTTP runs first, then ZeroMQ, each after
 two warm-up requests; `--repeats 2` runs the pair again in the other order and keeps the median.
 
 Goodput: requests per second meeting both `--slo-ttft-ms` and `--slo-tpot-ms` (TPOT = (e2e − TTFT)/(tokens − 1)).
@@ -368,6 +370,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rates", default="1,2,4", help="request rates (req/s, or inf), one scenario each; none: only "
                     "the --streams scenario")
     ap.add_argument("--request-rate", type=float, default=None, help="one rate (instead of --rates)")
+    ap.add_argument("--load", default="", help="loads as multiples of the capacity the --streams scenario measured "
+                    "(its HTTP requests/s), e.g. 0.5,1,2,4: one Poisson scenario each, after the --rates ones")
     ap.add_argument("--max-concurrency", type=int, default=None, help="bound on in-flight requests at --rates")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -384,7 +388,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slo-tpot-ms", type=float, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serving.json")
     ap.add_argument("--no-plots", action="store_true")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.load and (not args.streams or args.trace is not None):
+        ap.error("--load needs the --streams scenario (synthetic prompts) to measure the capacity it multiplies")
+    return args
 
 
 def build_workload(args: argparse.Namespace, rate: float) -> list[ServingRequest]:
@@ -418,6 +425,15 @@ async def bench(args: argparse.Namespace, url: str, frontend: str | None) -> lis
         for label, rate, conc in scenarios:
             workload = build_workload(args, rate if not math.isnan(rate) else math.inf)
             out.append(await run_scenario(label, rate, conc, workload, paths, slo, args.repeats))
+        if args.load:
+            # Capacity: the closed burst's HTTP request throughput, the first scenario (parse_args checked it runs).
+            capacity = out[0]["http"]["request_throughput"]
+            for load in parse_rates(args.load):
+                rate = load * capacity
+                workload = build_workload(args, rate)
+                out.append(await run_scenario(f"load {load:g}x", rate, args.max_concurrency, workload, paths, slo,
+                                              args.repeats))
+                out[-1]["load"], out[-1]["capacity_req_s"] = load, capacity
     finally:
         for p in paths:
             await p.close()

@@ -183,3 +183,13 @@ def test_serving_figures_are_written_beside_the_json(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["serving-ttft-cdf.png", "serving-throughput.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
     assert plots.guess_kind({"scenarios": scenarios}) == "serving"
+
+
+def test_a_load_sweep_needs_the_burst_that_measures_capacity() -> None:
+    from bench.bench_serving import parse_args
+
+    assert parse_args(["--load", "0.5,1,2,4"]).load == "0.5,1,2,4"
+    with pytest.raises(SystemExit):
+        parse_args(["--load", "1", "--streams", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--load", "1", "--trace", "t.jsonl"])
