@@ -340,26 +340,39 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
         that may overwrite the blocks just freed. Times them for the swap policy's copy rate."""
         kv, started, blocks = self.runner.kv, time.perf_counter(), 0
         for out in sched.swap_out:
+            req = out.request
             ids = torch.tensor(out.block_ids, dtype=torch.int64, device=kv.device)
-            out.request.swapped_kv = kv.index_select(0, ids).to("cpu")
+            try:
+                req.swapped_kv = self._copy_out(kv, ids)
+            except (RuntimeError, MemoryError) as exc:  # no host memory: the victim recomputes instead
+                log.warning("swap out failed; the request will recompute", request_id=req.request_id, error=str(exc))
+                self.scheduler.cancel_swap(req)
+                continue
             blocks += len(out.block_ids)
             self.stats.swap_out_blocks += len(out.block_ids)
-        self.stats.num_swapped_preemptions += len(sched.swap_out)
+            self.stats.num_swapped_preemptions += 1
         for back in sched.swap_in:
             copy, back.request.swapped_kv = back.request.swapped_kv, None
             if back.block_ids:
+                if copy is None:  # swapped out and back in this same step, and the copy out failed above
+                    raise RuntimeError(f"request {back.request.request_id!r}: its swapped-out KV was lost")
                 ids = torch.tensor(back.block_ids, dtype=torch.int64, device=kv.device)
                 kv.index_copy_(0, ids, copy[back.first_block : back.first_block + len(ids)].to(kv.device))
                 blocks += len(ids)
                 self.stats.swap_in_blocks += len(ids)
         self.swap_policy.record_copy(blocks, time.perf_counter() - started)
 
+    @staticmethod
+    def _copy_out(kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Blocks `ids` of `kv`, copied to host memory."""
+        return kv.index_select(0, ids).to("cpu")
+
     def _seed_copy_rate(self) -> None:
         """Time one copy of a few (still unused) blocks out and back, so the first preemption has a copy rate."""
         kv = self.runner.kv
         ids = torch.arange(min(4, kv.shape[0]), dtype=torch.int64, device=kv.device)
         started = time.perf_counter()
-        kv.index_copy_(0, ids, kv.index_select(0, ids).to("cpu").to(kv.device))
+        kv.index_copy_(0, ids, self._copy_out(kv, ids).to(kv.device))
         self.swap_policy.record_copy(2 * len(ids), time.perf_counter() - started)
 
     def _log_preemptions(self, sched: SchedulerOutput) -> None:

@@ -460,8 +460,12 @@ class Scheduler:
         self.swap.release(copied)
         req.swapped_tokens = 0
 
+    def cancel_swap(self, req: Request) -> None:
+        """The engine could not copy a victim out: it recomputes at re-admission, its reserved space released."""
+        self._drop_swap(req)
+
     def _drop_swap(self, req: Request) -> None:
-        """A request ending while swapped out gives its space back and drops its copy."""
+        """A request ending while swapped out (or whose copy failed) gives its space back and drops its copy."""
         if req.swapped_tokens:
             self.swap.release(self._blocks_for(req.swapped_tokens))
             req.swapped_tokens = 0

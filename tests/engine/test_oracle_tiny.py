@@ -128,6 +128,30 @@ def test_higher_classes_preempting_lower_ones_match_transformers(tiny_model):
     engine.pool.check_integrity()
 
 
+def test_a_victim_whose_swap_out_fails_recomputes_and_nothing_leaks(tiny_model, monkeypatch):
+    """Host memory runs out at the first two copies out: those victims recompute, later ones swap, every output
+    still equals transformers' and the swap space comes back empty."""
+    hf, loaded = tiny_model
+    engine = LLMEngine(loaded, None, EngineConfig(block_size=4, **MODES["preempt"]))
+    copy_out, failures = engine._copy_out, []
+
+    def failing(kv, ids):  # type: ignore[no-untyped-def]
+        if len(failures) < 2:
+            failures.append(len(ids))
+            raise RuntimeError("out of host memory (injected)")
+        return copy_out(kv, ids)
+
+    monkeypatch.setattr(engine, "_copy_out", failing)
+    batch = prompts()
+    ours = run_staggered(engine, batch)
+    for i, p in enumerate(batch):
+        assert_same_greedy(hf, p, ours[i], hf_greedy(hf, p, NEW_TOKENS))
+    assert len(failures) == 2 and engine.stats.num_swapped_preemptions > 0
+    assert engine.stats.num_preemptions >= engine.stats.num_swapped_preemptions + 2
+    assert engine.swap_policy.used_blocks == 0 and engine.num_free_blocks == engine.pool.num_blocks
+    engine.pool.check_integrity()
+
+
 def test_logits_within_tolerance(tiny_model):
     """All-position logits of one forward pass against transformers' (fp32; stated tolerance 1e-4)."""
     hf, loaded = tiny_model
