@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay_sweep import ARMS, arms_for, at_rate, targets, with_goodput
+from bench.replay_sweep import ARMS, arms_for, at_rate, servable_reusable, targets, with_goodput
 from bench.trace import ScaledRequest
 
 
@@ -34,6 +34,22 @@ def test_goodput_counts_answers_within_the_slo_per_second_of_the_run() -> None:
     assert (s["met_slo"], s["admitted_over_slo"], s["refused"]) == (2, 1, 1)
     assert s["goodput_req_s"] == pytest.approx(2 / 10.0)
     assert s["hit_rate"] == pytest.approx(0.5) and s["hit_of_reusable"] == pytest.approx(0.8)
+
+
+def test_servable_reuse_counts_only_prefixes_an_answered_request_computed() -> None:
+    """Two conversations of two turns (each turn's prompt extends the first's 4 blocks of 16 tokens by one more):
+    with every request answered, each second turn can reuse its 64-token prefix; with conversation A's first turn
+    refused, A's second turn can reuse nothing."""
+    def turn(i: int, conv: int, blocks: int) -> ScaledRequest:
+        return ScaledRequest(i, float(i), tuple(range(16 * blocks)), 4, tuple(100 * conv + b for b in range(blocks)))
+
+    requests = [turn(0, 1, 4), turn(1, 2, 4), turn(2, 1, 5), turn(3, 2, 5)]
+    answered = [{"index": i} for i in range(4)]
+    assert servable_reusable(requests, answered, block_tokens=16) == pytest.approx(128 / 288)
+    a_refused = [{"index": 0, "error": "overloaded"}, {"index": 1}, {"index": 2}, {"index": 3}]
+    assert servable_reusable(requests, a_refused, block_tokens=16) == pytest.approx(64 / 224)
+    s = with_goodput([row(1.0)], slo_s=5.0, reusable_kv=0.625, servable_kv=0.5)
+    assert (s["hit_of_reusable"], s["hit_of_servable"]) == (pytest.approx(0.8), pytest.approx(1.0))
 
 
 def point(goodput: float, p50: float, p99: float, hit: float = 0.97, over: int = 0) -> dict:
