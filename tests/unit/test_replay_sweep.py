@@ -34,6 +34,9 @@ def test_goodput_counts_answers_within_the_slo_per_second_of_the_run() -> None:
     assert (s["met_slo"], s["admitted_over_slo"], s["refused"]) == (2, 1, 1)
     assert s["goodput_req_s"] == pytest.approx(2 / 10.0)
     assert s["hit_rate"] == pytest.approx(0.5) and s["hit_of_reusable"] == pytest.approx(0.8)
+    # 5 requests, the last arriving at 2.5 s: no policy answers more than 5 / 2.5 s within the SLO.
+    arrived = [{**r, "arrival_s": 0.5 * i} for i, r in enumerate(rows, start=1)]
+    assert with_goodput(arrived, slo_s=5.0, reusable_kv=0.625)["goodput_ceiling_req_s"] == pytest.approx(2.0)
 
 
 def test_servable_reuse_counts_only_prefixes_an_answered_request_computed() -> None:
