@@ -15,6 +15,7 @@ L times that rate. Each load then runs every arm on a fresh mesh (fresh cache):
 | cache off | no prefix caching, no cache daemon |
 | always fetch | every cached prefix loaded (worker fetch_policy = "always") |
 | always remote | every prompt prefilled on the prefill worker (local_prefill_max_tokens = 0) |
+| always local | every prompt prefilled on its decode worker (the router's prefill_site = "local") |
 | no admission | no TTFT SLO at the router and no queue-wait shedding: every request is queued |
 
 Per arm and load it prints the hit rate by tier over the reusable fraction (KV blocks) — of the whole trace (the
@@ -55,7 +56,7 @@ from bench.trace import ScaledRequest, reusable_fraction, scaled_items
 from deepinfer.loading.fetch import resolve_model
 from deepinfer.loading.identity import model_config_at
 
-ARMS = ("full", "cache off", "always fetch", "always remote", "no admission")
+ARMS = ("full", "cache off", "always fetch", "always remote", "always local", "no admission")
 # Router options: no shedding by the backlog's predicted wait (a topology file cannot say None, TOML has no null).
 UNLIMITED = {"max_queue_wait_s": 1e9}
 
@@ -67,6 +68,7 @@ def arms_for(slo_s: float, local_prefill: int) -> dict[str, Arm]:
         "cache off": Arm("cache off", False, router_options=policy),
         "always fetch": Arm("always fetch", True, router_options=policy, worker_options={"fetch_policy": "always"}),
         "always remote": Arm("always remote", True, router_options={**policy, "local_prefill_max_tokens": 0}),
+        "always local": Arm("always local", True, router_options={**policy, "prefill_site": "local"}),
         "no admission": Arm("no admission", True, router_options={"local_prefill_max_tokens": local_prefill,
                                                                   **UNLIMITED}),
     }
@@ -126,10 +128,11 @@ def targets(points: dict[str, dict[str, dict[str, Any]]], reusable_kv: float) ->
             if reusable_kv >= 0.3 and full["ttft_p50_s"] and off["ttft_p50_s"]:
                 gain = off["ttft_p50_s"] / full["ttft_p50_s"]
                 out.append((f"{load}x: TTFT p50 >= 1.3x better with the cache ({gain:.2f}x)", gain >= 1.3))
-        remote = arms.get("always remote")
-        if full is not None and remote is not None:
-            out.append((f"{load}x: conditional goodput >= always remote's ({_g(full)} vs {_g(remote)})",
-                        le(remote["goodput_req_s"], full["goodput_req_s"])))
+        for name in ("always remote", "always local"):
+            other = arms.get(name)
+            if full is not None and other is not None:
+                out.append((f"{load}x: conditional goodput >= {name}'s ({_g(full)} vs {_g(other)})",
+                            le(other["goodput_req_s"], full["goodput_req_s"])))
         free = arms.get("no admission")
         if float(load) >= 2 and full is not None and free is not None and free["goodput_req_s"]:
             ratio = (full["goodput_req_s"] or 0.0) / free["goodput_req_s"]

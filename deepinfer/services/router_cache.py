@@ -78,6 +78,7 @@ class PrefillCostModel:
             DISK: config.prior_disk_fetch_s_per_token,
         }
         self.local_prefill_max_tokens = config.local_prefill_max_tokens if self.cache_aware else 0
+        self.always_local = config.prefill_site == "local"
         self.handoff_s_per_block = config.prior_handoff_s_per_block
 
     def rate(self, worker: str) -> float:
@@ -124,12 +125,14 @@ class PrefillCostModel:
             return None
         chosen = placement.prefill
         remote = predictions.get(chosen.name) or self.predict(chosen, block_hashes, prompt_tokens)
-        if chosen is placement.decode or not self.local_prefill_max_tokens:
+        if chosen is placement.decode or not (self.local_prefill_max_tokens or self.always_local):
             return placement, remote
         decode = placement.decode
         # A decode worker's heartbeat rate times its decode steps, not prefill: until its own prefills taught
         # one, it is taken to prefill as fast as the prefill worker it would stand in for.
         local = self.predict(decode, block_hashes, prompt_tokens, self.rates.get(decode.name, remote.rate))
+        if self.always_local:
+            return Placement(decode, decode), local
         gain = remote.seconds + table.blocks_for(prompt_tokens) * self.handoff_s_per_block - local.seconds
         # What the request gains locally must pay for what its prefill costs the decode worker's running
         # streams: each waits about as long as that prefill computes.

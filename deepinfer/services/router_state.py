@@ -28,6 +28,10 @@ from deepinfer.services.wire import to_engine_params
 ClientId = bytes
 CACHE_AWARE, LEAST_LOADED = "cache_aware", "least_loaded"
 PLACEMENTS = (CACHE_AWARE, LEAST_LOADED)
+# RouterConfig.prefill_site: "conditional" (per request, local_prefill_max_tokens below) or "local" (every request
+# of a P/D pair prefilled on its decode worker: the always-local baseline conditional disaggregation is measured
+# against, bench/replay_sweep.py).
+PREFILL_SITES = ("conditional", "local")
 ANONYMOUS = ""  # the tenant of every request whose api_key the configuration does not name
 
 
@@ -170,6 +174,7 @@ class RouterConfig:
     # leaves at most this many prompt tokens to compute there (they share the decode worker's steps with its
     # running streams). 0 (the default: a P/D pair was asked for): always on a prefill worker.
     local_prefill_max_tokens: int = 0
+    prefill_site: str = "conditional"  # PREFILL_SITES; "local": every request prefills on its decode worker
     prior_handoff_s_per_block: float = 2e-3  # a KV handoff's time per block of prompt, until measured
     kv_resync_interval_s: float = 5.0  # least time between KvResyncs to one publisher awaiting a snapshot
 
@@ -186,6 +191,8 @@ class RouterConfig:
         slos = [*self.ttft_slo_s.values(), *([] if self.default_ttft_slo_s is None else [self.default_ttft_slo_s])]
         if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in slos):
             raise ValueError(f"TTFT SLOs must be positive numbers of seconds, got {slos}")
+        if self.prefill_site not in PREFILL_SITES:
+            raise ValueError(f"prefill_site must be one of {', '.join(PREFILL_SITES)}, got {self.prefill_site!r}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if not 0 < self.estimate_alpha <= 1:

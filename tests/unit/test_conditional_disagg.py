@@ -101,3 +101,18 @@ def test_every_placement_is_logged_with_its_reasons() -> None:
     assert [(e["site"], e["prefill"], e["decode"], e["cached_blocks"]) for e in placed] == [
         ("local", "dec0", "dec0", 62), ("remote", "pre0", "dec0", 0)]
     assert all(e["log_level"] == "debug" and e["policy"] == "cache_aware" and e["predicted_s"] > 0 for e in placed)
+
+
+def test_always_local_prefills_every_request_on_its_decode_worker() -> None:
+    """prefill_site = "local" (the always-local baseline): even a prompt conditional disaggregation sends to the
+    prefill worker (it would stall 8 streams) prefills where it decodes; an unknown site is refused."""
+    mesh = KvMesh(RouterConfig(heartbeat_timeout_s=3.0, prefill_site="local"), tok0="tokenizer")
+    mesh.beat("pre0", "prefill", tokens_per_s=1000.0)
+    mesh.beat("dec0", "decode", tokens_per_s=100.0, running=8)
+    job, dest = mesh.job(2000)
+    assert (dest, job.decode_worker) == ("dec0", "dec0")
+    assert mesh.core.metrics.prefill_sites == {"local": 1}
+    assert finish(mesh, job, "dec0").token_ids == [7]
+    assert_clean(mesh.core)
+    with pytest.raises(ValueError, match="prefill_site must be one of conditional, local"):
+        RouterConfig(prefill_site="remote")

@@ -62,7 +62,7 @@ def point(goodput: float, p50: float, p99: float, hit: float = 0.97, over: int =
 
 def test_targets_are_each_judged_at_each_load() -> None:
     points = {"1": {"full": point(0.5, 0.3, 4.0), "cache off": point(0.4, 2.0, 3.0, hit=0.0),
-                    "always remote": point(0.45, 0.4, 5.0)},
+                    "always remote": point(0.45, 0.4, 5.0), "always local": point(0.55, 0.2, 3.0)},
               "4": {"full": point(0.6, 1.0, 5.0, hit=0.9, over=2), "no admission": point(0.3, 9.0, 30.0),
                     "always remote": point(0.7, 1.0, 5.0)}}
     got = dict(targets(points, reusable_kv=0.6))
@@ -70,7 +70,8 @@ def test_targets_are_each_judged_at_each_load() -> None:
     assert verdict == {
         "1x: hit rate >= 0.95 of reusable": True, "1x: cache-on TTFT p50 <= cache-off's": True,
         "1x: cache-on TTFT p99 <= cache-off's": False, "1x: TTFT p50 >= 1.3x better with the cache": True,
-        "1x: conditional goodput >= always remote's": True, "1x: every admitted request within its SLO": True,
+        "1x: conditional goodput >= always remote's": True, "1x: conditional goodput >= always local's": False,
+        "1x: every admitted request within its SLO": True,
         "4x: hit rate >= 0.95 of reusable": False, "4x: conditional goodput >= always remote's": False,
         "4x: goodput >= 1.5x no admission's": True, "4x: every admitted request within its SLO": False}
 
@@ -83,5 +84,6 @@ def test_each_arm_differs_from_the_full_policy_in_one_thing() -> None:
     assert not arms["cache off"].cache and arms["cache off"].router_options == full.router_options
     assert arms["always fetch"].worker_options == {"fetch_policy": "always"}
     assert arms["always remote"].router_options["local_prefill_max_tokens"] == 0
+    assert arms["always local"].router_options == {**full.router_options, "prefill_site": "local"}
     assert "default_ttft_slo_s" not in arms["no admission"].router_options
     assert arms["no admission"].router_options["max_queue_wait_s"] >= 1e9  # never, in practice
