@@ -107,6 +107,7 @@ class EngineConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_MB * 1024 * 1024
     num_kv_blocks: int | None = None
     # Host memory for preempted requests' KV, swapped out where that is cheaper than recomputing it; 0: recompute.
+    # A bound, not a reservation: copies are allocated while requests are swapped out and freed as they come back.
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_MB * 1024 * 1024
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
