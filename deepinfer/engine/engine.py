@@ -368,12 +368,16 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
         return kv.index_select(0, ids).to("cpu")
 
     def _seed_copy_rate(self) -> None:
-        """Time one copy of a few (still unused) blocks out and back, so the first preemption has a copy rate."""
+        """Time a copy of a few (still unused) blocks out and back, the fastest of three (a descheduled thread must
+        not seed the rate), so the first preemption has a copy rate."""
         kv = self.runner.kv
         ids = torch.arange(min(4, kv.shape[0]), dtype=torch.int64, device=kv.device)
-        started = time.perf_counter()
-        kv.index_copy_(0, ids, self._copy_out(kv, ids).to(kv.device))
-        self.swap_policy.record_copy(2 * len(ids), time.perf_counter() - started)
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            kv.index_copy_(0, ids, self._copy_out(kv, ids).to(kv.device))
+            times.append(time.perf_counter() - started)
+        self.swap_policy.record_copy(2 * len(ids), min(times))
 
     def _log_preemptions(self, sched: SchedulerOutput) -> None:
         decisions = sched.preempt_decisions or [None] * len(sched.preempted)
@@ -382,8 +386,8 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
                 log.debug("preempted", request_id=req.request_id, priority=req.priority, mode="recompute")
             else:
                 log.debug("preempted", request_id=req.request_id, priority=req.priority, mode=d.choice,
-                          tokens=d.num_tokens, blocks=d.num_blocks, predicted_swap_s=round(d.swap_s, 6),
-                          predicted_recompute_s=round(d.recompute_s, 6))
+                          probe=d.probe, tokens=d.num_tokens, blocks=d.num_blocks,
+                          predicted_swap_s=round(d.swap_s, 6), predicted_recompute_s=round(d.recompute_s, 6))
 
     def _forward(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
         """The step's one forward. Under expert parallelism any failure in it is the group's: the other

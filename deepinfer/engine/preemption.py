@@ -12,14 +12,17 @@ When running requests outgrow the KV pool the scheduler preempts the latest requ
 * compute: seconds per token of a step that computed at least `MIN_RATE_TOKENS` tokens (decode-only steps say
   little about recompute, which runs as prefill), an EWMA;
 * copy: seconds per block of the engine's own swap copies (out and in), an EWMA seeded when the engine starts by
-  timing one copy of a few blocks.
+  timing a copy of a few blocks out and back (the fastest of three: a descheduled thread must not seed it).
 
 A victim is swapped when the host space has room for its blocks and two copies of them are predicted cheaper
 than recomputing its computed tokens (before any step was measured, a swap: a block's copy is a memory copy,
-its recompute a forward pass). The space is bounded in blocks (`EngineConfig.swap_space_bytes`); 0 turns
-swapping off and every victim recomputes. The policy holds counts only: the scheduler reserves space through it
-when it swaps a victim out and releases it when the copy comes back or its request ends; the engine holds the
-copy itself, on the request (`Request.swapped_kv`), so a request that ends drops its copy with it.
+its recompute a forward pass). Every `probe_every`-th victim judged cheaper to recompute is swapped anyway, where
+it fits: only swaps measure the copy rate, so one slow copy (a descheduled thread) must not stop swaps for good.
+
+The space is bounded in blocks (`EngineConfig.swap_space_bytes`); 0 turns swapping off and every victim recomputes.
+The policy holds counts only: the scheduler reserves space through it when it swaps a victim out and releases it
+when the copy comes back or its request ends; the engine holds the copy itself, on the request
+(`Request.swapped_kv`), so a request that ends drops its copy with it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 
 MIN_RATE_TOKENS = 16  # steps computing fewer tokens are decode steps: their per-token cost overstates recompute
 RATE_ALPHA = 0.2
-SWAP, RECOMPUTE = "swap", "recompute"
+SWAP, RECOMPUTE, PROBE = "swap", "recompute", "probe"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class Decision:
     num_blocks: int
     swap_s: float
     recompute_s: float
+    probe: bool = False  # swapped although predicted slower, to measure the copy rate again
 
 
 @dataclass
@@ -53,13 +57,16 @@ class SwapPolicy:
     used_blocks: int = 0
     compute_s_per_token: float = 0.0  # 0: not measured yet
     copy_s_per_block: float = 0.0  # 0: not measured yet
-    decisions: Counter[str] = field(default_factory=Counter)
+    probe_every: int = 16
+    decisions: Counter[str] = field(default_factory=Counter)  # SWAP, RECOMPUTE, and PROBE (swaps, counted apart)
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    _slower: int = 0  # victims that fit but were judged cheaper to recompute, for probing
 
     def __post_init__(self) -> None:
-        if self.capacity_blocks < 0:
-            raise ValueError(f"capacity_blocks must be >= 0, got {self.capacity_blocks}")
+        if self.capacity_blocks < 0 or self.probe_every < 1:
+            raise ValueError(f"capacity_blocks must be >= 0 and probe_every >= 1, got {self.capacity_blocks}, "
+                             f"{self.probe_every}")
 
     def predicted_costs(self, num_tokens: int, num_blocks: int) -> tuple[float, float]:
         """(swap seconds, recompute seconds) for a victim with `num_tokens` computed tokens in `num_blocks` blocks;
@@ -72,11 +79,16 @@ class SwapPolicy:
         swap_s, recompute_s = self.predicted_costs(num_tokens, num_blocks)
         fits = 0 < num_blocks and self.used_blocks + num_blocks <= self.capacity_blocks
         choice = SWAP if fits and (not self.compute_s_per_token or swap_s < recompute_s) else RECOMPUTE
-        self.decisions[choice] += 1
+        probe = False
+        if fits and choice == RECOMPUTE:
+            self._slower += 1
+            probe = self._slower % self.probe_every == 0
+            choice = SWAP if probe else RECOMPUTE
+        self.decisions[PROBE if probe else choice] += 1
         if choice == SWAP:
             self.used_blocks += num_blocks
             self.swapped_out_blocks += num_blocks
-        return Decision(choice, num_tokens, num_blocks, swap_s, recompute_s)
+        return Decision(choice, num_tokens, num_blocks, swap_s, recompute_s, probe)
 
     def release(self, num_blocks: int) -> None:
         """Give back the space of a copy that came back (or was dropped with its request)."""

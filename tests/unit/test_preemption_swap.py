@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.cache.block_pool import BlockPool
-from deepinfer.engine.preemption import RECOMPUTE, SWAP, SwapPolicy
+from deepinfer.engine.preemption import PROBE, RECOMPUTE, SWAP, SwapPolicy
 from deepinfer.engine.request import FinishReason, RequestStatus
 from deepinfer.engine.scheduler import Scheduler, SwapIn, SwapOut
 from tests.unit.test_scheduler import cached, make, run_step
@@ -38,6 +38,21 @@ def test_a_victim_recomputes_when_the_space_is_full_or_it_holds_nothing():
     with pytest.raises(ValueError, match="releasing 9"):
         policy.release(9)
     assert SwapPolicy(0).choose(16, 4).choice == RECOMPUTE
+
+
+def test_every_16th_victim_judged_slower_to_swap_is_swapped_anyway_to_measure_the_copy_rate_again():
+    """One slow copy (a descheduled thread) made swaps look 100x dearer than they are; only a swap can measure them
+    again, so every probe_every-th victim that fits swaps regardless, and the rate recovers."""
+    policy = SwapPolicy(capacity_blocks=100, compute_s_per_token=0.001, copy_s_per_block=0.1)
+    fates = [policy.choose(num_tokens=64, num_blocks=4) for _ in range(32)]
+    probes = [i for i, d in enumerate(fates) if d.choice == SWAP]
+    assert probes == [15, 31] and all(fates[i].probe for i in probes)
+    assert policy.decisions == {RECOMPUTE: 30, PROBE: 2} and policy.used_blocks == 8
+    for _ in range(20):  # the probes' copies measure 1 ms per block: swapping pays again
+        policy.record_copy(num_blocks=4, seconds=0.004)
+    assert policy.choose(num_tokens=64, num_blocks=4).choice == SWAP
+    full = SwapPolicy(capacity_blocks=3, compute_s_per_token=0.001, copy_s_per_block=0.1)
+    assert all(full.choose(64, 4).choice == RECOMPUTE for _ in range(32))  # a probe never overfills the space
 
 
 def test_rates_are_measured_from_steps_and_copies_not_configured():
