@@ -168,8 +168,7 @@ def print_report(r: dict[str, Any]) -> None:
                          f(a["hit_of_reusable"]), f(a.get("hit_of_servable")), f(a["ttft_p50_s"]), f(a["ttft_p99_s"]),
                          f(a["goodput_req_s"], ".3f")])
     table(["load", "arm", "ok", "refused", "over SLO", "hit", *TIERS, "of reusable", "of servable", "TTFT p50 s",
-           "TTFT p99 s",
-           "goodput/s"], rows)
+           "TTFT p99 s", "goodput/s"], rows)
     print("\ntargets:")
     for what, met in r["targets"]:
         print(f"  [{'met' if met else 'n/a' if met is None else 'NOT met'}] {what}")

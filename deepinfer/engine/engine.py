@@ -346,7 +346,7 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
                 req.swapped_kv = self._copy_out(kv, ids)
             except (RuntimeError, MemoryError) as exc:  # no host memory: the victim recomputes instead
                 log.warning("swap out failed; the request will recompute", request_id=req.request_id, error=str(exc))
-                self.scheduler.cancel_swap(req)
+                self.scheduler.drop_swap(req)
                 continue
             blocks += len(out.block_ids)
             self.stats.swap_out_blocks += len(out.block_ids)

@@ -51,7 +51,7 @@ class Decision:
 @dataclass
 class SwapPolicy:
     """Swap-or-recompute decisions and the host space's accounting (module docstring). `decisions` counts
-    victims by choice; `swapped_out_blocks` and `swapped_in_blocks` count blocks copied out and back."""
+    victims by choice (the blocks actually copied are the engine's `EngineStats`)."""
 
     capacity_blocks: int
     used_blocks: int = 0
@@ -59,8 +59,6 @@ class SwapPolicy:
     copy_s_per_block: float = 0.0  # 0: not measured yet
     probe_every: int = 16
     decisions: Counter[str] = field(default_factory=Counter)  # SWAP, RECOMPUTE, and PROBE (swaps, counted apart)
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
     _slower: int = 0  # victims that fit but were judged cheaper to recompute, for probing
 
     def __post_init__(self) -> None:
@@ -87,7 +85,6 @@ class SwapPolicy:
         self.decisions[PROBE if probe else choice] += 1
         if choice == SWAP:
             self.used_blocks += num_blocks
-            self.swapped_out_blocks += num_blocks
         return Decision(choice, num_tokens, num_blocks, swap_s, recompute_s, probe)
 
     def release(self, num_blocks: int) -> None:

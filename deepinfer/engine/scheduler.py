@@ -232,7 +232,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             del self.requests[request.request_id]
-        self._drop_swap(request)
+        self.drop_swap(request)
         self._release_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -455,17 +455,13 @@ class Scheduler:
         copied = self._blocks_for(req.swapped_tokens)
         back = req.block_ids[num_hit:copied]
         out.swap_in.append(SwapIn(req, back, num_hit))
-        self.swap.swapped_in_blocks += len(back)
         req.num_computed_tokens = max(req.num_computed_tokens, req.swapped_tokens)
         self.swap.release(copied)
         req.swapped_tokens = 0
 
-    def cancel_swap(self, req: Request) -> None:
-        """The engine could not copy a victim out: it recomputes at re-admission, its reserved space released."""
-        self._drop_swap(req)
-
-    def _drop_swap(self, req: Request) -> None:
-        """A request ending while swapped out (or whose copy failed) gives its space back and drops its copy."""
+    def drop_swap(self, req: Request) -> None:
+        """Give back a swapped-out request's space and drop its copy: it ends, or the engine could not copy it out
+        (it then recomputes at re-admission). Nothing for a request not swapped out."""
         if req.swapped_tokens:
             self.swap.release(self._blocks_for(req.swapped_tokens))
             req.swapped_tokens = 0
