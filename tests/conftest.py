@@ -14,7 +14,11 @@
 * tiers: every test under tests/integration/ and tests/service/ is marked `mesh` (it starts services, most
   of them as real processes), the expert-parallel group tests `ranks` (a torch.distributed group of
   processes), the tests that compare against Hugging Face transformers on real weights `oracle`. The fast
-  tier a developer iterates with is `pytest -m "not mesh and not ranks"`.
+  tier a developer iterates with is `pytest -m "not mesh and not ranks" --oracle-memo`.
+* kernel builds, the reduced ones tests ask for included, go to the user's kernel cache as the engine's do (named by
+  source, flags and compiler): a second run reuses them. Tests of the cache itself use a private one.
+* `--oracle-memo`: transformers' answers are kept on disk between runs (tests/oracle_memo.py); off by default,
+  so the full suite (and CI) asks transformers afresh.
 """
 
 from __future__ import annotations
@@ -60,6 +64,17 @@ RANKS_MODULES = {"test_ep_exact", "test_expert_move_group", "test_expert_paralle
                  "test_group_cache"}
 ORACLE_MODULES = {"test_oracle_tiny", "test_oracle_smollm2", "test_oracle_moe", "test_oracle_deepseek",
                   "test_spec_smollm2", "test_smollm2_moe"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--oracle-memo", action="store_true",
+                     help="keep transformers' oracle answers on disk between runs (tests/oracle_memo.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import oracle_memo
+
+    oracle_memo.enable(bool(config.getoption("--oracle-memo")))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -7,15 +7,35 @@ the test fails. After such a tie the two continuations legitimately diverge and 
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import torch
+
+from tests import oracle_memo
 
 NEAR_TIE = 1e-3
 
 
 def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
-    """transformers' greedy continuation of `prompt`, exactly `n` tokens (EOS ignored)."""
+    """transformers' greedy continuation of `prompt`, exactly `n` tokens (EOS ignored); from the oracle memo
+    when pytest runs with `--oracle-memo` (tests/oracle_memo.py)."""
+    question = [list(prompt), n, inspect.getsource(_hf_greedy)]
+    return oracle_memo.remember("greedy", lambda: oracle_memo.model_key(hf_model), question,
+                                lambda: _hf_greedy(hf_model, prompt, n))
+
+
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """transformers' logits [len(tokens), vocab] over `tokens` (one sequence); memoised as `hf_greedy` is."""
+    def compute() -> torch.Tensor:
+        with torch.inference_mode():
+            return hf_model(torch.tensor([tokens])).logits[0]
+
+    return oracle_memo.remember_tensor("logits", lambda: oracle_memo.model_key(hf_model),
+                                       [list(tokens), inspect.getsource(hf_logits)], compute)
+
+
+def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         # An explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding.
@@ -104,9 +124,10 @@ def hf_model_from_loaded(config, state_dict):  # type: ignore[no-untyped-def]
 
 class SmolLM2Oracle:
     """SmolLM2 loaded once for a whole test session: our weights, the tokenizer, transformers holding the same
-    weights, and transformers' greedy continuations memoised by prompt. Greedy decoding with EOS ignored is a
-    prefix-closed function (the first m of n tokens are the m-token answer), so a memo of the longest
-    continuation asked for answers every shorter request; each (prompt, length) is computed at most once."""
+    weights (built on first use: with a warm `--oracle-memo` most sessions never need it), and transformers'
+    greedy continuations memoised by prompt. Greedy decoding with EOS ignored is a prefix-closed function (the
+    first m of n tokens are the m-token answer), so a memo of the longest continuation asked for answers every
+    shorter request; each (prompt, length) is computed at most once."""
 
     def __init__(self, path) -> None:  # type: ignore[no-untyped-def]
         from deepinfer.loading.weights import load_model_weights
@@ -114,7 +135,11 @@ class SmolLM2Oracle:
 
         self.loaded = load_model_weights(path)
         self.tok = Tokenizer.load(path)
-        self.hf = hf_model_from_loaded(self.loaded.config, self.loaded.state_dict)
+        config, state = self.loaded.config, self.loaded.state_dict
+        # The key is what the stand-in would be built from: our config and weights, and the code that maps them.
+        key = (oracle_memo.weights_key(inspect.getsource(hf_model_from_loaded), repr(config), state)
+               if oracle_memo.enabled() else "")
+        self.hf = oracle_memo.LazyModel(key, lambda: hf_model_from_loaded(config, state))
         self._greedy: dict[tuple[int, ...], list[int]] = {}
 
     def chat(self, questions: list[str]) -> list[list[int]]:

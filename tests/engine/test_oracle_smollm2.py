@@ -9,7 +9,7 @@ import torch
 
 from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from tests.engine.oracle import assert_same_greedy, smollm2_case
+from tests.engine.oracle import assert_same_greedy, hf_logits, smollm2_case
 from tests.engine.test_oracle_tiny import run_staggered
 
 pytestmark = pytest.mark.smollm2
@@ -59,8 +59,7 @@ def test_logits_within_tolerance(smollm2):
     engine = LLMEngine(loaded, tok, EngineConfig(kv_cache_bytes=64 * 1024 * 1024))
     tokens = prompts[-2] + refs[-2]
     ours = engine.prompt_logits(tokens)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([tokens])).logits[0]
+    ref = hf_logits(hf, tokens)
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
 
 
@@ -81,8 +80,7 @@ def test_logits_within_tolerance_on_amx_tiles(smollm2, monkeypatch):
     engine = LLMEngine(loaded, tok, EngineConfig(kv_cache_bytes=64 * 1024 * 1024))
     ours = engine.prompt_logits(tokens)
     assert rows and max(rows) == len(tokens)
-    with torch.inference_mode():
-        ref = hf(torch.tensor([tokens])).logits[0]
+    ref = hf_logits(hf, tokens)
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
 
 
@@ -117,6 +115,5 @@ def test_native_weights_match_transformers(smollm2, smollm2_path, mode):
     for i, p in enumerate(prompts):
         assert_same_greedy(hf, p, ours[i], refs[i])
     tokens = prompts[-2] + refs[-2]
-    with torch.inference_mode():
-        ref = hf(torch.tensor([tokens])).logits[0]
+    ref = hf_logits(hf, tokens)
     torch.testing.assert_close(engine.prompt_logits(tokens), ref, atol=1e-3, rtol=0)

@@ -9,6 +9,7 @@ memory and back, or recomputed).
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def tiny_model(request, tmp_path_factory):
     import transformers
 
     cls_name, kwargs = VARIANTS[request.param]
-    torch.manual_seed(hash(request.param) % 2**31)
+    torch.manual_seed(zlib.crc32(request.param.encode()))  # stable across runs (str hash() is salted per process)
     config = getattr(transformers, cls_name)(
         vocab_size=320, intermediate_size=112, num_hidden_layers=3, max_position_embeddings=512,
         rms_norm_eps=1e-5, **kwargs,

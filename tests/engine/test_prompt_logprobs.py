@@ -11,13 +11,16 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import InvalidRequestError, Logprob, RequestOutput, SamplingParams
-from tests.engine.oracle import NEAR_TIE, hf_model_from_loaded, random_tokens
+from tests import oracle_memo
+from tests.engine.oracle import NEAR_TIE, hf_logits, hf_model_from_loaded, random_tokens
 from tests.engine.test_pd_handoff import assert_whole, prefill_first
 
 VOCAB = 320
@@ -43,8 +46,7 @@ def tiny_hf(tiny_llama):
 
 def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """[len(prompt), vocab]: row p is the log-softmax after tokens <= p (it scores prompt token p + 1)."""
-    with torch.inference_mode():
-        return hf(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+    return hf_logits(hf, prompt).float().log_softmax(dim=-1)
 
 
 def assert_prompt_logprobs(ours: list[Logprob | None] | None, ref: torch.Tensor, prompt: list[int],
@@ -133,6 +135,13 @@ def test_prompt_logprobs_bounded(tiny_llama):
 
 
 def hf_biased_greedy(hf, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:  # type: ignore[no-untyped-def]
+    """transformers' greedy `n` tokens with `bias` added to the logits; memoised as `hf_greedy` is."""
+    question = [list(prompt), n, sorted(bias.items()), inspect.getsource(_hf_biased_greedy)]
+    return oracle_memo.remember("biased-greedy", lambda: oracle_memo.model_key(hf), question,
+                                lambda: _hf_biased_greedy(hf, prompt, n, bias))
+
+
+def _hf_biased_greedy(hf, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:  # type: ignore[no-untyped-def]
     from transformers import LogitsProcessor, LogitsProcessorList
 
     ids_t = torch.tensor(list(bias), dtype=torch.long)
@@ -222,8 +231,7 @@ def test_smollm2_prompt_logprobs_match_transformers(smollm2_case):
 def test_smollm2_greedy_logit_bias_matches_transformers(smollm2_case, speculative):
     loaded, tok, hf = smollm2_case
     prompt = tok.encode_chat([{"role": "user", "content": "Name three colours."}])
-    with torch.inference_mode():
-        favourite = int(hf(torch.tensor([prompt])).logits[0, -1].topk(3).indices[2])  # the third choice
+    favourite = int(hf_logits(hf, prompt)[-1].topk(3).indices[2])  # the third choice
     bias = {favourite: 8.0, tok.encode(" the", add_special_tokens=False)[0]: -100.0}
     n = 16
     e = LLMEngine(loaded, tok, EngineConfig(num_kv_blocks=128, speculative=speculative))

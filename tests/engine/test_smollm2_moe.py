@@ -23,6 +23,7 @@ from deepinfer.loading import derive_moe as dm
 from deepinfer.loading.fetch import SMOLLM2_FILE, SMOLLM2_NAME, fetch_smollm2_moe, smollm2_moe_dir
 from deepinfer.loading.moe_report import expert_load
 from deepinfer.text.tokenizer import Tokenizer
+from tests.engine.oracle import hf_logits
 
 PROMPT = "The lighthouse keeper wrote in his ledger that the storm had lasted eleven days, and"
 
@@ -188,7 +189,7 @@ def test_top_k_equal_to_experts_is_the_dense_model(smollm2_path, smollm2_oracle,
     ids = Tokenizer.from_gguf(smollm2_path).encode(PROMPT)
     with torch.inference_mode():
         moe_logits = MixtralForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).logits
-        dense_logits = smollm2_oracle.hf(torch.tensor([ids])).logits
+    dense_logits = hf_logits(smollm2_oracle.hf, ids)[None]
     # Every neuron kept, each expert's weight exactly 1/8 and its down projection x8: only summation order differs.
     assert (moe_logits - dense_logits).abs().max().item() < 1e-3
     assert torch.equal(moe_logits.argmax(-1), dense_logits.argmax(-1))

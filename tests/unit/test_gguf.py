@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from deepinfer.config.model import ModelConfig
 from deepinfer.loading.gguf import UnsupportedWeightError, dequantize, gguf_to_our_name
 from deepinfer.loading.gguf_model import config_from_gguf, load_gguf
 from deepinfer.loading.weights import hf_to_our_name, load_model_weights
+from tests import oracle_memo
 
 SUPPORTED = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
 QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1]
@@ -249,22 +252,37 @@ def test_unsupported_tensor_type_in_file_names_tensor(tmp_path: Path) -> None:
 # ----- the real SmolLM2 file -----
 
 
-@pytest.mark.smollm2
-def test_smollm2_gguf_matches_transformers_loader(smollm2_path: Path, smollm2_oracle: Any) -> None:
+def _digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's fp32 bytes; + 0.0 makes -0.0 +0.0, so equal digests are what torch.equal means."""
+    return oracle_memo.tensors_digest({"": t.float() + 0.0})
+
+
+def _transformers_gguf_digests(path: Path) -> dict[str, str]:
+    """transformers' own GGUF loader's tensors for `path`, in our names, as `_digest`s."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    reference = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    return {hf_to_our_name(k): _digest(v) for k, v in reference.items() if k != "lm_head.weight"}
+
+
+@pytest.mark.smollm2
+def test_smollm2_gguf_matches_transformers_loader(smollm2_path: Path, smollm2_oracle: Any) -> None:
     loaded = smollm2_oracle.loaded
     c = loaded.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == ("llama", 30, 576, 9, 3)
     assert (c.vocab_size, c.head_dim, c.rope_theta, c.tie_word_embeddings) == (49152, 64, 100000.0, True)
     assert c.eos_token_ids == (2,) and c.bos_token_id == 1
 
-    hf_config = AutoConfig.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    reference = load_gguf_checkpoint(str(smollm2_path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    reference = {hf_to_our_name(k): v for k, v in reference.items() if k != "lm_head.weight"}
+    # transformers' answer, from the oracle memo when pytest runs with --oracle-memo (tests/oracle_memo.py).
+    reference = oracle_memo.remember(
+        "gguf-tensors", lambda: hashlib.sha256(smollm2_path.read_bytes()).hexdigest(),
+        [inspect.getsource(_transformers_gguf_digests), inspect.getsource(_digest)],
+        lambda: _transformers_gguf_digests(smollm2_path))
     assert reference.keys() == loaded.state_dict.keys()
-    for name, value in reference.items():
-        assert torch.equal(loaded.state_dict[name], value.float()), name
+    for name, digest in reference.items():
+        value = loaded.state_dict[name]
+        assert not value.isnan().any() and _digest(value) == digest, name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -33,6 +34,30 @@ def cache(monkeypatch, tmp_path) -> Path:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setattr(build, "_fresh_dir", None)  # the per-process fallback dir lives in build.py
     return tmp_path / "cache" / "kernels"
+
+
+@pytest.fixture(scope="module")
+def built_once(tmp_path_factory) -> Path:
+    """One real build with FLAGS, made once for the module."""
+    target = tmp_path_factory.mktemp("built-once") / pa._lib_name(COMPILER, FLAGS)
+    build.compile_source(pa._SOURCE, COMPILER, FLAGS, target)
+    return target
+
+
+@pytest.fixture
+def copy_for_compile(monkeypatch, built_once) -> None:
+    """Every compile of the kernel with FLAGS writes a copy of `built_once`, through a temporary and a rename as a
+    compile does: the tests using it are about where builds go and what is refused, and compiling the same source
+    a dozen times taught them nothing (the real compile, and its atomic rename, are tested beside them)."""
+    def copy(source: Path, compiler: str, flags: list[str], target: Path) -> None:
+        assert (source, compiler, flags) == (pa._SOURCE, COMPILER, FLAGS)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so.tmp", dir=target.parent)
+        os.close(fd)
+        shutil.copyfile(built_once, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+
+    monkeypatch.setattr(build, "compile_source", copy)
 
 
 def _assert_private_dir(path: Path) -> None:
@@ -74,7 +99,7 @@ def test_normal_build_is_private_and_loads(cache, caplog):
 
 @needs_compiler
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
-def test_group_or_world_writable_cache_dir_is_refused(cache, caplog, mode):
+def test_group_or_world_writable_cache_dir_is_refused(copy_for_compile, cache, caplog, mode):
     cache.mkdir(parents=True)
     cache.chmod(mode)
     with caplog.at_level(logging.WARNING, logger=pa.__name__):
@@ -90,7 +115,7 @@ def test_group_or_world_writable_cache_dir_is_refused(cache, caplog, mode):
 
 
 @needs_compiler
-def test_group_writable_library_is_refused(cache, caplog):
+def test_group_writable_library_is_refused(copy_for_compile, cache, caplog):
     good = pa._build(COMPILER, FLAGS)
     good.chmod(0o775)
     with caplog.at_level(logging.WARNING, logger=pa.__name__):
@@ -102,7 +127,7 @@ def test_group_writable_library_is_refused(cache, caplog):
 
 @needs_compiler
 @needs_root
-def test_library_owned_by_another_uid_is_refused(cache, caplog):
+def test_library_owned_by_another_uid_is_refused(copy_for_compile, cache, caplog):
     foreign = pa._build(COMPILER, FLAGS)
     os.chown(foreign, 65534, 65534)
     with caplog.at_level(logging.WARNING, logger=pa.__name__):
@@ -114,7 +139,7 @@ def test_library_owned_by_another_uid_is_refused(cache, caplog):
 
 @needs_compiler
 @needs_root
-def test_cache_dir_owned_by_another_uid_is_refused(cache, caplog):
+def test_cache_dir_owned_by_another_uid_is_refused(copy_for_compile, cache, caplog):
     cache.mkdir(parents=True, mode=0o700)
     os.chown(cache, 65534, 65534)
     with caplog.at_level(logging.WARNING, logger=pa.__name__):
@@ -124,7 +149,7 @@ def test_cache_dir_owned_by_another_uid_is_refused(cache, caplog):
 
 
 @needs_compiler
-def test_symlinked_library_is_refused(cache, caplog, tmp_path):
+def test_symlinked_library_is_refused(copy_for_compile, cache, caplog, tmp_path):
     real = _build_elsewhere(tmp_path)
     cache.mkdir(parents=True, mode=0o700)
     link = cache / real.name
@@ -137,7 +162,7 @@ def test_symlinked_library_is_refused(cache, caplog, tmp_path):
 
 
 @needs_compiler
-def test_symlinked_cache_dir_is_refused(cache, caplog, tmp_path):
+def test_symlinked_cache_dir_is_refused(copy_for_compile, cache, caplog, tmp_path):
     real = _build_elsewhere(tmp_path)
     cache.parent.mkdir(parents=True)
     cache.symlink_to(real.parent)
@@ -149,7 +174,7 @@ def test_symlinked_cache_dir_is_refused(cache, caplog, tmp_path):
 
 
 @needs_compiler
-def test_refused_at_load_falls_back_to_torch(monkeypatch, cache, caplog, tmp_path):
+def test_refused_at_load_falls_back_to_torch(copy_for_compile, monkeypatch, cache, caplog, tmp_path):
     """If the library fails the checks at load time (e.g. swapped after the build), the kernel is
     not loaded and paged_decode_attention answers through the torch reference."""
     real = _build_elsewhere(tmp_path)

@@ -189,9 +189,8 @@ def test_strided_and_batched_inputs(m):
 
 @needs_native
 @pytest.mark.parametrize("openmp", [False, True])
-def test_plain_c_build_matches(monkeypatch, tmp_path, openmp):
+def test_plain_c_build_matches(monkeypatch, openmp):
     """A build without SIMD flags (its own f16 conversion, the portable loops) gives the same products."""
-    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     flags = ql.build.compile_flags(openmp=openmp, simd=False)
     lib, fns = ql._load(ql._build(ql.build.find_compiler(), flags))
     assert not lib.ql_has_avx2()
@@ -204,9 +203,8 @@ def test_plain_c_build_matches(monkeypatch, tmp_path, openmp):
 
 @needs_native
 @pytest.mark.skipif(not set(ql._SIMD) <= ql.build.cpu_flags(), reason="the CPU lacks AVX2/FMA/F16C")
-def test_simd_build_without_openmp_matches(monkeypatch, tmp_path):
+def test_simd_build_without_openmp_matches(monkeypatch):
     """The SIMD paths built without OpenMP (the second flag set tried) run on one thread, same products."""
-    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     flags = ql.build.compile_flags(openmp=False, simd=True, features=ql._SIMD)
     lib, fns = ql._load(ql._build(ql.build.find_compiler(), flags))
     assert lib.ql_has_avx2() and not lib.ql_has_openmp()

@@ -8,7 +8,12 @@ to plain GPT-2 splitting, which differs wherever a digit follows whitespace ("x 
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import numpy as np
@@ -19,6 +24,7 @@ from tokenizers import models, pre_tokenizers
 
 from deepinfer.config.gguf_metadata import metadata, open_gguf
 from deepinfer.text.tokenizer import Tokenizer
+from tests import oracle_memo
 
 CORPUS = [
     "Hello, world!",
@@ -61,43 +67,90 @@ def ours(smollm2_path: Path) -> Tokenizer:
     return Tokenizer.from_gguf(smollm2_path)
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_path: Path):
-    """(transformers tokenizer with SmolLM2's pre-tokenizer, transformers' own GGUF backend)."""
-    from transformers import AutoTokenizer
+class TransformersTokenizer:
+    """transformers' tokenizer built from a GGUF, asked through the oracle memo (tests/oracle_memo.py): with
+    `--oracle-memo` and a warm memo it is never built. `smollm2_pre`: with SmolLM2's own pre-tokenizer put in
+    (see the module docstring); `unpatched_ids` asks the converter's plain one."""
 
-    ref = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-    unpatched = Backend.from_str(ref.backend_tokenizer.to_str())
-    ref.backend_tokenizer.pre_tokenizer = _smollm2_pre_tokenizer()
-    return ref, unpatched
+    def __init__(self, gguf: Path, smollm2_pre: bool = False) -> None:
+        self._gguf, self._smollm2_pre = gguf, smollm2_pre
+        self._built: tuple[Any, Backend] | None = None
+        self._key: str | None = None
+
+    def _tokenizers(self) -> tuple[Any, Backend]:
+        if self._built is None:
+            from transformers import AutoTokenizer
+
+            ref = AutoTokenizer.from_pretrained(self._gguf.parent, gguf_file=self._gguf.name)
+            unpatched = Backend.from_str(ref.backend_tokenizer.to_str())
+            if self._smollm2_pre:
+                ref.backend_tokenizer.pre_tokenizer = _smollm2_pre_tokenizer()
+            self._built = ref, unpatched
+        return self._built
+
+    def _ask(self, question: list[Any], answer: Callable[[Any, Backend], Any]) -> Any:
+        def key() -> str:
+            if self._key is None:
+                source = inspect.getsource(TransformersTokenizer) + inspect.getsource(_smollm2_pre_tokenizer)
+                self._key = hashlib.sha256(self._gguf.read_bytes() + source.encode()).hexdigest()
+            return self._key
+
+        return oracle_memo.remember("tokenizer", key, [self._smollm2_pre, *question],
+                                    lambda: answer(*self._tokenizers()))
+
+    def ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._ask(["ids", text, add_special_tokens],
+                         lambda ref, _: ref(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def unpatched_ids(self, text: str) -> list[int]:
+        return self._ask(["unpatched", text], lambda _, plain: plain.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._ask(["decode", ids, skip_special_tokens],
+                         lambda ref, _: ref.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def chat(self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> Any:
+        return self._ask(["chat", messages, tokenize, add_generation_prompt],
+                         lambda ref, _: ref.apply_chat_template(messages, tokenize=tokenize, return_dict=False,
+                                                                add_generation_prompt=add_generation_prompt))
+
+    def save(self, directory: Path) -> None:
+        """What `save_pretrained` writes, written into `directory`."""
+        def files(ref: Any, _: Backend) -> dict[str, str]:
+            with tempfile.TemporaryDirectory() as tmp:
+                ref.save_pretrained(tmp)
+                return {p.name: p.read_text() for p in Path(tmp).iterdir()}
+
+        for name, text in self._ask(["saved"], files).items():
+            (directory / name).write_text(text)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path: Path) -> TransformersTokenizer:
+    return TransformersTokenizer(smollm2_path, smollm2_pre=True)
 
 
 @pytest.mark.smollm2
-def test_ids_match_transformers(ours: Tokenizer, reference) -> None:
-    ref, _ = reference
+def test_ids_match_transformers(ours: Tokenizer, reference: TransformersTokenizer) -> None:
     for text in CORPUS:
         for special in (True, False):
-            assert ours.encode(text, add_special_tokens=special) == ref(text, add_special_tokens=special)[
-                "input_ids"
-            ], text
+            assert ours.encode(text, add_special_tokens=special) == reference.ids(text, special), text
 
 
 @pytest.mark.smollm2
-def test_unpatched_transformers_agrees_away_from_digits(ours: Tokenizer, reference) -> None:
-    _, unpatched = reference
+def test_unpatched_transformers_agrees_away_from_digits(ours: Tokenizer, reference: TransformersTokenizer) -> None:
     for text in CORPUS:
         if not any(ch.isdigit() for ch in text):
-            assert ours.encode(text) == unpatched.encode(text, add_special_tokens=False).ids, text
+            assert ours.encode(text) == reference.unpatched_ids(text), text
 
 
 @pytest.mark.smollm2
-def test_decode_round_trips(ours: Tokenizer, reference) -> None:
-    ref, _ = reference
+def test_decode_round_trips(ours: Tokenizer, reference: TransformersTokenizer) -> None:
     for text in CORPUS:
         ids = ours.encode(text)
         assert ours.decode(ids) == text
-        assert ours.decode(ids) == ref.decode(ids)
-        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids) == reference.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.smollm2
@@ -111,15 +164,12 @@ def test_special_tokens_are_never_split(ours: Tokenizer) -> None:
 @pytest.mark.parametrize("with_system", [False, True], ids=["no-system", "system"])
 @pytest.mark.parametrize("generation_prompt", [True, False], ids=["gen", "no-gen"])
 def test_chat_template_matches_transformers(
-    ours: Tokenizer, reference, with_system: bool, generation_prompt: bool
+    ours: Tokenizer, reference: TransformersTokenizer, with_system: bool, generation_prompt: bool
 ) -> None:
-    ref, _ = reference
     messages = [SYSTEM, *CHAT] if with_system else CHAT
-    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    want = reference.chat(messages, tokenize=False, add_generation_prompt=generation_prompt)
     assert ours.apply_chat_template(messages, add_generation_prompt=generation_prompt) == want
-    want_ids = ref.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=generation_prompt, return_dict=False
-    )
+    want_ids = reference.chat(messages, tokenize=True, add_generation_prompt=generation_prompt)
     assert ours.encode_chat(messages, add_generation_prompt=generation_prompt) == want_ids
 
 
@@ -135,14 +185,13 @@ def test_properties(ours: Tokenizer, smollm2_path: Path) -> None:
 
 
 @pytest.mark.smollm2
-def test_from_dir_matches(ours: Tokenizer, reference, tmp_path: Path) -> None:
-    ref, _ = reference
-    ref.save_pretrained(tmp_path)
+def test_from_dir_matches(ours: Tokenizer, reference: TransformersTokenizer, tmp_path: Path) -> None:
+    reference.save(tmp_path)
     from_dir = Tokenizer.load(tmp_path)
     for text in CORPUS:
         assert from_dir.encode(text) == ours.encode(text), text
     assert from_dir.chat_template == ours.chat_template
-    want = ref.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    want = reference.chat(CHAT, tokenize=False, add_generation_prompt=True)
     assert from_dir.apply_chat_template(CHAT) == want
     assert from_dir.eos_token_ids == (2,) and from_dir.bos_token_id == 1
 
@@ -166,17 +215,15 @@ def write_tokenizer_gguf(path: Path, tokens: list[str], merges: list[str], types
 @pytest.mark.parametrize(("pre", "arch"), [("llama-bpe", "llama"), ("qwen2", "qwen2")])
 def test_other_pre_tokenizers_match_transformers_gguf(smollm2_path: Path, tmp_path: Path, pre: str, arch: str):
     """SmolLM2's vocabulary under another `tokenizer.ggml.pre`: same ids as transformers' converter."""
-    from transformers import AutoTokenizer
-
     reader = open_gguf(smollm2_path)
     tokens = metadata(reader, "tokenizer.ggml.tokens")
     merges = metadata(reader, "tokenizer.ggml.merges")
     types = np.asarray(metadata(reader, "tokenizer.ggml.token_type")).tolist()
     write_tokenizer_gguf(tmp_path / "t.gguf", tokens, merges, types, pre, arch)
     ours = Tokenizer.from_gguf(tmp_path / "t.gguf")
-    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
+    ref = TransformersTokenizer(tmp_path / "t.gguf")
     for text in CORPUS:
-        assert ours.encode(text) == ref(text, add_special_tokens=False)["input_ids"], text
+        assert ours.encode(text) == ref.ids(text, add_special_tokens=False), text
 
 
 def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
