@@ -326,9 +326,22 @@ async def asend_msg(
 async def arecv_msg(sock: Any, *, limits: Limits = DEFAULT_LIMITS) -> Any:
     """`recv_msg` for a zmq.asyncio socket."""
     _not_router(sock)
-    return decode_frames(await sock.recv_multipart(copy=False), limits)
+    return decode_frames(await _arecv_frames(sock), limits)
 
 
 async def arecv_routed(sock: Any, *, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, Any]:
     """`recv_routed` for a zmq.asyncio socket."""
-    return _routed(sock, await sock.recv_multipart(copy=False), limits)
+    return _routed(sock, await _arecv_frames(sock), limits)
+
+
+async def _arecv_frames(sock: Any) -> list[zmq.Frame]:
+    """The next whole message's frames. pyzmq's asyncio receive reads once when libzmq reports the socket
+    readable and hands a failed read to the waiter, but a report can come with nothing to read: a bound CURVE
+    socket with ZMTP heartbeats reports one as a connecting peer's handshake and heartbeats complete (seen on
+    libzmq 4.3.5, pyzmq 27). No socket here has a receive timeout, so zmq.Again only ever means that: wait
+    again (each wait re-arms on the socket's next event, so this never spins)."""
+    while True:
+        try:
+            return await sock.recv_multipart(copy=False)
+        except zmq.Again:
+            continue

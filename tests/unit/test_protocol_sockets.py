@@ -215,6 +215,53 @@ def test_asyncio_sockets(endpoint: str) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("kind", [zmq.PULL, zmq.ROUTER])
+def test_a_secured_bound_socket_waits_through_a_peers_handshake_and_heartbeats(
+    kind: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bound CURVE socket with ZMTP heartbeats is reported readable, with nothing to read, as a peer connects
+    and its heartbeats begin (libzmq 4.3.5). pyzmq's asyncio receive handed that to the waiter as zmq.Again,
+    which ended the tokenizer's detokenize loop the moment a worker connected (issue 32). The wait must go on
+    until a message comes. Heartbeats every 50 ms: several rounds pass before the peer sends anything."""
+    from deepinfer.protocol import sockets
+    from deepinfer.protocol.auth import ClientAuth, KeyPair, ServerAuth, allow_list
+
+    monkeypatch.setattr(sockets, "BOUND_HEARTBEAT_IVL_MS", 50)
+    server, peer = KeyPair.generate(), KeyPair.generate()
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+
+    async def main() -> None:
+        actx, sctx = zmq.asyncio.Context(), zmq.Context()
+        try:
+            auth = ServerAuth(server, allow_list("detok", [(peer.public, "worker-0")]))
+            if kind == zmq.PULL:
+                bound = make_pull(actx, bind=endpoint, auth=auth)
+                sender = make_push(sctx, connect=endpoint, auth=ClientAuth(peer, server.public))
+            else:
+                bound = make_router(actx, endpoint, auth=auth)
+                sender = make_dealer(sctx, endpoint, "worker-0", auth=ClientAuth(peer, server.public))
+            waiting = asyncio.ensure_future(arecv_msg(bound) if kind == zmq.PULL else arecv_routed(bound))
+            await asyncio.sleep(0.6)  # the handshake and a dozen heartbeat rounds, nothing sent
+            assert not waiting.done() or waiting.exception() is None, repr(waiting.exception())
+            send_msg(sender, AbortRequest("r1"))
+            got = await asyncio.wait_for(waiting, TIMEOUT_MS / 1000)
+            assert got == AbortRequest("r1") if kind == zmq.PULL else got == (b"worker-0", AbortRequest("r1"))
+        finally:
+            actx.destroy(linger=0)
+            sctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_encode_frames_keeps_tensor_memory_referenced() -> None:
     # The frames hold the tensor's memory even when the caller drops its own reference.
     frames = encode_frames(kv_transfer(torch.full((1000,), 3.0)))
