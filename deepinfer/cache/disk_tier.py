@@ -35,7 +35,8 @@ The disk tier is a cache: losing a block is fine, serving a wrong one is not. He
 * Quarantine takes a file only while the reader still holds it open and only if the name still points at
   that exact inode, so a good copy another daemon wrote meanwhile is never taken (quarantine.py).
 * Sharing blocks: a daemon sees what others wrote when it opens (the scan) and, after that, on demand: a
-  `get` of a block not in its index tries the file (read-through), and a `put` of a block whose file
+  `get` of a block not in its index tries the file (read-through), `adopt` (a lookup's look-through, see
+  TieredStore.look_through) takes a file that passes the header check, and a `put` of a block whose file
   already passes the header check adopts that file instead of writing it again. Adopted blocks join the
   index like its own.
 * Capacity is per daemon: `used_bytes` counts the files in this daemon's index (written, adopted, or
@@ -386,6 +387,34 @@ class DiskTier:
             if self._on_change is not None:
                 self._on_change("stored", [block_hash])
         return DiskPut(True, "", evicted)
+
+    def adopt(self, block_hash: BlockHash) -> bool:
+        """Whether the block is in this tier, taking into the index a good file another daemon on this root
+        wrote since `open()` (a header check, not a read: the full check happens when it is read). Blocking
+        (opens a file); False where there is no such file, it is bad (quarantined), or there is no room."""
+        if block_hash in self._index:
+            return True
+        with self._lock:
+            if self._closed or not self._opened or block_hash in self._busy:
+                return False
+        info, _ = self._inspect_file(self.path_of(block_hash), block_hash)
+        if info is None:
+            return False
+        victims: list[_Victim] = []
+        with self._lock:
+            if block_hash not in self._index and not self._closed and block_hash not in self._busy:
+                victims = self._make_room_locked(info.nbytes)
+                if self._used + self._reserved + info.nbytes > self.capacity_bytes:
+                    self._counters["dropped_no_room"] += 1
+                else:
+                    self._index[block_hash] = _Entry(info.nbytes, info.file_id)
+                    self._used += info.nbytes
+                    self._counters["adopted"] += 1
+                    if self._on_change is not None:
+                        self._on_change("stored", [block_hash])
+            found = block_hash in self._index
+        self._delete_files(victims)
+        return found
 
     def _write_file(self, block_hash: BlockHash, header: bytes, payload: memoryview) -> FileId:
         """Write the block's file atomically (block_io.write_atomically: a reader sees the previous file,

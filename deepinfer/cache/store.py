@@ -124,6 +124,24 @@ class TieredStore:
         return [HOST if self.host.contains(h) else DISK if disk is not None and disk.contains(h) else ""
                 for h in hashes]
 
+    def look_through(self, hashes: Sequence[bytes], tiers: Sequence[str]) -> list[str]:
+        """`tiers` (a `lookup` of `hashes`) with its leading run extended through the disk: from the first
+        block found nowhere, each block another daemon on a shared disk root wrote since this one opened is
+        adopted (`DiskTier.adopt`) and counted as DISK, up to the first that is not there. Blocking (a file
+        open per block tried, and one for the first absent): run it off the event loop."""
+        out = list(tiers)
+        disk = self.disk
+        if disk is None:
+            return out
+        first = next((i for i, t in enumerate(out) if not t), len(out))
+        for i in range(first, len(out)):
+            if out[i]:
+                continue
+            if not disk.adopt(hashes[i]):
+                break
+            out[i] = DISK
+        return out
+
     def read(self, hashes: Sequence[bytes], deadline: float | None = None) -> ReadResult:
         """The longest prefix of `hashes` that can be served by `deadline` (clock time), host first, then
         disk (verified, then promoted into host).

@@ -3,7 +3,9 @@
 A thin shell around `deepinfer.cache.store.TieredStore`. Sockets: the service DEALER to the router (Hello,
 heartbeats, KvEvents out; KvResync, Shutdown in) and a bound ROUTER where the workers of this host ask:
 
-* CacheLookup → CacheLookupReply: where each block is (memory only, answered at once);
+* CacheLookup → CacheLookupReply: where each block is, from memory and answered at once; where that leaves
+  a gap in the prefix, after looking through the disk on the I/O threads for blocks other daemons on a shared
+  pool wrote since this one opened (a task within the fetch limit; past it, the memory answer at once);
 * CacheFetch → CacheBlocks: the longest cached prefix, read and verified on the I/O threads (pinned while
   read, promoted from disk to DRAM), one zero-copy frame per block straight from the tier's own bytes
   (gathering ~90 MB into one fresh buffer would cost more than the wire); whatever is not ready by the
@@ -228,8 +230,19 @@ class KvCacheService(Service):
         if self._foreign(peer, req) is not None:
             await self._reply(peer, m.CacheLookupReply(req.request_id, [""] * len(req.block_hashes)))
             return
-        tiers = self.store.lookup(_valid_hashes(req.block_hashes))
-        await self._reply(peer, m.CacheLookupReply(req.request_id, tiers))
+        hashes = _valid_hashes(req.block_hashes)
+        tiers = self.store.lookup(hashes)
+        if self.store.disk is None or all(tiers) or not self.fetches.try_spawn(self._look_through, peer, req,
+                                                                               hashes, tiers):
+            await self._reply(peer, m.CacheLookupReply(req.request_id, tiers))
+
+    async def _look_through(self, peer: bytes, req: m.CacheLookup, hashes: list[bytes], tiers: list[str]) -> None:
+        """Answer a lookup whose index answer has a gap after looking through the disk (on the I/O threads)
+        for blocks other daemons on a shared pool wrote since this one opened (TieredStore.look_through)."""
+        try:
+            tiers = await self._io(self.store.look_through, hashes, tiers)
+        finally:
+            await self._reply(peer, m.CacheLookupReply(req.request_id, tiers))
 
     async def _on_fetch(self, peer: bytes, req: m.CacheFetch) -> None:
         """Read on a task of its own (the socket keeps being read meanwhile), if there is room for one."""

@@ -220,6 +220,34 @@ def test_warm_restart_serves_from_disk_and_never_serves_a_corrupt_block(smollm2_
     assert later.tiers == ["host", "host", "", "disk"]  # promoted on hit; the corrupt one is gone
 
 
+def test_a_lookup_finds_what_another_daemon_on_the_pool_wrote_after_this_one_opened(smollm2_path, tmp_path):
+    """Two hosts' daemons on one pool directory (issue 32): blocks the other wrote after this daemon opened are
+    answered as disk hits, fetched byte for byte, and announced to the router as this daemon's."""
+    from deepinfer.cache.store import TieredStore
+
+    async def run():
+        mesh = Mesh(smollm2_path, tmp_path / "kv")
+        try:
+            d = await mesh.start_daemon()
+            hashes = block_hashes(3, b"pool")
+            kv = kv_for(d, 3, seed=2)
+            other = TieredStore(d.namespace.id, d.kv.block_nbytes, 64 << 20, tmp_path / "kv", 256 << 20)
+            other.open()
+            other.write(hashes[:2], d.kv.block_payloads(kv)[:2])
+            assert other.flush() == 2
+            look = await mesh.ask(m.CacheLookup("l", hashes, d.namespace.id))
+            got = await mesh.ask(m.CacheFetch("f", hashes, namespace=d.namespace.id))
+            await asyncio.sleep(0.3)  # one events period
+            return look, got, kv, hashes, mesh.router
+        finally:
+            await mesh.close()
+
+    look, got, kv, hashes, router = asyncio.run(run())
+    assert look.tiers == ["disk", "disk", ""]
+    assert got.block_hashes == hashes[:2] and torch.equal(torch.stack(got.blocks), kv[:2])
+    assert set(hashes[:2]) <= router.view("disk")
+
+
 def test_a_prefetch_reads_the_disk_held_head_into_dram_before_its_fetch(smollm2_path, tmp_path):
     async def run():
         mesh = Mesh(smollm2_path, tmp_path / "kv")

@@ -155,6 +155,22 @@ def test_a_daemon_uses_blocks_another_wrote_after_it_opened(tmp_path: Path) -> N
     assert b.get(h(3)).reason == dt.MISS  # nobody wrote it
 
 
+def test_adopt_takes_a_good_file_another_daemon_wrote_and_nothing_else(tmp_path: Path) -> None:
+    changes: list[tuple[str, list[bytes]]] = []
+    a = make(tmp_path)
+    b = make(tmp_path, on_change=lambda kind, hs: changes.append((kind, list(hs))))
+    put(a, 1, 2, 3)
+    assert b.adopt(h(1)) and b.contains(h(1)) and changes == [("stored", [h(1)])]
+    assert b.adopt(h(1)) and b.stats()["adopted"] == 1  # already indexed: nothing more
+    assert not b.adopt(h(9))  # nobody wrote it
+    bad = a.path_of(h(2))
+    raw = bytearray(bad.read_bytes())
+    raw[8] ^= 0xFF  # a damaged header: quarantined, never indexed
+    bad.write_bytes(bytes(raw))
+    assert not b.adopt(h(2)) and not bad.exists() and not b.contains(h(2))
+    assert b.adopt(h(3)) and served(b, 1) and served(b, 3) and b.used_bytes == 2 * FILE
+
+
 def test_eviction_deletes_only_the_file_this_daemon_indexed(tmp_path: Path) -> None:
     a = make(tmp_path, capacity_blocks=4, high_watermark=1.0, low_watermark=0.75)
     put(a, 1)

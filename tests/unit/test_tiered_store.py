@@ -85,6 +85,23 @@ def test_lookup_reports_the_tier_of_each_block(tmp_path: Path) -> None:
     assert store.lookup([b"not a hash"]) == [""]
 
 
+def test_look_through_extends_the_prefix_with_another_daemons_blocks(tmp_path: Path) -> None:
+    """Two daemons on one pool: what one wrote after the other opened is found by looking through the disk,
+    up to the first block nobody wrote; the lookup alone (memory) does not see it."""
+    a, b = make(tmp_path), make(tmp_path)
+    write(a, [0, 1, 2, 4])
+    assert a.flush() == 4
+    write(b, [0])
+    hashes = [h(i) for i in range(6)]
+    tiers = b.lookup(hashes)
+    assert tiers == [HOST, "", "", "", "", ""]  # b's own block 0 is in its DRAM
+    assert b.look_through(hashes, tiers) == [HOST, DISK, DISK, "", "", ""]  # 3: nobody wrote it; 4 is past it
+    assert b.lookup(hashes) == [HOST, DISK, DISK, "", "", ""]  # adopted: memory knows them now
+    check(b.read(hashes[:3]))
+    assert make(tmp_path / "elsewhere").look_through(hashes, [""] * 6) == [""] * 6
+    assert TieredStore(NS_ID, N, 100 * N, None, 0).look_through(hashes, ["", HOST]) == ["", HOST]  # no disk
+
+
 def test_read_serves_the_longest_prefix_and_promotes_disk_hits(tmp_path: Path) -> None:
     store = make(tmp_path, host_blocks=3)
     write(store, range(4))
