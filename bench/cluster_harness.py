@@ -16,8 +16,8 @@ as on a machine outside the cluster), and per host a veth pair, one end on the b
 namespace. Names carry this process's id, so concurrent runs (and a run's leftovers) never collide; the subnet is
 10.(200 + pid % 50).(pid // 50 % 250).0/24 for the same reason. Teardown — on leaving the `with`, on a failure,
 and again at interpreter exit — stops every process it started (SIGTERM, then SIGKILL after a grace), kills
-anything else left in the namespaces, and deletes the namespaces and the bridge (a veth pair goes with its
-namespace). `leftovers()` lists what of this run still exists (for tests to assert nothing is left).
+anything else left in the namespaces, and deletes the veth pairs, the namespaces and the bridge. `leftovers()` lists
+what of this run still exists (for tests to assert nothing is left).
 
 The hosts share the filesystem: a directory both hosts' cache daemons name stands in for a shared mount.
 """
@@ -151,6 +151,9 @@ class Cluster:
         for host in self.hosts:
             if self.namespace(host) in self._made:
                 self._kill_namespace(host)
+                # Deleting the pair here, not through its namespace: a namespace's devices go away in the
+                # kernel's own time after `ip netns del` returns.
+                _ip("link", "del", self._veth(host), check=False)
                 _ip("netns", "del", self.namespace(host), check=False)
         if "bridge" in self._made:
             _ip("link", "del", self.bridge, check=False)

@@ -1,16 +1,17 @@
 """The mesh as a cluster (issue 32): hosts are network namespaces joined by a bridge (bench/cluster_harness.py),
 each service started in its host's namespace as its systemd unit runs it, every edge CURVE-secured over tcp://.
 
-The cluster: `front` (router, tokenizer), `p1` (a prefill worker and a cache daemon), `d1` (a decode worker and a
-cache daemon); both daemons' disk tiers on one pool directory (the shared mount). The services start one by one
-in an order no supervisor would choose (decode first, router last), as independent units do; the clients run in
-the root namespace, reaching only `front`.
+The cluster: `front` (router, tokenizer), `p1` and `p2` (a prefill worker and a cache daemon each), `d1` (a decode
+worker and a cache daemon); every daemon's disk tier on one pool directory (the shared mount). The services start
+one by one in an order no supervisor would choose (decode first, router last), as independent units do; `p2`'s
+worker joins later, in the test that needs it. The clients run in the root namespace, reaching only `front`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +26,42 @@ from deepinfer.protocol.client import Client
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(available() is not None, reason=str(available()))]
 
-HOSTS = ("front", "p1", "d1")
-# (host, role, name): every service of the topology below, in the order the test starts them.
+HOSTS = ("front", "p1", "p2", "d1")
+# (host, role, name): the services the fixture starts, in this order; p2's worker is started by the test using it.
 UNITS = [("d1", "worker", "decode-0"), ("front", "tokenizer", "tokenizer-0"), ("p1", "kvcache", "kvcache-p1"),
-         ("p1", "worker", "prefill-0"), ("d1", "kvcache", "kvcache-d1"), ("front", "router", "router")]
+         ("p2", "kvcache", "kvcache-p2"), ("p1", "worker", "prefill-0"), ("d1", "kvcache", "kvcache-d1"),
+         ("front", "router", "router")]
 
 
 def cluster_topology(cluster: Cluster, model: str, keys: Path, pool: Path) -> Topology:
-    front, p1, d1 = (cluster.address(h) for h in HOSTS)
+    front, p1, p2, d1 = (cluster.address(h) for h in HOSTS)
+
+    def prefill(name: str, host: str, address: str) -> WorkerSpec:
+        # fetch_policy "always": a hit is loaded even where this CPU would recompute it as fast (what is tested
+        # here is that the pool serves it; when loading pays is bench_replay's question).
+        return WorkerSpec(name, "prefill", f"tcp://{address}:5570", threads=1, kv_cache_mb=64,
+                          kvcache=f"kvcache-{host}", fetch_policy="always")
+
     return Topology(
         model, f"tcp://{front}:5550", f"tcp://{front}:5551", (TokenizerSpec("tokenizer-0", f"tcp://{front}:5560"),),
-        (WorkerSpec("prefill-0", "prefill", f"tcp://{p1}:5570", threads=1, kv_cache_mb=64, kvcache="kvcache-p1"),
+        (prefill("prefill-0", "p1", p1), prefill("prefill-1", "p2", p2),
          WorkerSpec("decode-0", "decode", f"tcp://{d1}:5570", threads=1, kv_cache_mb=64, kvcache="kvcache-d1")),
-        kvcaches=(KvCacheSpec("kvcache-p1", f"tcp://{p1}:5580", dir=str(pool), host_mb=64, disk_mb=256),
-                  KvCacheSpec("kvcache-d1", f"tcp://{d1}:5580", dir=str(pool), host_mb=64, disk_mb=256)),
+        kvcaches=tuple(KvCacheSpec(f"kvcache-{host}", f"tcp://{address}:5580", dir=str(pool), host_mb=64,
+                                   disk_mb=256) for host, address in (("p1", p1), ("p2", p2), ("d1", d1))),
         security=SecuritySpec(str(keys)),
     )
 
 
+@dataclass
+class Running:
+    cluster: Cluster
+    topology: Topology
+    file: Path
+    pool: Path
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[tuple[Cluster, Topology]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[Running]:
     root = tmp_path_factory.mktemp("cluster")
     with Cluster(HOSTS, log_dir=root) as made:
         topo = cluster_topology(made, str(smollm2_path), root / "keys", root / "pool")
@@ -53,7 +70,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Ite
         make_keys(root / "keys", topo)
         for host, role, name in UNITS:
             made.start(host, role, name, path)
-        yield made, topo
+        yield Running(made, topo, path, root / "pool")
     assert made.leftovers() == []  # every namespace, link and process gone
 
 
@@ -80,11 +97,11 @@ def wait_until_served(c: Client, cluster: Cluster) -> None:
 
 
 def test_started_unit_by_unit_in_any_order_the_secured_cluster_serves_exactly(
-    cluster: tuple[Cluster, Topology], smollm2_oracle: Any
+    cluster: Running, smollm2_oracle: Any
 ) -> None:
     """Prefill on p1, decode on d1: every request's KV crosses hosts over tcp://, CURVE on every edge, and the
     tokens equal transformers'."""
-    made, topo = cluster
+    made, topo = cluster.cluster, cluster.topology
     c = client(topo)
     try:
         wait_until_served(c, made)
@@ -98,3 +115,39 @@ def test_started_unit_by_unit_in_any_order_the_secured_cluster_serves_exactly(
         assert not isinstance(r, Exception), r
         assert r.token_ids == smollm2_oracle.greedy(p, 12)
     assert not made.dead(), "\n".join(made.dead())
+
+
+def test_a_prefix_computed_on_one_host_is_served_on_another_from_the_pool(
+    cluster: Running, smollm2_oracle: Any
+) -> None:
+    """A long prompt prefilled on p1 leaves its blocks in the shared pool (written by p1's daemon). p2's worker
+    joins, p1 is lost (every process on it killed), and the same prompt with a new question is prefilled on p2:
+    its daemon, which opened before those blocks existed, finds them in the pool, and the request is served
+    from the disk tier with transformers' tokens."""
+    made, topo = cluster.cluster, cluster.topology
+    shared = smollm2_oracle.tok.encode(" ".join(f"Line {i}: the pool is one directory every host mounts."
+                                                for i in range(16)))
+    first, second = shared + smollm2_oracle.tok.encode(" First?"), shared + smollm2_oracle.tok.encode(" Second?")
+    blocks = len(shared) // topo.block_size
+    c = client(topo)
+    try:
+        wait_until_served(c, made)
+        a = c.generate(prompt_token_ids=first, max_tokens=8, ignore_eos=True)
+        wait_for(lambda: len(list(cluster.pool.rglob("*.kvb"))) >= blocks, "p1's blocks on the pool's disk")
+        made.start("p2", "worker", "prefill-1", cluster.file)
+        made.kill_host("p1")
+        b = c.generate(prompt_token_ids=second, max_tokens=8, ignore_eos=True)
+    finally:
+        c.close()
+    assert a.token_ids == smollm2_oracle.greedy(first, 8)
+    assert b.token_ids == smollm2_oracle.greedy(second, 8)
+    assert b.usage.cached_by_tier.get("disk", 0) >= (blocks - 1) * topo.block_size, b.usage
+
+
+def wait_for(check: Any, what: str, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
