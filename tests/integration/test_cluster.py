@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from bench.cluster_harness import Cluster, available
+from deepinfer import metrics
 from deepinfer.launch.keys import make_keys
 from deepinfer.launch.sections import KvCacheSpec, SecuritySpec, TokenizerSpec, WorkerSpec
 from deepinfer.launch.topology import Topology
@@ -26,15 +27,15 @@ from deepinfer.protocol.client import Client
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(available() is not None, reason=str(available()))]
 
-HOSTS = ("front", "p1", "p2", "d1")
+HOSTS = ("front", "p1", "p2", "d1", "d2")
 # (host, role, name): the services the fixture starts, in this order; p2's worker is started by the test using it.
 UNITS = [("d1", "worker", "decode-0"), ("front", "tokenizer", "tokenizer-0"), ("p1", "kvcache", "kvcache-p1"),
-         ("p2", "kvcache", "kvcache-p2"), ("p1", "worker", "prefill-0"), ("d1", "kvcache", "kvcache-d1"),
-         ("front", "router", "router")]
+         ("p2", "kvcache", "kvcache-p2"), ("d2", "kvcache", "kvcache-d2"), ("p1", "worker", "prefill-0"),
+         ("d1", "kvcache", "kvcache-d1"), ("d2", "worker", "decode-1"), ("front", "router", "router")]
 
 
 def cluster_topology(cluster: Cluster, model: str, keys: Path, pool: Path) -> Topology:
-    front, p1, p2, d1 = (cluster.address(h) for h in HOSTS)
+    front, p1, p2, d1, d2 = (cluster.address(h) for h in HOSTS)
 
     def prefill(name: str, host: str, address: str) -> WorkerSpec:
         # fetch_policy "always": a hit is loaded even where this CPU would recompute it as fast (what is tested
@@ -45,9 +46,11 @@ def cluster_topology(cluster: Cluster, model: str, keys: Path, pool: Path) -> To
     return Topology(
         model, f"tcp://{front}:5550", f"tcp://{front}:5551", (TokenizerSpec("tokenizer-0", f"tcp://{front}:5560"),),
         (prefill("prefill-0", "p1", p1), prefill("prefill-1", "p2", p2),
-         WorkerSpec("decode-0", "decode", f"tcp://{d1}:5570", threads=1, kv_cache_mb=64, kvcache="kvcache-d1")),
+         WorkerSpec("decode-0", "decode", f"tcp://{d1}:5570", threads=1, kv_cache_mb=64, kvcache="kvcache-d1"),
+         WorkerSpec("decode-1", "decode", f"tcp://{d2}:5570", threads=1, kv_cache_mb=64, kvcache="kvcache-d2")),
         kvcaches=tuple(KvCacheSpec(f"kvcache-{host}", f"tcp://{address}:5580", dir=str(pool), host_mb=64,
-                                   disk_mb=256) for host, address in (("p1", p1), ("p2", p2), ("d1", d1))),
+                                   disk_mb=256)
+                       for host, address in (("p1", p1), ("p2", p2), ("d1", d1), ("d2", d2))),
         security=SecuritySpec(str(keys)),
     )
 
@@ -58,6 +61,8 @@ class Running:
     topology: Topology
     file: Path
     pool: Path
+    metrics: Path
+    env: dict[str, str]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +73,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Ite
         path = root / "cluster.toml"
         path.write_text(topo.to_toml())
         make_keys(root / "keys", topo)
+        (root / "metrics").mkdir()
+        env = {metrics.MULTIPROC_ENV: str(root / "metrics")}  # every host's samples, read as one /metrics would
         for host, role, name in UNITS:
-            made.start(host, role, name, path)
-        yield Running(made, topo, path, root / "pool")
+            made.start(host, role, name, path, env=env)
+        yield Running(made, topo, path, root / "pool", root / "metrics", env)
     assert made.leftovers() == []  # every namespace, link and process gone
 
 
@@ -117,6 +124,58 @@ def test_started_unit_by_unit_in_any_order_the_secured_cluster_serves_exactly(
     assert not made.dead(), "\n".join(made.dead())
 
 
+def test_a_decode_host_cut_off_for_ten_seconds_loses_nothing(cluster: Running, smollm2_oracle: Any) -> None:
+    """Four streams decoding on d1 and d2; d1's link goes down right after every stream's first token, for 10 s
+    (d1 keeps running, unreachable), then comes back. The router moves d1's streams (counted as decode deaths),
+    every stream's deltas add up to its final tokens with no token twice, those equal transformers' (so nothing
+    d1 computed meanwhile was delivered), and the mesh serves a batch again with d1 back. (That d1 itself takes
+    work again is not checked here.)"""
+    import threading
+    import time
+
+    made, topo = cluster.cluster, cluster.topology
+    prompts = [smollm2_oracle.tok.encode(f"Write a long story about lighthouse number {i}.") for i in range(4)]
+    first_token = [threading.Event() for _ in prompts]
+    streams: list[list[Any]] = [[] for _ in prompts]
+    c = client(topo)
+
+    def follow(i: int) -> None:
+        for msg in c.stream(prompt_token_ids=prompts[i], max_tokens=64, ignore_eos=True):
+            streams[i].append(msg)
+            first_token[i].set()
+
+    try:
+        wait_until_served(c, made)
+        before = migrations(cluster, "decode_death")
+        readers = [threading.Thread(target=follow, args=(i,)) for i in range(len(prompts))]
+        for t in readers:
+            t.start()
+        assert all(e.wait(120) for e in first_token)
+        made.cut("d1")
+        time.sleep(10.0)
+        made.restore("d1")
+        for t in readers:
+            t.join(240)
+        assert not any(t.is_alive() for t in readers)
+        after = c.generate_many([dict(prompt_token_ids=p, max_tokens=4, ignore_eos=True) for p in prompts * 2])
+    finally:
+        c.close()
+    for p, msgs in zip(prompts, streams):
+        *deltas, final = msgs
+        assert final.token_ids == smollm2_oracle.greedy(p, 64)
+        assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    assert all(not isinstance(r, Exception) and r.token_ids == smollm2_oracle.greedy(p, 4)
+               for p, r in zip(prompts * 2, after))
+    wait_for(lambda: migrations(cluster, "decode_death") > before, "the router's count of d1's moved streams")
+    assert not made.dead(), "\n".join(made.dead())
+
+
+def migrations(cluster: Running, cause: str) -> float:
+    from tests.service.test_metrics_mesh import aggregate, total
+
+    return total(aggregate(cluster.metrics), "deepinfer_router_migrations_total", cause=cause)
+
+
 def test_a_prefix_computed_on_one_host_is_served_on_another_from_the_pool(
     cluster: Running, smollm2_oracle: Any
 ) -> None:
@@ -134,7 +193,7 @@ def test_a_prefix_computed_on_one_host_is_served_on_another_from_the_pool(
         wait_until_served(c, made)
         a = c.generate(prompt_token_ids=first, max_tokens=8, ignore_eos=True)
         wait_for(lambda: len(list(cluster.pool.rglob("*.kvb"))) >= blocks, "p1's blocks on the pool's disk")
-        made.start("p2", "worker", "prefill-1", cluster.file)
+        made.start("p2", "worker", "prefill-1", cluster.file, env=cluster.env)
         made.kill_host("p1")
         b = c.generate(prompt_token_ids=second, max_tokens=8, ignore_eos=True)
     finally:
