@@ -75,15 +75,22 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for the unit files.")
 @click.option("--user", default="deepinfer", show_default=True,
               help="The (existing, unprivileged) user every unit runs as.")
-def systemd(topology: Path, out: Path, user: str) -> None:
-    """Write systemd units for a topology (templates per role, a target that starts every instance). A topology
-    with tcp:// endpoints needs [security], or `insecure = true` in the file (what every unit reads)."""
+@click.option("--host", default=None, metavar="ADDRESS",
+              help="This machine's address in the topology: the target starts only the services bound there.")
+def systemd(topology: Path, out: Path, user: str, host: str | None) -> None:
+    """Write systemd units for a topology (templates per role, a target that starts every instance, or with --host
+    this host's). A topology with tcp:// endpoints needs [security], or `insecure = true` in the file (what every
+    unit reads)."""
     from deepinfer.launch.systemd import write_units
-    from deepinfer.launch.topology import Topology
+    from deepinfer.launch.topology import Topology, TopologyError
 
     refuse_unsecured(Topology.load(topology), False, flag=None)  # the units would refuse to start
 
-    for path in write_units(topology, out, user=user):
+    try:
+        written = write_units(topology, out, user=user, host=host)
+    except TopologyError as exc:
+        raise click.UsageError(str(exc)) from None
+    for path in written:
         click.echo(str(path))
 
 

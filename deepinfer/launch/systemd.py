@@ -3,6 +3,9 @@
     deepinfer-launch systemd --topology /etc/deepinfer/topology.toml --out /etc/systemd/system [--user deepinfer]
     systemctl daemon-reload && systemctl enable --now deepinfer.target
 
+On a cluster, each machine writes its own: `--host ADDRESS` (its address in the topology) makes the target want only
+the services bound there (docs/cluster.md).
+
 Templates take the service's name in the topology as the instance (`deepinfer-worker@prefill-0`), so one
 template serves every device of a host. The expert balancer, when the topology has one, is
 `deepinfer-balancer@balancer`; each HTTP gateway is `deepinfer-gateway@NAME`. Tokenizers, workers, the
@@ -138,10 +141,11 @@ def _under_home(path: str) -> bool:
 
 
 def unit_files(topology_path: Path, topology: Topology, launcher: str | None = None,
-               user: str = DEFAULT_USER) -> dict[str, str]:
+               user: str = DEFAULT_USER, host: str | None = None) -> dict[str, str]:
     """File name → contents: the target, the templates (the balancer's only when the topology has one),
     the rank units of expert-parallel workers, and nothing per template instance (instances are enabled
-    through the target's Wants=)."""
+    through the target's Wants=). With `host` (an address of the topology), the target wants only the
+    instances on that host (`Topology.instances_on`): what one machine of a cluster enables."""
     launcher = launcher or f"{shlex.quote(sys.executable)} -m deepinfer.launch.cli"
     topo = shlex.quote(str(topology_path.resolve()))
     writable = _writable_dirs(topology)
@@ -178,6 +182,11 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
     # Gateways are clients of the router's front: after it, like the services.
     gateway = {"deepinfer-gateway@.service": unit("gateway")} if topology.gateways else {}
     instances += [f"deepinfer-gateway@{g.name}.service" for g in topology.gateways]
+    if host is not None:
+        here = set(topology.instances_on(host))
+        if not here:
+            raise TopologyError(f"no service of the topology binds on {host}: give one of its hosts' addresses")
+        instances = [i for i in instances if _instance_name(i) in here]
     return {
         "deepinfer.target": _TARGET.format(wants=" ".join(instances)),
         "deepinfer-router@.service": unit("router", after=""),
@@ -189,6 +198,13 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
         **gateway,
         **groups,
     }
+
+
+def _instance_name(unit: str) -> str:
+    """The service a unit runs: `deepinfer-ROLE@NAME.service` or a rank unit `deepinfer-worker-NAME-rankR.service`."""
+    if "@" in unit:
+        return unit.split("@", 1)[1].removesuffix(".service")
+    return unit.removeprefix("deepinfer-worker-").rsplit("-rank", 1)[0]
 
 
 def rank_unit(w: WorkerSpec, rank: int) -> str:
@@ -211,11 +227,11 @@ def _group_lines(w: WorkerSpec, rank: int) -> str:
 
 
 def write_units(topology_path: Path, out_dir: Path, launcher: str | None = None,
-                user: str = DEFAULT_USER) -> list[Path]:
+                user: str = DEFAULT_USER, host: str | None = None) -> list[Path]:
     topology = Topology.load(topology_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in unit_files(topology_path, topology, launcher, user).items():
+    for name, text in unit_files(topology_path, topology, launcher, user, host).items():
         path = out_dir / name
         path.write_text(text)
         written.append(path)

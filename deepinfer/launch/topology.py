@@ -296,6 +296,23 @@ class Topology:
                 return g
         raise TopologyError(f"no gateway named {name!r}")
 
+    def instances_on(self, address: str) -> list[str]:
+        """The services that run on the host with this address, by where each binds: the router by its frontend,
+        a tokenizer by its detok, a worker by its kv (a prefill worker's is required for this), a cache daemon
+        by its endpoint, a gateway by its listen address; the balancer goes with the router. A service bound to
+        a wildcard address, or to ipc://, is on no named host."""
+        def on(endpoint: str) -> bool:
+            host = endpoint.removeprefix("tcp://") if endpoint.startswith("tcp://") else None
+            return host is not None and split_host_port(host)[0].lower() == address.lower()
+
+        names = ["router"] if on(self.frontend) else []
+        names += [t.name for t in self.tokenizers if on(t.detok)]
+        names += [w.name for w in self.workers if on(w.kv)]
+        names += [k.name for k in self.kvcaches if on(k.endpoint)]
+        names += [BALANCER_NAME] if self.balancer is not None and on(self.frontend) else []
+        names += [g.name for g in self.gateways if on(f"tcp://{g.listen}")]
+        return names
+
     def kvcache(self, name: str) -> KvCacheSpec:
         for k in self.kvcaches:
             if k.name == name:

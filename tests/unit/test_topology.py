@@ -456,3 +456,58 @@ def test_two_gateways_may_share_a_port_on_different_hosts(tmp_path):
     topo = load(tmp_path, MINIMAL + GATEWAY.replace("0.0.0.0", "10.0.0.5")
                 + GATEWAY.replace('"gw"', '"gw2"').replace("0.0.0.0", "10.0.0.6"))
     assert [g.name for g in topo.gateways] == ["gw", "gw2"]
+
+
+CLUSTER = """
+model = "smollm2"
+insecure = true
+[router]
+frontend = "tcp://10.0.0.1:5550"
+backend = "tcp://10.0.0.1:5551"
+[[tokenizer]]
+name = "tokenizer-0"
+detok = "tcp://10.0.0.1:5560"
+[[worker]]
+name = "prefill-0"
+role = "prefill"
+kv = "tcp://10.0.0.2:5570"
+kvcache = "kvcache-p1"
+[[worker]]
+name = "decode-0"
+role = "decode"
+kv = "tcp://10.0.0.3:5570"
+kvcache = "kvcache-d1"
+[[kvcache]]
+name = "kvcache-p1"
+endpoint = "tcp://10.0.0.2:5580"
+[[kvcache]]
+name = "kvcache-d1"
+endpoint = "tcp://10.0.0.3:5580"
+[balancer]
+[[gateway]]
+name = "gateway-0"
+listen = "10.0.0.1:8000"
+"""
+
+
+def test_each_host_of_a_cluster_gets_a_target_of_its_own_services(tmp_path: Path) -> None:
+    from deepinfer.launch.systemd import unit_files
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(CLUSTER)
+    topo = Topology.load(path)
+    assert topo.instances_on("10.0.0.1") == ["router", "tokenizer-0", "balancer", "gateway-0"]
+    assert topo.instances_on("10.0.0.2") == ["prefill-0", "kvcache-p1"]
+    assert topo.instances_on("10.0.0.3") == ["decode-0", "kvcache-d1"]
+    assert topo.instances_on("10.0.0.9") == []
+
+    def wants(host: str | None) -> set[str]:
+        target = unit_files(path, topo, launcher="/usr/bin/deepinfer-launch", host=host)["deepinfer.target"]
+        return set(next(line for line in target.splitlines() if line.startswith("Wants=")).split("=", 1)[1].split())
+
+    assert wants("10.0.0.3") == {"deepinfer-worker@decode-0.service", "deepinfer-kvcache@kvcache-d1.service"}
+    assert wants("10.0.0.1") == {"deepinfer-router@router.service", "deepinfer-tokenizer@tokenizer-0.service",
+                                 "deepinfer-balancer@balancer.service", "deepinfer-gateway@gateway-0.service"}
+    assert wants(None) == wants("10.0.0.1") | wants("10.0.0.2") | wants("10.0.0.3")  # every host's, together
+    with pytest.raises(TopologyError, match="no service of the topology binds on 10.0.0.9"):
+        unit_files(path, topo, host="10.0.0.9")
