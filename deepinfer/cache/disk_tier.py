@@ -400,21 +400,27 @@ class DiskTier:
         info, _ = self._inspect_file(self.path_of(block_hash), block_hash)
         if info is None:
             return False
-        victims: list[_Victim] = []
         with self._lock:
-            if block_hash not in self._index and not self._closed and block_hash not in self._busy:
-                victims = self._make_room_locked(info.nbytes)
-                if self._used + self._reserved + info.nbytes > self.capacity_bytes:
-                    self._counters["dropped_no_room"] += 1
-                else:
-                    self._index[block_hash] = _Entry(info.nbytes, info.file_id)
-                    self._used += info.nbytes
-                    self._counters["adopted"] += 1
-                    if self._on_change is not None:
-                        self._on_change("stored", [block_hash])
+            victims = self._adopt_locked(block_hash, info)
             found = block_hash in self._index
         self._delete_files(victims)
         return found
+
+    def _adopt_locked(self, block_hash: BlockHash, info: _FileInfo) -> list[_Victim]:
+        """Index a good file found on the root (another daemon's write) if there is room; returns the blocks
+        evicted to make it, whose files the caller deletes outside the lock."""
+        if self._closed or block_hash in self._index or block_hash in self._busy:
+            return []
+        victims = self._make_room_locked(info.nbytes)
+        if self._used + self._reserved + info.nbytes > self.capacity_bytes:
+            self._counters["dropped_no_room"] += 1
+            return victims
+        self._index[block_hash] = _Entry(info.nbytes, info.file_id)
+        self._used += info.nbytes
+        self._counters["adopted"] += 1
+        if self._on_change is not None:
+            self._on_change("stored", [block_hash])
+        return victims
 
     def _write_file(self, block_hash: BlockHash, header: bytes, payload: memoryview) -> FileId:
         """Write the block's file atomically (block_io.write_atomically: a reader sees the previous file,
@@ -507,21 +513,13 @@ class DiskTier:
     def _read_through(self, block_hash: BlockHash, payload: memoryview | None, reason: str,
                       info: _FileInfo | None) -> DiskRead:
         """The end of a `get` of a block that was not in the index: a good file joins it."""
-        victims: list[_Victim] = []
         with self._lock:
             if payload is None or info is None:
                 self._counters["misses" if reason == VANISHED else "read_failures"] += 1
                 return DiskRead(None, MISS if reason == VANISHED else reason)
             self._counters["hits"] += 1
             self._counters["bytes_read"] += self.file_nbytes
-            if not (self._closed or block_hash in self._index or block_hash in self._busy):
-                victims = self._make_room_locked(info.nbytes)
-                if self._used + self._reserved + info.nbytes <= self.capacity_bytes:
-                    self._index[block_hash] = _Entry(info.nbytes, info.file_id)
-                    self._used += info.nbytes
-                    self._counters["adopted"] += 1
-                    if self._on_change is not None:
-                        self._on_change("stored", [block_hash])
+            victims = self._adopt_locked(block_hash, info)
         self._delete_files(victims)
         return DiskRead(payload)
 
