@@ -76,7 +76,14 @@ def test_bound_sockets_carry_zmtp_heartbeats(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
-def test_a_silent_peer_is_dropped_and_its_restart_reclaims_the_routing_id_on_a_secured_router() -> None:
+def test_a_silent_peer_is_dropped_and_its_restart_reclaims_the_routing_id_on_a_secured_router(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from deepinfer.protocol import sockets
+
+    # The mechanism, on shorter heartbeats than the shipped ones (the test above checks those are what binds).
+    monkeypatch.setattr(sockets, "BOUND_HEARTBEAT_IVL_MS", 200)
+    monkeypatch.setattr(sockets, "BOUND_HEARTBEAT_TIMEOUT_MS", 1000)
     endpoint = _free_tcp()
     server, worker = KeyPair.generate(), KeyPair.generate()
     allow = allow_list("test/backend", [(worker.public, "worker-0")])
