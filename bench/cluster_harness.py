@@ -20,6 +20,11 @@ anything else left in the namespaces, and deletes the veth pairs, the namespaces
 what of this run still exists (for tests to assert nothing is left).
 
 The hosts share the filesystem: a directory both hosts' cache daemons name stands in for a shared mount.
+
+By hand, a topology whose tcp:// endpoints use the addresses A.B.C.1, A.B.C.2, ... (host k = A.B.C.k, in the
+order of first appearance) runs as a cluster until Ctrl-C:
+
+    sudo python -m bench.cluster_harness cluster.toml        # prints each host's services, then the frontend
 """
 
 from __future__ import annotations
@@ -74,14 +79,18 @@ class Service:
 
 @dataclass
 class Cluster:
+    """`hosts`: their names; `net`: the /24 they share, as "A.B.C" (default: one derived from this process's id),
+    each host taking .1, .2, ... in order (`address`), the root namespace .254."""
+
     hosts: Sequence[str]
     log_dir: Path | None = None
+    net: str | None = None
     services: list[Service] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         pid = os.getpid()
         self.tag = f"{pid:x}"[-6:]
-        self._net = f"10.{200 + pid % 50}.{pid // 50 % 250}"
+        self._net = self.net or f"10.{200 + pid % 50}.{pid // 50 % 250}"
         self.bridge = f"dib{self.tag}"
         self._index = {h: i for i, h in enumerate(self.hosts)}
         self._made: list[str] = []
@@ -214,3 +223,44 @@ class Cluster:
         """The services that exited, with the tail of each one's log."""
         return [f"{s.host}/{s.name} exited {s.process.returncode}:\n{s.log.read_text()[-3000:]}"
                 for s in self.services if s.process.poll() is not None]
+
+
+def run_topology(path: Path) -> None:
+    """Every service of the topology at `path` in the namespace of the host its address names (see the module
+    docstring), until SIGINT/SIGTERM; then everything is removed."""
+    from deepinfer.launch.topology import Topology
+
+    topo = Topology.load(path)
+    addresses = sorted({h for _, e in topo.endpoints() if e.startswith("tcp://")
+                        for h in [e.removeprefix("tcp://").rpartition(":")[0]]}, key=lambda a: int(a.split(".")[-1]))
+    nets = {a.rpartition(".")[0] for a in addresses}
+    if len(nets) != 1 or any(int(a.split(".")[-1]) != i + 1 for i, a in enumerate(addresses)):
+        raise SystemExit(f"the topology's addresses must be A.B.C.1, A.B.C.2, ... in one /24; they are {addresses}")
+    hosts = [f"h{i + 1}" for i in range(len(addresses))]
+    roles = {"router": "router", "balancer": "balancer", **{t.name: "tokenizer" for t in topo.tokenizers},
+             **{w.name: "worker" for w in topo.workers}, **{k.name: "kvcache" for k in topo.kvcaches},
+             **{g.name: "gateway" for g in topo.gateways}}
+    stop: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _: stop.append(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _: stop.append(signum))
+    with Cluster(hosts, net=nets.pop()) as cluster:
+        for host, address in zip(hosts, addresses):
+            names = topo.instances_on(address)
+            print(f"{host} ({cluster.namespace(host)}, {address}): {', '.join(names)}", flush=True)
+            for name in names:
+                cluster.start(host, roles[name], name, path.resolve())
+        print(f"frontend {topo.frontend}; logs in {cluster.log_dir}; Ctrl-C stops it", flush=True)
+        while not stop:
+            if cluster.dead():
+                print("\n".join(cluster.dead()), file=sys.stderr, flush=True)
+                break
+            time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m bench.cluster_harness TOPOLOGY.toml")
+    problem = available()
+    if problem is not None:
+        raise SystemExit(problem)
+    run_topology(Path(sys.argv[1]))
