@@ -24,8 +24,9 @@ the previous incarnation resynchronizes at once.
 Bounded whatever arrives: fetches and stores run as tasks, at most `max_fetches_in_flight` and
 `max_stores_in_flight` at once (TaskLimit). Past that a request is answered at once in its own reply type,
 with reason "overloaded" (an empty CacheBlocks: a miss; a CacheStoreAck that stored nothing: a cache may
-forget), so the worker carries on without waiting out a timeout. Lookups are answered inline. Replies never
-wait on a peer: one whose queue is full (it does not read) or that is gone loses the reply (counted).
+forget), so the worker carries on without waiting out a timeout. Lookups are answered inline (a look-through
+is a task within the fetch limit). Replies never wait on a peer: one whose queue is full (it does not read) or
+that is gone loses the reply (counted).
 
 Scoped by namespace: a daemon holds one namespace (its model's CacheNamespace: model and tokenizer
 fingerprints, KV dtype and layout, block size, hash scheme), and every request names the namespace its hashes
