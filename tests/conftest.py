@@ -19,15 +19,10 @@
   source, flags and compiler): a second run reuses them. Tests of the cache itself use a private one.
 * `--oracle-memo`: transformers' answers are kept on disk between runs (tests/oracle_memo.py); off by default,
   so the full suite (and CI) asks transformers afresh.
-* Python's bytecode cache is on for the suite and every process it starts, whatever the environment says: the
-  suite starts hundreds of service processes, and where PYTHONDONTWRITEBYTECODE is set (as on the machines
-  this suite is measured on) each one compiled the whole package from source again (~0.6 s of CPU each).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +35,6 @@ from hypothesis import settings
 
 from deepinfer.kernels.amx import allow_amx, amx_allowed
 from deepinfer.loading.fetch import fetch_smollm2
-
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # the processes the tests start (see the docstring)
-sys.dont_write_bytecode = False  # this one's own later imports: the test modules, rewritten by pytest
 
 TINY_CONFIG: dict[str, Any] = {
     "vocab_size": 96,
