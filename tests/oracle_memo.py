@@ -17,6 +17,7 @@ Where: `$DEEPINFER_CACHE_DIR/oracle-memo` (by default `~/.cache/deepinfer/oracle
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -51,8 +52,14 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy of the weights
     return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (a GGUF the oracle reads directly)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def model_key(model: Any) -> str:
@@ -74,6 +81,12 @@ _PACKAGES = ("transformers", "torch", "tokenizers", "gguf", "numpy")  # what the
 
 
 def _environment() -> str:
+    return f"{_versions()}|cpu={torch.backends.cpu.get_cpu_capability()}|threads={torch.get_num_threads()}"
+
+
+@functools.cache
+def _versions() -> str:
+    """The packages' versions, read once: they cannot change under a running test session."""
     from importlib.metadata import PackageNotFoundError, version
 
     def installed(name: str) -> str:
@@ -82,8 +95,7 @@ def _environment() -> str:
         except PackageNotFoundError:
             return "-"
 
-    versions = "|".join(f"{name}={installed(name)}" for name in _PACKAGES)
-    return f"{versions}|cpu={torch.backends.cpu.get_cpu_capability()}|threads={torch.get_num_threads()}"
+    return "|".join(f"{name}={installed(name)}" for name in _PACKAGES)
 
 
 def remember(kind: str, key: str | Callable[[], str], question: Any, compute: Callable[[], Any]) -> Any:
@@ -108,9 +120,7 @@ def _remember(kind: str, key: str | Callable[[], str], question: Any, compute: C
     path = memo_dir() / kind / entry[:2] / f"{entry}{suffix}"
     try:
         return read(path)
-    except FileNotFoundError:
-        pass
-    except Exception:  # noqa: BLE001 - an entry damaged in any way is asked afresh and replaced
+    except Exception:  # noqa: BLE001 - a miss, or an entry damaged in any way: asked afresh and replaced
         pass
     answer = compute()
     path.parent.mkdir(parents=True, exist_ok=True)

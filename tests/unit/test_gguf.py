@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 from pathlib import Path
@@ -279,7 +278,7 @@ def test_smollm2_gguf_matches_transformers_loader(smollm2_path: Path, smollm2_or
 
     # transformers' answer, from the oracle memo when pytest runs with --oracle-memo (tests/oracle_memo.py).
     reference = oracle_memo.remember(
-        "gguf-tensors", lambda: hashlib.sha256(smollm2_path.read_bytes()).hexdigest(),
+        "gguf-tensors", lambda: oracle_memo.file_digest(smollm2_path),
         [inspect.getsource(_transformers_gguf_digests), inspect.getsource(_digest)],
         lambda: _transformers_gguf_digests(smollm2_path))
     assert reference.keys() == loaded.state_dict.keys()

@@ -92,7 +92,7 @@ class TransformersTokenizer:
         def key() -> str:
             if self._key is None:
                 source = inspect.getsource(TransformersTokenizer) + inspect.getsource(_smollm2_pre_tokenizer)
-                self._key = hashlib.sha256(self._gguf.read_bytes() + source.encode()).hexdigest()
+                self._key = hashlib.sha256(f"{oracle_memo.file_digest(self._gguf)}|{source}".encode()).hexdigest()
             return self._key
 
         return oracle_memo.remember("tokenizer", key, [self._smollm2_pre, *question],
