@@ -15,15 +15,26 @@ from deepinfer.protocol import messages as m
 from deepinfer.protocol.auth import KeyPair
 from deepinfer.protocol.client_errors import MeshError, RequestTimeoutError, error_from_reply
 from deepinfer.protocol.client_requests import build_request, encode_request
-from deepinfer.protocol.client_session import CONNECT_TIMEOUT_S, HELLO, Ids, RouterLink, client_auth, hello
+from deepinfer.protocol.client_session import (
+    CONNECT_TIMEOUT_S,
+    HELLO,
+    RESUME_WITHIN_S,
+    Ids,
+    RouterLink,
+    client_auth,
+    hello,
+)
 
 
 class AsyncClient:
-    """asyncio client: any number of concurrent requests over one socket, all on one event loop."""
+    """asyncio client: any number of concurrent requests over one socket, all on one event loop. A generation
+    whose connection to the router drops is resumed on the next one, from what its caller received, when a
+    router (the same or a restarted one) is reachable within `resume_within_s` (`client_session`)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 300.0, api_key: str | None = None,
                  ctx: zmq.asyncio.Context | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 curve_keys: KeyPair | None = None, server_key: bytes | str | None = None) -> None:
+                 curve_keys: KeyPair | None = None, server_key: bytes | str | None = None,
+                 resume_within_s: float = RESUME_WITHIN_S) -> None:
         # inproc:// endpoints only connect within one context: pass the mesh's to talk to an in-process mesh.
         auth = client_auth(curve_keys, server_key)  # before any resource: a bad pair leaves nothing to close
         self._own_ctx = ctx is None
@@ -31,7 +42,8 @@ class AsyncClient:
         try:
             # Plain (blocking-kind) sockets on the same context, used only non-blocking by one task (`_pump`):
             # one reader for replies and connection events alike, and no asyncio socket futures holding a reply.
-            self._link = RouterLink(zmq.Context.shadow(self._ctx.underlying), endpoint, connect_timeout_s, auth)
+            self._link = RouterLink(zmq.Context.shadow(self._ctx.underlying), endpoint, connect_timeout_s, auth,
+                                    resume_within_s)
         except BaseException:
             if self._own_ctx:
                 self._ctx.term()
@@ -144,7 +156,8 @@ class AsyncClient:
     async def _exchange(self, key: str, msg: Any) -> AsyncIterator[Any]:
         """Send `msg` and yield its replies until the last; each must come within timeout_s."""
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._session.open(key, encode_request(msg), q, time.monotonic())  # refused before sending: a typed error
+        frames = encode_request(msg)  # refused before sending: a typed error
+        self._session.open(key, frames, q, time.monotonic(), msg if isinstance(msg, m.GenerateRequest) else None)
         self._kick()
         try:
             while True:

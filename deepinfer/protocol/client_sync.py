@@ -21,6 +21,7 @@ from deepinfer.protocol.client_requests import build_request, encode_request
 from deepinfer.protocol.client_session import (
     CONNECT_TIMEOUT_S,
     HELLO,
+    RESUME_WITHIN_S,
     Ids,
     RouterLink,
     Sink,
@@ -34,10 +35,11 @@ class _SocketThread:
     """Owns the RouterLink (the DEALER, its monitor and the session); the only thread that touches any of them.
     Callers hand it work through `_call` (a queue, plus a byte on a socket pair that wakes its poll)."""
 
-    def __init__(self, endpoint: str, connect_timeout_s: float, auth: ClientAuth | None = None) -> None:
+    def __init__(self, endpoint: str, connect_timeout_s: float, auth: ClientAuth | None = None,
+                 resume_within_s: float = RESUME_WITHIN_S) -> None:
         self._ctx = zmq.Context()
         try:
-            self._link = RouterLink(self._ctx, endpoint, connect_timeout_s, auth)
+            self._link = RouterLink(self._ctx, endpoint, connect_timeout_s, auth, resume_within_s)
         except BaseException:
             self._ctx.term()
             raise
@@ -54,8 +56,8 @@ class _SocketThread:
 
     # -- called from any thread --
 
-    def submit(self, key: str, frames: list, sink: Sink) -> None:
-        if not self._call(self._session.open, key, frames, sink, time.monotonic()):
+    def submit(self, key: str, frames: list, sink: Sink, request: m.GenerateRequest | None = None) -> None:
+        if not self._call(self._session.open, key, frames, sink, time.monotonic(), request):
             sink.put_nowait(MeshError("the client is closed", key))
 
     def forget(self, key: str, reason: str) -> None:
@@ -121,15 +123,17 @@ class _SocketThread:
 
 class Client:
     """Blocking client; safe to share between threads, each call waiting for its own requests' replies.
-    Requests may also overlap within one thread via `generate_many`."""
+    Requests may also overlap within one thread via `generate_many`. A generation whose connection to the router
+    drops is resumed on the next one, from what its caller received, when a router (the same or a restarted
+    one) is reachable within `resume_within_s` (`client_session`)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 300.0, api_key: str | None = None, *,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S, curve_keys: KeyPair | None = None,
-                 server_key: bytes | str | None = None) -> None:
+                 server_key: bytes | str | None = None, resume_within_s: float = RESUME_WITHIN_S) -> None:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self._ids = Ids()
-        self._io = _SocketThread(endpoint, connect_timeout_s, client_auth(curve_keys, server_key))
+        self._io = _SocketThread(endpoint, connect_timeout_s, client_auth(curve_keys, server_key), resume_within_s)
         # A client dropped without close() still stops its thread and frees its sockets.
         self._close = weakref.finalize(self, self._io.close)
         try:
@@ -178,7 +182,7 @@ class Client:
         req = build_request(self._ids.next(), spec.pop("prompt", None), spec.pop("messages", None),
                             spec.pop("prompt_token_ids", None), stream, spec.pop("priority", 0), api_key,
                             spec.pop("timeout_s", None), spec)
-        self._io.submit(req.request_id, encode_request(req), sink)  # a request the router would refuse raises here
+        self._io.submit(req.request_id, encode_request(req), sink, req)  # one the router would refuse raises here
         return req.request_id
 
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,

@@ -26,7 +26,8 @@ with prompt_token_ids), logit_bias, per-item logprobs on every DetokenizeItem, a
 "unauthorized" and "unavailable"; 9 added the error code "request_too_large" (the router refuses an oversized
 request by its id instead of dropping the connection it came on), graceful drain (DrainService,
 ServiceQuery, ServiceStatus and Shutdown.timeout_s), and the namespace of CacheLookup and CacheFetch; 10 added
-a client's readiness question (MeshQuery, MeshStatus).
+a client's readiness question (MeshQuery, MeshStatus); 13 added stream resumption across a lost router connection
+(ResumeRequest, Resumed).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ __all__ = [
     "PrefillDone",
     "PrefillJob",
     "RequestFinished",
+    "ResumeRequest",
+    "Resumed",
     "SamplingParamsWire",
     "ServiceExited",
     "ServiceQuery",
@@ -87,7 +90,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 12  # 12: CachePrefetch
+PROTOCOL_VERSION = 13  # 12: CachePrefetch; 13: ResumeRequest, Resumed
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -431,6 +434,36 @@ class MeshStatus:
     request_id: str
     servable: bool
     reason: str = ""
+
+@message(0x15)
+class ResumeRequest:
+    """Client → router, once its connection to the router dropped and came back (a restarted router, or the
+    same one after a network blip): go on with `request` (the GenerateRequest as first sent; `request_id` is
+    its id) from what the client received of it, `output_token_ids` with their `text` (and the logprobs it
+    asked for). A router that still holds the request sends what the client missed; one that does not (it
+    restarted) admits it again and continues from that output as a moved request does: a worker prefills
+    prompt + output and goes on at the next position, so greedy and seeded output are an undisturbed run's.
+    Answered with Resumed first, then as any request (StreamDelta..., RequestFinished, or an ErrorReply)."""
+
+    request_id: str
+    request: GenerateRequest
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[LogprobWire] | None = None
+    prompt_logprobs: list[LogprobWire | None] | None = None  # as the first StreamDelta carried them
+    streamed: bool = False  # a StreamDelta of it reached the client
+    elapsed_s: float = 0.0  # since the client first sent it: its timeout counts from then
+
+
+@message(0x16)
+class Resumed:
+    """Router → client, the first answer to a ResumeRequest: the request's replies go on from `offset` generated
+    tokens (what the client said it had). A StreamDelta that reached the client between the drop and this one
+    belongs to the old connection's order and is stale; the ones after it are contiguous from `offset`."""
+
+    request_id: str
+    offset: int
+
 
 # --- router ↔ tokenizer ↔ decode 0x20–0x2F ------------------------------------------------------------------
 

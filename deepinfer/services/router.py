@@ -257,7 +257,8 @@ class RouterService(BaseService):
     def _client_table(self) -> dict[type, Handler]:
         core = self.core
         return {m.Hello: self._welcome_client, m.GenerateRequest: self._by_core(core.on_generate),
-                m.AbortRequest: self._by_core(core.on_abort), m.MeshQuery: self._mesh_query}
+                m.AbortRequest: self._by_core(core.on_abort), m.MeshQuery: self._mesh_query,
+                m.ResumeRequest: self._by_core(core.on_resume)}
 
     def _by_core(self, event: Callable[[Any, Any, float], list[Outbound]]) -> Handler:
         """A handler feeding (peer, message) to a core event and sending what it returns."""

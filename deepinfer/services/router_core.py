@@ -91,7 +91,8 @@ from deepinfer.protocol.messages import (
 from deepinfer.services.router_admission import AdmissionMixin, Refusal
 from deepinfer.services.router_cache import Chosen, Prediction, PrefillCostModel
 from deepinfer.services.router_moves import MAX_HANDOFF_RETRIES, RETRIED_CODES, MovesMixin
-from deepinfer.services.router_placement import DECODE, Assignment, Beat, InstanceTable, Placement
+from deepinfer.services.router_placement import DECODE, Assignment, Beat, Instance, InstanceTable, Placement
+from deepinfer.services.router_resume import ResumeMixin
 from deepinfer.services.router_state import (
     ClientId,
     Outbound,
@@ -109,7 +110,7 @@ log = structlog.get_logger("deepinfer.router")
 
 
 
-class RouterCore(AdmissionMixin, MovesMixin):
+class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.table = InstanceTable(config.heartbeat_timeout_s, config.progress_timeout_s, config.block_size)
@@ -130,6 +131,7 @@ class RouterCore(AdmissionMixin, MovesMixin):
         # admitted and wait parked for one (a restart, a rolling drain) instead of being refused.
         self._servable_at = -math.inf
         self._refusal_logged_at = -math.inf  # refused deltas are logged at most once a second
+        self._init_resumes()
 
     @property
     def num_inflight(self) -> int:
@@ -166,7 +168,6 @@ class RouterCore(AdmissionMixin, MovesMixin):
             problem = f"request id {req.request_id!r} is already in flight"
         if problem is not None:
             return refuse("invalid_request", problem)
-        salt = cfg.tenants.get(req.api_key, cfg.default_cache_salt) if req.api_key else cfg.default_cache_salt
         if cfg.require_api_key and req.api_key not in cfg.tenants:
             return refuse("unauthorized", "unknown or missing api_key")
         estimate, tenant = estimate_tokens(req), cfg.known_tenant(req.api_key)
@@ -174,33 +175,41 @@ class RouterCore(AdmissionMixin, MovesMixin):
         admitted = self._admit(req, tenant, estimate, slo, now)
         if isinstance(admitted, Refusal):
             return refuse(admitted.code, admitted.message, admitted.shed, admitted.retry_after_s)
-        tokenizer = admitted
+        st = self._open(client, req, admitted, now, now)
+        st.ttft_slo_s = slo
+        encode = EncodeRequest(st.rid, req.prompt, req.messages, req.prompt_token_ids, cache_salt=st.cache_salt,
+                               stop=list(req.params.stop), max_tokens=req.params.max_tokens)
+        return [Outbound(admitted.name, encode)]
 
+    def _open(self, client: ClientId, req: GenerateRequest, tokenizer: Instance, arrival: float,
+              now: float) -> RouterRequest:
+        """Admit `req` (valid, authorised, with a live tokenizer): its state, held by `tokenizer`, queued."""
+        cfg = self.config
         rid = f"{cfg.id_prefix}{self._counter}"
-        deadline = now + (req.timeout_s if req.timeout_s is not None else cfg.request_timeout_s)
-        st = RouterRequest(rid, self._counter, client, req, now, deadline, Assignment(rid, tokenizer.name))
+        deadline = arrival + (req.timeout_s if req.timeout_s is not None else cfg.request_timeout_s)
+        st = RouterRequest(rid, self._counter, client, req, arrival, deadline, Assignment(rid, tokenizer.name))
         self._counter += 1
         self._reqs[rid] = st
         self._by_client.setdefault(client, {})[req.request_id] = rid
         heapq.heappush(self._deadlines, (deadline, rid))
-        st.cache_salt = salt
-        st.tenant, st.priority = tenant, max(req.priority, cfg.priority_floor.get(tenant, cfg.default_priority_floor))
-        st.ttft_slo_s = slo
-        self._inflight_by_tenant[tenant] += 1
-        self._enqueue(st, estimate)
+        st.cache_salt = cfg.tenants.get(req.api_key, cfg.default_cache_salt) if req.api_key else cfg.default_cache_salt
+        st.tenant = cfg.known_tenant(req.api_key)
+        st.priority = max(req.priority, cfg.priority_floor.get(st.tenant, cfg.default_priority_floor))
+        self._inflight_by_tenant[st.tenant] += 1
+        self._enqueue(st, estimate_tokens(req))
         self.table.hold(st.where, {tokenizer.name})
         self.metrics.admitted += 1
-        encode = EncodeRequest(rid, req.prompt, req.messages, req.prompt_token_ids, cache_salt=salt,
-                               stop=list(req.params.stop), max_tokens=req.params.max_tokens)
-        return [Outbound(tokenizer.name, encode)]
+        return st
 
     def on_abort(self, client: ClientId, abort: AbortRequest, now: float) -> list[Outbound]:
         rid = self._by_client.get(client, {}).get(abort.request_id)
         if rid is None:
+            self._forget_resumes(client, abort.request_id)
             return []  # unknown or already ended: a no-op, as the protocol says
         return self._cancel(self._reqs[rid], now, abort.reason or "aborted by the client")
 
     def on_client_gone(self, client: ClientId, now: float) -> list[Outbound]:
+        self._forget_resumes(client)
         out: list[Outbound] = []
         for rid in list(self._by_client.get(client, {}).values()):
             st = self._reqs[rid]
@@ -272,8 +281,11 @@ class RouterCore(AdmissionMixin, MovesMixin):
             return self._stale()
         st.prompt_ids, st.block_hashes = res.token_ids, res.block_hashes
         self._recharge(st, len(st.job_tokens))
-        # (A request that moved was admitted already: it is never refused for the queue it rejoined.)
-        if not st.moves:
+        # (A request that moved or resumed was admitted already: it is never refused for the queue it rejoined.)
+        if st.resumed and len(st.output_ids) >= st.params.max_tokens:  # its client had every token
+            st.finish_reason = "length"
+            return self._finish(st, now)
+        if not st.moves and not st.resumed:
             refusal = self._over_token_limits(st)
             if refusal is not None:
                 self.metrics.shed[refusal[0]] += 1
@@ -385,7 +397,7 @@ class RouterCore(AdmissionMixin, MovesMixin):
         if len(self._deadlines) > 2 * len(self._reqs) + 64:  # drop entries of ended requests
             self._deadlines = [(s.deadline, s.rid) for s in self._reqs.values()]
             heapq.heapify(self._deadlines)
-        return out + self._place_parked(now)
+        return out + self._resumes_due(now) + self._place_parked(now)
 
     # ----- internals: placement -----
 

@@ -97,6 +97,7 @@ class RouterRequest:
     tenant: str = ""  # its api_key if configured, else ANONYMOUS: whose policy and quotas it falls under
     priority: int = 0  # the client's, raised to the tenant's floor
     moves: int = 0  # times it continued elsewhere after losing a worker or its tokenizer
+    resumed: bool = False  # admitted again after its client lost the router that held it (router_resume)
     job_output: int = 0  # output tokens it had when its current prefill job was sent (the job's resume point)
     handoff_retries: int = 0  # times it was placed anew after its prefill or KV handoff failed
     avoid: frozenset[str] = frozenset()  # workers its next placement avoids (where its handoff failed)
@@ -232,8 +233,11 @@ class RouterMetrics:
     moves: int = 0  # requests that continued elsewhere after losing a worker or tokenizer
     # Requests placed anew elsewhere, by cause: "<role>_death" (prefill, decode, worker, tokenizer: its
     # process died, restarted or stopped heartbeating), "handoff_failure" (the prefill or its KV handoff
-    # failed without a death: moved, or a refused reservation retried), "drain".
+    # failed without a death: moved, or a refused reservation retried), "drain", "router_lost" (its client
+    # lost the router that held it and resumed it here: router_resume).
     migrations: Counter[str] = field(default_factory=Counter)
+    # ResumeRequests by outcome: "attached" (this router held the request), "readmitted", "refused".
+    resumes: Counter[str] = field(default_factory=Counter)
     # Admission refusals with "overloaded", by cause: queue_requests, queue_tokens, predicted_wait,
     # tenant_inflight, tenant_tokens, draining, ttft_slo (also counted in `rejected`, or in `errors` when
     # the refusal came once the request was encoded: a token limit broken by the exact prompt length, a

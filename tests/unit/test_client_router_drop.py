@@ -1,6 +1,8 @@
 """A router that answers and then leaves at once (a drain, a crash right after its last token): the reply that
 reached the client's socket before the connection dropped is delivered, by `Client` and `AsyncClient` alike, and
-only a request whose answer never came fails with RouterLostError. The rule lives in `Session.on_disconnected`;
+only a request whose answer never came is lost: a generation waits for a router to resume it on (here none comes
+within resume_within_s, so it fails with RouterLostError), anything else fails at once. The rule lives in
+`Session.on_disconnected`;
 `RouterLink` is the socket side both clients drive. Real ZeroMQ sockets over ipc://; the fake router closes under
 control (its socket lingers until the reply has left), and every wait is on a condition."""
 
@@ -147,7 +149,7 @@ def test_the_link_delivers_a_reply_queued_before_the_drop(endpoint: str, drop_fi
 def test_client_delivers_the_reply_that_came_before_the_router_left(endpoint: str) -> None:
     router = AnswerOneAndLeave(endpoint, held=2)
     router.go.set()
-    with Client(endpoint, timeout_s=WAIT_S) as c:
+    with Client(endpoint, timeout_s=WAIT_S, resume_within_s=1.0) as c:
         done, error = c.generate_many([dict(prompt="answer"), dict(prompt="hold")])
         assert isinstance(done, m.RequestFinished) and done.text == "done", done
         assert isinstance(error, RouterLostError), error
@@ -158,7 +160,7 @@ def test_async_client_delivers_the_reply_that_came_before_the_router_left(endpoi
     router = AnswerOneAndLeave(endpoint, held=2)
 
     async def main() -> None:
-        async with AsyncClient(endpoint, timeout_s=WAIT_S) as c:
+        async with AsyncClient(endpoint, timeout_s=WAIT_S, resume_within_s=1.0) as c:
             answered = asyncio.ensure_future(c.generate(prompt="answer"))
             lost = asyncio.ensure_future(c.generate(prompt="hold"))
             assert await asyncio.to_thread(router.holding.wait, WAIT_S)
@@ -172,3 +174,69 @@ def test_async_client_delivers_the_reply_that_came_before_the_router_left(endpoi
             assert not c._session.routes
 
     asyncio.run(main())
+
+
+def delta(req_id: str, offset: int, *tokens: int) -> m.StreamDelta:
+    return m.StreamDelta(req_id, "".join(f"<{t}>" for t in tokens), list(tokens), offset)
+
+
+def test_a_dropped_generation_is_resumed_on_the_next_connection_from_what_its_caller_received() -> None:
+    """A generation (opened with its GenerateRequest) survives the drop: on the next connection the session asks
+    for it again with the tokens and text its caller got; deltas are stale until Resumed, then contiguous."""
+    s = Session("ipc://router", connect_timeout_s=WAIT_S, connected=True)
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    req = m.GenerateRequest("g", prompt="p", stream=True)
+    s.open("g", [], sink, 1.0, req)
+    s.outbox.clear()
+    for d in (delta("g", 0, 5, 6), delta("g", 2, 7)):
+        s.deliver(d)
+    s.now = 4.0
+    s.on_disconnected([delta("g", 3, 8)])  # a reply queued before the drop still counts
+    assert [sink.get_nowait() for _ in range(3)] == [delta("g", 0, 5, 6), delta("g", 2, 7), delta("g", 3, 8)]
+    assert "g" in s.routes and not s.outbox  # not failed, and nothing to send until a router is there
+    s.now = 5.5
+    s.on_connected()
+    [hello, resume] = [decode_frames(frames) for _, frames in s.outbox]
+    assert isinstance(hello, m.Hello)
+    assert resume == m.ResumeRequest("g", req, [5, 6, 7, 8], "<5><6><7><8>", None, None, True, 4.5)
+    s.deliver(delta("g", 4, 9))  # the old connection's order: stale until Resumed
+    s.deliver(m.Resumed("g", 4))
+    s.deliver(delta("g", 5, 10))  # a gap: never handed on
+    s.deliver(delta("g", 4, 9))
+    s.deliver(finished("g"))
+    assert [sink.get_nowait() for _ in range(2)] == [delta("g", 4, 9), finished("g")] and sink.empty()
+    assert not s.routes and not s.received and s.resumed == 1
+
+
+def test_a_dropped_generation_fails_when_no_router_comes_within_resume_within_s() -> None:
+    s = Session("ipc://router", connect_timeout_s=0.5, connected=True, resume_within_s=2.0)
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    s.open("g", [], sink, 0.0, m.GenerateRequest("g", prompt="p"))
+    s.outbox.clear()
+    s.now = 10.0
+    s.on_disconnected([])
+    s.expire(11.9)
+    assert sink.empty()
+    s.expire(12.0)
+    error = sink.get_nowait()
+    assert isinstance(error, RouterLostError) and "within 2s to resume on" in str(error)
+    assert not s.routes and not s.received
+    assert [decode_frames(frames) for _, frames in s.outbox] == [m.AbortRequest("g", "client found no router")]
+
+
+def test_a_resume_over_the_client_limits_fails_its_request_only() -> None:
+    """A generation whose output no longer fits a client message cannot be resumed: it fails, typed; the other
+    one is resumed."""
+    s = Session("ipc://router", connect_timeout_s=WAIT_S, connected=True)
+    big, small = queue.SimpleQueue(), queue.SimpleQueue()
+    s.open("big", [], big, 0.0, m.GenerateRequest("big", prompt="p", stream=True))
+    s.open("small", [], small, 0.0, m.GenerateRequest("small", prompt="p", stream=True))
+    s.outbox.clear()
+    s.deliver(m.StreamDelta("big", "x" * (3 << 20), [1], 0))
+    s.on_disconnected([])
+    s.on_connected()
+    assert isinstance(big.get_nowait(), m.StreamDelta)
+    error = big.get_nowait()
+    assert isinstance(error, RouterLostError) and "cannot be resumed" in str(error)
+    sent = [decode_frames(frames) for _, frames in s.outbox]
+    assert [type(x) for x in sent] == [m.Hello, m.AbortRequest, m.ResumeRequest] and sent[2].request_id == "small"

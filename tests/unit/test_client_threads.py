@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,13 +39,16 @@ class FakeRouter:
     (streamed: one StreamDelta per token, then RequestFinished). Prompts steer it:
       "hold"    answered only when the next GenerateRequest arrives, just before that one's answer;
       "ignore"  never answered;
-      "trickle" (streamed) one delta now, the rest never.
+      "trickle" (streamed) one delta now, the rest never (also asked for by the stop string "trickle").
+    A ResumeRequest is answered with Resumed and the echo's rest (past the tokens the client had); `resumed`
+    queues its (request id, tokens the client had).
     `received` and `aborted` queue the ids of GenerateRequests and AbortRequests as they arrive."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.received: queue.Queue[str] = queue.Queue()
         self.aborted: queue.Queue[str] = queue.Queue()
+        self.resumed: queue.Queue[tuple[str, list[int]]] = queue.Queue()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self.serve, name="fake-router", daemon=True)
@@ -84,6 +88,11 @@ class FakeRouter:
                         send_msg(sock, m.Welcome(m.PROTOCOL_VERSION, True, service="router"), client)
                     elif isinstance(msg, m.AbortRequest):
                         self.aborted.put(msg.request_id)
+                    elif isinstance(msg, m.ResumeRequest):
+                        n = len(msg.output_token_ids)
+                        self.resumed.put((msg.request_id, msg.output_token_ids))
+                        rest = [r for r in echo(msg.request) if not isinstance(r, m.StreamDelta) or r.offset >= n]
+                        answer(client, [m.Resumed(msg.request_id, n), *rest], now)
                     elif isinstance(msg, m.GenerateRequest):
                         self.received.put(msg.request_id)
                         for held_client, msgs in held:
@@ -92,7 +101,7 @@ class FakeRouter:
                         reply = echo(msg)
                         if msg.prompt == "hold":
                             held.append((client, reply))
-                        elif msg.prompt == "trickle":
+                        elif msg.prompt == "trickle" or "trickle" in msg.params.stop:
                             answer(client, reply[:1], now)
                         elif msg.prompt != "ignore":
                             answer(client, reply, now + rng.uniform(0.0, 0.02))
@@ -269,9 +278,9 @@ def assert_router_lost(outcomes: queue.Queue[BaseException | list], n: int) -> N
     assert len(flat) == n and all(isinstance(x, RouterLostError) for x in flat), flat
 
 
-def test_requests_fail_when_the_router_goes_and_the_client_reconnects(endpoint):
+def test_requests_fail_when_no_router_comes_back_in_time_and_the_client_reconnects_later(endpoint):
     first = FakeRouter(endpoint).start()
-    with Client(endpoint, timeout_s=60) as c:
+    with Client(endpoint, timeout_s=60, resume_within_s=1.0) as c:
         outcomes = in_flight_on(c, first, 4)
         first.stop()
         assert_router_lost(outcomes, 4)  # long before timeout_s
@@ -288,7 +297,7 @@ def test_a_silent_router_is_noticed_by_heartbeats(endpoint):
     code = f"from tests.unit.test_client_threads import FakeRouter; FakeRouter({endpoint!r}).serve()"
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     try:
-        with Client(endpoint, timeout_s=60, connect_timeout_s=WAIT_S) as c:
+        with Client(endpoint, timeout_s=60, connect_timeout_s=2.0, resume_within_s=2.0) as c:
             assert c.generate(prompt_token_ids=[1]).token_ids == [1]
             outcomes: queue.Queue[BaseException | list] = queue.Queue()
             threading.Thread(target=lambda: outcomes.put(c.generate_many([dict(prompt="ignore")] * 3)),
@@ -308,11 +317,11 @@ def test_a_silent_router_is_noticed_by_heartbeats(endpoint):
         proc.wait(WAIT_S)
 
 
-def test_async_requests_fail_when_the_router_goes_and_the_client_reconnects(endpoint):
+def test_async_requests_fail_when_no_router_comes_back_in_time_and_the_client_reconnects_later(endpoint):
     first = FakeRouter(endpoint).start()
 
     async def main() -> None:
-        async with AsyncClient(endpoint, timeout_s=60) as c:
+        async with AsyncClient(endpoint, timeout_s=60, resume_within_s=1.0) as c:
             lost = asyncio.ensure_future(asyncio.gather(*(c.generate(prompt="ignore") for _ in range(3)),
                                                         return_exceptions=True))
             for _ in range(3):
@@ -337,7 +346,7 @@ def test_no_router_at_all_fails_fast():
 
 def test_close_is_idempotent_and_returns_with_the_router_gone(endpoint):
     router = FakeRouter(endpoint).start()
-    c = Client(endpoint, timeout_s=60)
+    c = Client(endpoint, timeout_s=60, resume_within_s=1.0)
     waiting = in_flight_on(c, router, 2)
     router.stop()
     assert_router_lost(waiting, 2)
@@ -369,3 +378,49 @@ def test_async_close_twice_with_the_router_gone(endpoint):
         await c.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_streams_go_on_through_a_router_that_goes_and_a_successor(endpoint, kind):
+    """A router that leaves mid-stream and a new one on the same endpoint: each stream's caller sees one contiguous
+    stream and its end, as if nothing happened; the successor got a ResumeRequest with what each caller had."""
+    first = FakeRouter(endpoint).start()
+    want = [list(range(10 * i + 1, 10 * i + 6)) for i in range(3)]
+
+    async def consume_async(c: AsyncClient, tokens: list[int]) -> list:
+        return [msg async for msg in c.stream(prompt_token_ids=tokens, stop=["trickle"])]
+
+    def consume(c: Client, tokens: list[int]) -> list:
+        return list(c.stream(prompt_token_ids=tokens, stop=["trickle"]))
+
+    def restart() -> None:
+        for _ in want:
+            first.received.get(timeout=WAIT_S)
+        time.sleep(0.2)  # the first delta of each reaches its caller
+        first.stop()
+        second = FakeRouter(endpoint).start()
+        try:
+            resumed = sorted(second.resumed.get(timeout=WAIT_S)[1] for _ in want)
+            assert resumed == [w[:1] for w in want]  # each had its first token
+        finally:
+            restarted.put(second)
+
+    restarted: queue.Queue[FakeRouter] = queue.Queue()
+    helper = threading.Thread(target=restart, daemon=True)
+    helper.start()
+    if kind == "Client":
+        with Client(endpoint, timeout_s=WAIT_S) as c, ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda w: consume(c, w), want))
+            assert not c._io._session.routes and not c._io._session.received
+    else:
+        async def main() -> list:
+            async with AsyncClient(endpoint, timeout_s=WAIT_S) as c:
+                return await asyncio.gather(*(consume_async(c, w) for w in want))
+
+        results = asyncio.run(main())
+    helper.join(WAIT_S)
+    restarted.get(timeout=WAIT_S).stop()
+    for w, msgs in zip(want, results, strict=True):
+        *deltas, end = msgs
+        assert [d.offset for d in deltas] == list(range(len(w))) and [t for d in deltas for t in d.token_ids] == w
+        assert isinstance(end, m.RequestFinished) and end.token_ids == w

@@ -20,7 +20,8 @@ EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forg
           "handoffs_adopted", "drains_begun", "drains_finished", "drains_timed_out")
 SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_inflight", "tenant_tokens", "draining",
                "ttft_slo")
-MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain")
+MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain",
+                    "router_lost")
 SITES = ("remote", "local")  # where a request with a prefill/decode pair was prefilled
 REFUSED_CODES = ("request_too_large", "invalid_request", "bad_message", "other")  # front refusals' reply codes
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)

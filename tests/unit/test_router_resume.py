@@ -1,0 +1,138 @@
+"""RouterCore's resumes (`router_resume`) driven with messages and a fake clock: a client whose connection came
+back to the router that holds its request gets what it missed; a successor router admits the request again and
+continues it from the client's output; each ends exactly once and leaves nothing behind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer.protocol.messages import (
+    AbortRequest,
+    EncodeRequest,
+    ErrorReply,
+    GenerateRequest,
+    PrefillJob,
+    RequestFinished,
+    Resumed,
+    ResumeRequest,
+    SamplingParamsWire,
+    StreamDelta,
+    TextDeltaItem,
+)
+from deepinfer.services.router_core import RouterConfig
+from tests.unit.test_router_core import C1, C2, Mesh, assert_clean, basic_mesh, msgs
+
+PROMPT = [101, 102, 103, 104]
+
+
+def gen(rid: str = "r", max_tokens: int = 8, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(rid, prompt_token_ids=PROMPT, params=SamplingParamsWire(max_tokens=max_tokens),
+                           stream=True, **kw)
+
+
+def resume(req: GenerateRequest, tokens: list[int], text: str = "", **kw: Any) -> ResumeRequest:
+    return ResumeRequest(req.request_id, req, tokens, text, streamed=bool(tokens), **kw)
+
+
+def run_to_decoding(mesh: Mesh, req: GenerateRequest, client: bytes = C1) -> PrefillJob:
+    [enc] = msgs(mesh.core.on_generate(client, req, mesh.now), EncodeRequest)
+    [job] = msgs(mesh.encoded(enc), PrefillJob)
+    mesh.done(job)
+    return job
+
+
+def item(job: PrefillJob, offset: int, *tokens: int, **kw: Any) -> TextDeltaItem:
+    return TextDeltaItem(job.request_id, offset, "".join(f"<{t}>" for t in tokens), list(tokens), **kw)
+
+
+def test_a_client_back_on_the_same_router_gets_what_it_missed_then_the_rest() -> None:
+    mesh = basic_mesh()
+    req = gen()
+    job = run_to_decoding(mesh, req)
+    mesh.deltas(item(job, 0, 5, 6), worker="dec0")
+    mesh.deltas(item(job, 2, 7), worker="dec0")  # lost on the way: the client had only the first delta
+    out = mesh.core.on_resume(C1, resume(req, [5, 6], "<5><6>"), mesh.now)
+    assert msgs(out) == [Resumed("r", 2), StreamDelta("r", "<7>", [7], 2, None)]
+    assert mesh.core.metrics.resumes == {"attached": 1}
+    [delta] = msgs(mesh.deltas(item(job, 3, 8), worker="dec0"))
+    assert delta.offset == 3
+    [end] = msgs(mesh.deltas(item(job, 4, 9, finished=True, finish_reason="stop"), worker="dec0"), RequestFinished)
+    assert end.token_ids == [5, 6, 7, 8, 9] and end.text == "<5><6><7><8><9>"
+    assert_clean(mesh.core)
+
+
+def test_a_client_whose_output_is_not_the_requests_is_refused_and_the_request_ends() -> None:
+    mesh = basic_mesh()
+    req = gen()
+    job = run_to_decoding(mesh, req)
+    mesh.deltas(item(job, 0, 5, 6), worker="dec0")
+    out = mesh.core.on_resume(C1, resume(req, [5, 9]), mesh.now)
+    [err] = msgs(out, ErrorReply)
+    assert err.code == "invalid_request" and sorted(o.dest for o in out if isinstance(o.msg, AbortRequest)) == \
+        ["dec0", "tok0"]
+    assert_clean(mesh.core)
+
+
+def test_a_successor_router_admits_the_request_again_and_continues_from_the_clients_output() -> None:
+    mesh = basic_mesh()
+    req = gen(api_key=None, priority=3)
+    out = mesh.core.on_resume(C1, resume(req, [5, 6, 7], "<5><6><7>", elapsed_s=4.0), mesh.now)
+    assert [type(x) for x in msgs(out)] == [Resumed, EncodeRequest]
+    resumed, enc = msgs(out)
+    assert resumed == Resumed("r", 3) and enc.resume_output_ids == [5, 6, 7] and enc.prompt_token_ids == PROMPT
+    st = mesh.core.request(enc.request_id)
+    assert st.arrival == -4.0 and st.priority == 3 and st.resumed
+    [job] = msgs(mesh.encoded(enc), PrefillJob)
+    assert job.token_ids == PROMPT + [5, 6, 7] and job.num_output_tokens == 3
+    mesh.done(job)
+    [delta] = msgs(mesh.deltas(item(job, 3, 8), worker="dec0"))
+    assert delta == StreamDelta("r", "<8>", [8], 3, None)  # the stream goes on where the client was
+    [end] = msgs(mesh.deltas(item(job, 4, 9, finished=True, finish_reason="stop"), worker="dec0"), RequestFinished)
+    assert end.token_ids == [5, 6, 7, 8, 9] and end.text == "<5><6><7><8><9>"
+    assert mesh.core.metrics.resumes == {"readmitted": 1}
+    assert mesh.core.metrics.migrations == {"router_lost": 1}
+    assert_clean(mesh.core)
+
+
+def test_resumes_before_any_tokenizer_said_hello_wait_for_one_then_time_out() -> None:
+    mesh = Mesh(RouterConfig(heartbeat_timeout_s=3.0, placement_timeout_s=5.0))
+    early, late = gen("early"), gen("late")
+    assert mesh.core.on_resume(C1, resume(early, [5]), mesh.now) == []
+    assert mesh.core.on_resume(C2, resume(late, [5]), mesh.now) == []
+    mesh.now = 1.0
+    assert mesh.core.tick(mesh.now) == []
+    mesh.core.on_abort(C2, AbortRequest("late"), mesh.now)  # its client gave up: never admitted
+    mesh.beat("tok0", "tokenizer")
+    mesh.beat("pre0", "prefill")
+    mesh.beat("dec0", "decode")
+    out = mesh.core.tick(mesh.now)
+    assert [(o.dest, type(o.msg)) for o in out] == [(C1, Resumed), ("tok0", EncodeRequest)]
+    # One that finds no tokenizer for placement_timeout_s is refused, typed.
+    lone = Mesh(RouterConfig(heartbeat_timeout_s=3.0, placement_timeout_s=5.0))
+    lone.core.on_resume(C1, resume(gen(), []), 0.0)
+    [err] = msgs(lone.core.tick(6.0))
+    assert (err.code, err.request_id) == ("unavailable", "r")
+    assert lone.core.metrics.resumes == {"refused": 1} and lone.core.num_inflight == 0
+
+
+def test_a_resume_whose_client_has_every_token_ends_with_length_once_encoded() -> None:
+    mesh = basic_mesh()
+    req = gen(max_tokens=3)
+    [_, enc] = msgs(mesh.core.on_resume(C1, resume(req, [5, 6, 7], "<5><6><7>"), mesh.now))
+    out = mesh.encoded(enc)
+    [end] = msgs(out, RequestFinished)
+    assert (end.finish_reason, end.token_ids, end.text) == ("length", [5, 6, 7], "<5><6><7>")
+    assert [o.dest for o in out if isinstance(o.msg, AbortRequest)] == ["tok0"]
+    assert_clean(mesh.core)
+
+
+def test_bad_resumes_are_refused_and_change_nothing() -> None:
+    mesh = basic_mesh(require_api_key=True, tenants={"k": "salt"})
+    req = gen()
+    for bad, code in [(ResumeRequest("other", req), "invalid_request"),
+                      (ResumeRequest("r", req, elapsed_s=float("nan")), "invalid_request"),
+                      (resume(gen(max_tokens=0), []), "invalid_request"),
+                      (resume(req, [5]), "unauthorized")]:
+        [err] = msgs(mesh.core.on_resume(C1, bad, mesh.now))
+        assert err.code == code, (bad, err)
+    assert mesh.core.num_inflight == 0 and mesh.core.metrics.resumes == {"refused": 4}
