@@ -204,6 +204,15 @@ class Cluster:
     def restore(self, host: str) -> None:
         _ip("link", "set", self._veth(host), "up")
 
+    def kill(self, name: str) -> Service:
+        """SIGKILL one service (a crash, or `kill -9`); it leaves `services`, so `dead()` names only deaths nobody
+        caused. Start it again with `start` (as systemd's Restart= would)."""
+        service = next(s for s in self.services if s.name == name and s.process.poll() is None)
+        service.process.kill()
+        service.process.wait()
+        self.services.remove(service)
+        return service
+
     def kill_host(self, host: str) -> None:
         """Lose the host: SIGKILL every process in its namespace (its link stays, as a dead machine's port)."""
         self._kill_namespace(host)

@@ -1,8 +1,9 @@
 """The mesh as a cluster (issue 32): hosts are network namespaces joined by a bridge (bench/cluster_harness.py),
 each service started in its host's namespace as its systemd unit runs it, every edge CURVE-secured over tcp://.
 
-The cluster: `front` (router, tokenizer), `p1` and `p2` (a prefill worker and a cache daemon each), `d1` (a decode
-worker and a cache daemon); every daemon's disk tier on one pool directory (the shared mount). The services start
+The cluster: `front` (router, tokenizer, HTTP gateway), `p1` and `p2` (a prefill worker and a cache daemon each),
+`d1` and `d2` (a decode worker and a cache daemon each); every daemon's disk tier on one pool directory (the shared
+mount). The services start
 one by one in an order no supervisor would choose (decode first, router last), as independent units do; `p2`'s
 worker joins later, in the test that needs it. The clients run in the root namespace, reaching only `front`.
 """
@@ -20,7 +21,7 @@ import pytest
 from bench.cluster_harness import Cluster, available
 from deepinfer import metrics
 from deepinfer.launch.keys import make_keys
-from deepinfer.launch.sections import KvCacheSpec, SecuritySpec, TokenizerSpec, WorkerSpec
+from deepinfer.launch.sections import GatewaySpec, KvCacheSpec, SecuritySpec, TokenizerSpec, WorkerSpec
 from deepinfer.launch.topology import Topology
 from deepinfer.protocol.auth import load_client_keys
 from deepinfer.protocol.client import Client
@@ -30,8 +31,10 @@ pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(available() is not None, r
 HOSTS = ("front", "p1", "p2", "d1", "d2")
 # (host, role, name): the services the fixture starts, in this order; p2's worker is started by the test using it.
 UNITS = [("d1", "worker", "decode-0"), ("front", "tokenizer", "tokenizer-0"), ("p1", "kvcache", "kvcache-p1"),
-         ("p2", "kvcache", "kvcache-p2"), ("d2", "kvcache", "kvcache-d2"), ("p1", "worker", "prefill-0"),
-         ("d1", "kvcache", "kvcache-d1"), ("d2", "worker", "decode-1"), ("front", "router", "router")]
+         ("front", "gateway", "gateway-0"), ("p2", "kvcache", "kvcache-p2"), ("d2", "kvcache", "kvcache-d2"),
+         ("p1", "worker", "prefill-0"), ("d1", "kvcache", "kvcache-d1"), ("d2", "worker", "decode-1"),
+         ("front", "router", "router")]
+GATEWAY_PORT = 8090
 
 
 def cluster_topology(cluster: Cluster, model: str, keys: Path, pool: Path) -> Topology:
@@ -52,6 +55,7 @@ def cluster_topology(cluster: Cluster, model: str, keys: Path, pool: Path) -> To
                                    disk_mb=256)
                        for host, address in (("p1", p1), ("p2", p2), ("d1", d1), ("d2", d2))),
         security=SecuritySpec(str(keys)),
+        gateways=(GatewaySpec("gateway-0", f"{front}:{GATEWAY_PORT}"),),
     )
 
 
@@ -167,6 +171,88 @@ def test_a_decode_host_cut_off_for_ten_seconds_loses_nothing(cluster: Running, s
     assert all(not isinstance(r, Exception) and r.token_ids == smollm2_oracle.greedy(p, 4)
                for p, r in zip(prompts * 2, after))
     wait_for(lambda: migrations(cluster, "decode_death") > before, "the router's count of d1's moved streams")
+    assert not made.dead(), "\n".join(made.dead())
+
+
+def sse_text(url: str, body: dict[str, Any], flowing: Any) -> str:
+    """One streamed completion's text through the gateway: 200, no error event, ends with [DONE]."""
+    import json
+
+    import httpx
+
+    text, done = "", False
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=240) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ") and not done, line
+            if line == "data: [DONE]":
+                done = True
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            text += event["choices"][0]["text"]
+            if text:
+                flowing.set()
+    assert done
+    return text
+
+
+def test_the_router_killed_mid_stream_loses_no_zeromq_or_sse_stream(cluster: Running, smollm2_oracle: Any) -> None:
+    """Two ZeroMQ streams and two SSE streams (through the gateway on `front`) are decoding when the router is
+    killed -9; it is started again 2 s later (systemd's RestartSec) on the same host. Every stream ends as if
+    nothing happened: the ZeroMQ streams' deltas add up to transformers' tokens, the SSE streams' text is the
+    undisturbed run's, and the router counts the readmitted streams (migrations "router_lost")."""
+    import threading
+    import time
+
+    made, topo = cluster.cluster, cluster.topology
+    prompts = [smollm2_oracle.tok.encode(f"Write a long letter to the keeper of tower number {i}.") for i in range(4)]
+    flowing = [threading.Event() for _ in prompts]
+    streams: list[list[Any]] = [[], []]
+    texts: list[str | BaseException] = ["", ""]
+    url = f"http://{made.address('front')}:{GATEWAY_PORT}"
+    c = client(topo)
+
+    def follow(i: int) -> None:
+        for msg in c.stream(prompt_token_ids=prompts[i], max_tokens=64, ignore_eos=True):
+            streams[i].append(msg)
+            flowing[i].set()
+
+    def follow_sse(i: int) -> None:
+        body = {"model": topo.model, "prompt": prompts[i], "max_tokens": 64, "stream": True, "ignore_eos": True,
+                "temperature": 0}
+        try:
+            texts[i - 2] = sse_text(url, body, flowing[i])
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            texts[i - 2] = exc
+
+    try:
+        wait_until_served(c, made)
+        before = migrations(cluster, "router_lost")
+        readers = [threading.Thread(target=follow, args=(i,)) for i in range(2)]
+        readers += [threading.Thread(target=follow_sse, args=(i,)) for i in range(2, 4)]
+        for t in readers:
+            t.start()
+        assert all(e.wait(120) for e in flowing)
+        made.kill("router")
+        time.sleep(2.0)
+        made.start("front", "router", "router", cluster.file, env=cluster.env)
+        for t in readers:
+            t.join(240)
+        assert not any(t.is_alive() for t in readers)
+        undisturbed = c.generate_many([dict(prompt_token_ids=p, max_tokens=64, ignore_eos=True) for p in prompts[2:]])
+    finally:
+        c.close()
+    for p, msgs in zip(prompts, streams):
+        *deltas, final = msgs
+        assert final.token_ids == smollm2_oracle.greedy(p, 64)
+        assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    for p, text, want in zip(prompts[2:], texts, undisturbed):
+        assert want.token_ids == smollm2_oracle.greedy(p, 64)
+        assert text == want.text, text
+    wait_for(lambda: migrations(cluster, "router_lost") >= before + 4, "the new router's count of resumed streams")
     assert not made.dead(), "\n".join(made.dead())
 
 
