@@ -152,6 +152,11 @@ class PrefixIndex:
         pubs = self._pubs.values() if publisher is None else [self._pubs.get(publisher) or _Publisher()]
         return sum(len(s) for p in pubs for s in p.tiers.values())
 
+    def blocks_by_tier(self, publisher: str) -> dict[str, int]:
+        """How many block hashes one publisher holds, by tier (its empty tiers left out)."""
+        pub = self._pubs.get(publisher)
+        return {} if pub is None else {tier: len(s) for tier, s in sorted(pub.tiers.items()) if s}
+
     def publishers(self) -> list[str]:
         return sorted(name for name, p in self._pubs.items() if p.stream is not None)
 

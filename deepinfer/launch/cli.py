@@ -6,7 +6,8 @@
     deepinfer-launch generate --model smollm2 --prompts-file prompts.txt --json
 
 The commands live by job: cli_fetch (fetch), cli_generate (generate, chat), cli_up (up), cli_drain (drain),
-cli_deploy (service, systemd, metrics, keys); cli_options holds the option sets they share.
+cli_status (status), cli_deploy (service, systemd, metrics, keys); cli_options holds the option sets they share,
+operator_link the operator commands' line to the router.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from deepinfer.launch.cli_drain import drain
 from deepinfer.launch.cli_fetch import fetch
 from deepinfer.launch.cli_generate import chat, generate
 from deepinfer.launch.cli_options import mesh_options
+from deepinfer.launch.cli_status import status
 from deepinfer.launch.cli_up import up
 
 __all__ = ["chat", "configure_logging", "drain", "fetch", "generate", "keys", "main", "mesh_options", "metrics",
-           "service", "systemd", "up"]
+           "service", "status", "systemd", "up"]
 
 
 def configure_logging(as_json: bool, level: str) -> None:
@@ -49,7 +51,7 @@ def main(log_json: bool, log_level: str) -> None:
     configure_logging(log_json, log_level)
 
 
-for _command in (fetch, generate, chat, up, drain, service, systemd, metrics, keys):
+for _command in (fetch, generate, chat, up, drain, status, service, systemd, metrics, keys):
     main.add_command(_command)
 
 

@@ -18,15 +18,15 @@ so, and the router stops placing work on it then.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
+from deepinfer.launch.operator_link import OperatorLink, mesh_topology
+
 QUERY_PERIOD_S = 0.2  # how often the command asks the router how the service is doing
-ANSWER_S = 5.0  # how long one question waits for the router's answer before it is asked again
 SERVING_WAIT_S = 600.0  # with --serving: the longest wait for the successor (it loads its model)
 
 
@@ -53,14 +53,7 @@ def drain(name: str, topology: Path | None, run_dir: Path | None, timeout_s: flo
     identity, with the supervisor's key when the topology has a [security] table. Tokenizers, workers, cache
     daemons and the expert balancer can be drained. SIGTERM drains a service the same way: `systemctl stop`
     or `systemctl restart deepinfer-worker@NAME` under systemd; the router and HTTP gateways drain only so."""
-    from deepinfer.launch.topology import Topology
-
-    if (topology is None) == (run_dir is None):
-        raise click.UsageError("give the mesh's --topology FILE or the --run-dir of its `up`")
-    path = topology or run_dir / "topology.toml"  # type: ignore[operator]
-    if not path.is_file():
-        raise click.UsageError(f"{path}: no topology there (an `up` writes topology.toml into its run directory)")
-    topo = Topology.load(path)
+    topo = mesh_topology(topology, run_dir)
     _check_drainable(topo, name)
     if serving and not wait:
         raise click.UsageError("--serving waits for the successor: drop --no-wait")
@@ -120,44 +113,3 @@ def _until(link: OperatorLink, name: str, done: Any, limit_s: float, failure: st
         if time.monotonic() > deadline:
             raise click.ClickException(f"{failure} within {limit_s:g}s")
         time.sleep(QUERY_PERIOD_S)
-
-
-class OperatorLink:
-    """A DEALER on the router's backend under a supervisor identity (the only ones the router takes drains
-    from), with the supervisor's key on a secured backend."""
-
-    def __init__(self, topology: Any) -> None:
-        import zmq
-
-        from deepinfer.launch.keys import supervisor_auth
-        from deepinfer.protocol.sockets import make_dealer
-
-        self.backend = topology.backend
-        self._ctx = zmq.Context()
-        self._sock = make_dealer(self._ctx, topology.backend, f"supervisor-drain-{os.getpid()}",
-                                 auth=supervisor_auth(topology))
-
-    def ask(self, msg: Any, deadline: float | None = None) -> Any:
-        """Send `msg`; the router's ServiceStatus about its instance. A question (ServiceQuery) not answered in
-        ANSWER_S is asked again, as the router may be restarting, until `deadline` (monotonic; default ANSWER_S
-        from now). A drain is sent once: sent again late, it could reach the service's successor."""
-        from deepinfer.protocol import messages as m
-        from deepinfer.protocol.sockets import recv_msg, send_msg
-
-        deadline = deadline or time.monotonic() + ANSWER_S
-        while True:
-            send_msg(self._sock, msg)
-            wait_s = min(ANSWER_S, max(0.1, deadline - time.monotonic()))
-            while self._sock.poll(int(wait_s * 1000)):
-                reply = recv_msg(self._sock)
-                if isinstance(reply, m.ServiceStatus) and reply.instance == msg.instance:
-                    return reply
-            if not isinstance(msg, m.ServiceQuery) or time.monotonic() > deadline:
-                raise click.ClickException(f"no answer from the router at {self.backend}")
-
-    def __enter__(self) -> OperatorLink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()

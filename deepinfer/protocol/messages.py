@@ -27,7 +27,7 @@ with prompt_token_ids), logit_bias, per-item logprobs on every DetokenizeItem, a
 request by its id instead of dropping the connection it came on), graceful drain (DrainService,
 ServiceQuery, ServiceStatus and Shutdown.timeout_s), and the namespace of CacheLookup and CacheFetch; 10 added
 a client's readiness question (MeshQuery, MeshStatus); 13 added stream resumption across a lost router connection
-(ResumeRequest, Resumed).
+(ResumeRequest, Resumed) and ServiceStatus's restarts, load and cached blocks (the `status` command).
 """
 
 from __future__ import annotations
@@ -345,7 +345,9 @@ class ServiceQuery:
 class ServiceStatus:
     """Router → operator: one mesh member as the router sees it. `known`: it ever registered; `alive`: its
     process (`incarnation`, `pid`) counts as running; `serving`: it may be given new work now; `held`:
-    requests it holds state for."""
+    requests it holds state for; `restarts`: new incarnations this router saw; the load fields are its latest
+    heartbeat's (`heartbeat_age_s` ago; None before any); `cached_blocks`: the blocks it published by tier, as
+    the router's prefix index holds them."""
 
     instance: str
     known: bool
@@ -356,6 +358,14 @@ class ServiceStatus:
     draining: bool = False
     serving: bool = False
     held: int = 0
+    restarts: int = 0
+    heartbeat_age_s: float | None = None
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    tokens_per_s: float = 0.0
+    cached_blocks: dict[str, int] = field(default_factory=dict)
 
 
 # --- client ↔ router 0x10–0x1F ---------------------------------------------------------------------------------

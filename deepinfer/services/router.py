@@ -414,7 +414,7 @@ class RouterService(BaseService):
             self.log.info("drain asked", instance=msg.instance, timeout_s=msg.timeout_s, alive=status.alive,
                           held=status.held)
         else:
-            status, out = self.drains.status(msg.instance, now), []
+            status, out = self.drains.status(msg.instance, now, self.core.cache.index.blocks_by_tier(msg.instance)), []
         await self._send([*out, Outbound(sender, status)])
 
     async def _ask_hello(self, ident: bytes) -> None:

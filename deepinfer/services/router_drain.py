@@ -77,12 +77,17 @@ class DrainDesk:
         self.timed_out += bool(inst.held)
         return DRAIN
 
-    def status(self, name: str, now: float) -> ServiceStatus:
+    def status(self, name: str, now: float, cached_blocks: dict[str, int] | None = None) -> ServiceStatus:
+        """What an operator sees of member `name` (`cached_blocks`: the prefix index's count, by tier)."""
         inst = self.table.get(name)
         if inst is None:
             return ServiceStatus(name, known=False)
+        hb, age = inst.load, None if inst.last_heartbeat is None else max(0.0, now - inst.last_heartbeat)
         return ServiceStatus(name, True, inst.role, inst.incarnation or "", inst.pid or 0, inst.alive,
-                             draining(inst), inst.placeable(now, self.table.heartbeat_timeout_s), len(inst.held))
+                             draining(inst), inst.placeable(now, self.table.heartbeat_timeout_s), len(inst.held),
+                             inst.restarts, age, hb.running if hb else 0, hb.waiting if hb else 0,
+                             hb.free_blocks if hb else 0, hb.total_blocks if hb else 0,
+                             hb.tokens_per_s if hb else 0.0, dict(cached_blocks or {}))
 
     def _begin(self, inst: Instance) -> None:
         if not inst.draining:

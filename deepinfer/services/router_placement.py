@@ -66,6 +66,7 @@ class Instance:
     # from then on it gets no new work. `drain_acked`: the router told it so, and it waits for the release.
     draining: bool = False
     drain_acked: bool = False
+    restarts: int = 0  # new incarnations after its first, as this router saw them
 
     def placeable(self, now: float, timeout_s: float) -> bool:
         return (
@@ -178,6 +179,7 @@ class InstanceTable:
         inst = self.instances[name]
         if inst.incarnation is not None:
             inst.retired.append(inst.incarnation)
+            inst.restarts += 1
         inst.role, inst.incarnation, inst.seq, inst.progress, inst.load = role, incarnation, -1, 0, None
         inst.held.clear()
         inst.prefill_tokens = inst.pending_blocks = inst.assigned = 0

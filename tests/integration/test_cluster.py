@@ -256,6 +256,48 @@ def test_the_router_killed_mid_stream_loses_no_zeromq_or_sse_stream(cluster: Run
     assert not made.dead(), "\n".join(made.dead())
 
 
+def test_status_shows_every_host_and_service_as_the_router_sees_it(cluster: Running) -> None:
+    """`deepinfer-launch status --topology FILE` from outside the cluster (the root namespace reaches the router's
+    backend on front): a line per service with its host's address, the running ones serving with a pid and load,
+    p2's worker (not started yet) unregistered, so the exit status is 1; the published blocks by tier shown."""
+    import json
+    import subprocess
+    import sys
+
+    made, topo = cluster.cluster, cluster.topology
+    c = client(topo)
+    try:
+        wait_until_served(c, made)
+        c.generate(prompt_token_ids=list(range(100, 180)), max_tokens=2)  # blocks for the index, whatever ran before
+    finally:
+        c.close()
+
+    def status() -> tuple[int, dict[str, Any]]:
+        run = subprocess.run([sys.executable, "-m", "deepinfer.launch.cli", "status", "--topology", str(cluster.file),
+                              "--json"], capture_output=True, text=True, timeout=120)
+        return run.returncode, {row["instance"]: row for row in map(json.loads, run.stdout.splitlines())}
+
+    wait_for(lambda: any(row["cached_blocks"] for row in status()[1].values()),
+             "blocks in the router's prefix index (a new router asks its publishers for a resync)")
+    code, rows = status()
+    assert code == 1  # prefill-1 never registered
+    hosts = {name: host for host, role, name in UNITS if role not in ("router", "gateway")}  # the router's members
+    hosts["prefill-1"] = "p2"
+    assert sorted(rows) == sorted(hosts)
+    for name, host in hosts.items():
+        row = rows[name]
+        assert row["host"] == made.address(host), row
+        if name == "prefill-1":
+            assert row["state"] == "unregistered" and not row["known"], row
+        else:
+            assert row["state"] == "serving" and row["alive"] and row["pid"] > 0 and row["incarnation"], row
+            assert row["heartbeat_age_s"] is not None and row["heartbeat_age_s"] < 30, row
+    assert all(rows[w]["total_blocks"] > 0 for w in ("prefill-0", "decode-0", "decode-1"))
+    text = subprocess.run([sys.executable, "-m", "deepinfer.launch.cli", "status", "--topology", str(cluster.file)],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "HOST" in text.splitlines()[1] and "unregistered" in text and made.address("d2") in text, text
+
+
 def migrations(cluster: Running, cause: str) -> float:
     from tests.service.test_metrics_mesh import aggregate, total
 

@@ -89,3 +89,18 @@ def test_leaving_is_counted_and_named_drain_only_for_a_draining_member():
     table.hold(Assignment("r1", "tok"), ["worker-0"])
     assert desk.on_exit(m.ServiceExited("worker-0", 4242, 0)) == "drain"
     assert (desk.begun, desk.finished, desk.timed_out) == (1, 1, 1)
+
+
+def test_an_operator_sees_a_members_restarts_load_last_heartbeat_and_cached_blocks():
+    table = table_of("worker-0")
+    desk = DrainDesk(table)
+    table.heartbeat(m.Heartbeat(WORKER, "worker-0", "inc-1", 2, progress=2, free_blocks=40, total_blocks=100,
+                                running=3, waiting=2, tokens_per_s=55.0), NOW)
+    status = desk.status("worker-0", NOW + 1.5, {"device": 12})
+    assert (status.restarts, status.heartbeat_age_s, status.running, status.waiting) == (0, 1.5, 3, 2)
+    assert (status.free_blocks, status.total_blocks, status.tokens_per_s) == (40, 100, 55.0)
+    assert status.cached_blocks == {"device": 12} and status.serving
+    for n, incarnation in enumerate(("inc-2", "inc-3"), start=1):
+        table.reset("worker-0", WORKER, incarnation, NOW)
+        restarted = desk.status("worker-0", NOW)
+        assert restarted.restarts == n and restarted.incarnation == incarnation and restarted.heartbeat_age_s == 0.0
