@@ -204,6 +204,13 @@ class Cluster:
     def restore(self, host: str) -> None:
         _ip("link", "set", self._veth(host), "up")
 
+    def in_mounts(self, name: str, *command: str) -> None:
+        """Run `command` in the mount namespace of service `name`. `ip netns exec` gives each service a mount
+        namespace of its own (receiving the root's later mounts only where those are shared, and here they are
+        private): this is how a test changes what one host's process sees of the filesystem, e.g. of the pool."""
+        service = next(s for s in self.services if s.name == name and s.process.poll() is None)
+        subprocess.run(["nsenter", "--target", str(service.process.pid), "--mount", *command], check=True)
+
     def kill(self, name: str) -> Service:
         """SIGKILL one service (a crash, or `kill -9`); it leaves `services`, so `dead()` names only deaths nobody
         caused. Start it again with `start` (as systemd's Restart= would)."""

@@ -333,6 +333,60 @@ def test_a_prefix_computed_on_one_host_is_served_on_another_from_the_pool(
     assert b.usage.cached_by_tier.get("disk", 0) >= (blocks - 1) * topo.block_size, b.usage
 
 
+def test_the_pool_gone_or_read_only_fails_no_request(cluster: Running, smollm2_oracle: Any,
+                                                    tmp_path: Path) -> None:
+    """The pool's mount goes away (an empty read-only mount over it: every block file gone, every write refused),
+    then comes back read-only, then read-write, under every daemon at once. Throughout, prompts are answered with
+    transformers' tokens (the workers compute what the pool cannot give) and no service dies; back read-write, new
+    blocks reach the pool again."""
+    made, topo = cluster.cluster, cluster.topology
+    on_disk = lambda: len(list(cluster.pool.rglob("*.kvb")))  # noqa: E731
+    c = client(topo)
+
+    def answered(tag: str) -> None:
+        prompts = [smollm2_oracle.tok.encode(" ".join(f"{tag} line {i}: the pool may vanish, yet nothing fails."
+                                                      for i in range(8 + k))) for k in range(3)]
+        outs = c.generate_many([dict(prompt_token_ids=p, max_tokens=4, ignore_eos=True) for p in prompts])
+        for p, out in zip(prompts, outs):
+            assert not isinstance(out, Exception), (tag, out)
+            assert out.token_ids == smollm2_oracle.greedy(p, 4), tag
+
+    daemons = [s.name for s in made.services if s.role == "kvcache" and s.process.poll() is None]
+
+    def mount(source: Path) -> None:  # on every host running a daemon, as a mount that changed under them all
+        for name in daemons:
+            made.in_mounts(name, "mount", "--bind", str(source), str(cluster.pool))
+            made.in_mounts(name, "mount", "-o", "remount,bind,ro", str(cluster.pool))
+
+    def unmount() -> None:
+        for name in daemons:
+            made.in_mounts(name, "umount", "--lazy", str(cluster.pool))
+
+    try:
+        wait_until_served(c, made)
+        (tmp_path / "empty").mkdir()
+        mount(tmp_path / "empty")
+        try:
+            answered("gone")
+            # The daemons tried to write the new prompts' blocks behind them, and the mount refused.
+            logs = [s.log for s in made.services if s.name in daemons]
+            wait_for(lambda: any("disk writes failing" in log.read_text() for log in logs),
+                     "a daemon's warning that its disk writes fail")
+        finally:
+            unmount()
+        mount(cluster.pool)
+        try:
+            answered("read-only")
+        finally:
+            unmount()
+        before = on_disk()
+        answered("back")
+        wait_for(lambda: on_disk() > before, "new blocks in the pool once it is writable again")
+    finally:
+        c.close()
+    assert not made.dead(), "\n".join(made.dead())
+
+
 def wait_for(check: Any, what: str, timeout_s: float = 60.0) -> None:
     import time
 
