@@ -5,6 +5,7 @@ HTTP tests drive with real sockets."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from typing import Any
@@ -86,3 +87,26 @@ def settle(mesh: BackgroundMesh, timeout_s: float = 30) -> None:
     while mesh.router_inflight():
         assert time.monotonic() < deadline, f"{mesh.router_inflight()} requests still in flight at the router"
         time.sleep(0.05)
+
+
+def sse_text(url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout_s: float = 120.0,
+             flowing: threading.Event | None = None) -> str:
+    """One streamed completion's text (choice 0) from the gateway at `url`, checked: 200, no error event, ends with
+    [DONE]. `flowing` is set once text arrived."""
+    text, done = "", False
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=timeout_s) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ") and not done, line
+            if line == "data: [DONE]":
+                done = True
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            text += event["choices"][0]["text"]
+            if flowing is not None and text:
+                flowing.set()
+    assert done
+    return text

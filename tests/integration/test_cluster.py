@@ -25,6 +25,7 @@ from deepinfer.launch.sections import GatewaySpec, KvCacheSpec, SecuritySpec, To
 from deepinfer.launch.topology import Topology
 from deepinfer.protocol.auth import load_client_keys
 from deepinfer.protocol.client import Client
+from tests.integration.http_served import sse_text
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(available() is not None, reason=str(available()))]
 
@@ -174,31 +175,6 @@ def test_a_decode_host_cut_off_for_ten_seconds_loses_nothing(cluster: Running, s
     assert not made.dead(), "\n".join(made.dead())
 
 
-def sse_text(url: str, body: dict[str, Any], flowing: Any) -> str:
-    """One streamed completion's text through the gateway: 200, no error event, ends with [DONE]."""
-    import json
-
-    import httpx
-
-    text, done = "", False
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=240) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: ") and not done, line
-            if line == "data: [DONE]":
-                done = True
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            assert "error" not in event, event
-            text += event["choices"][0]["text"]
-            if text:
-                flowing.set()
-    assert done
-    return text
-
-
 def test_the_router_killed_mid_stream_loses_no_zeromq_or_sse_stream(cluster: Running, smollm2_oracle: Any) -> None:
     """Two ZeroMQ streams and two SSE streams (through the gateway on `front`) are decoding when the router is
     killed -9; it is started again 2 s later (systemd's RestartSec) on the same host. Every stream ends as if
@@ -224,7 +200,7 @@ def test_the_router_killed_mid_stream_loses_no_zeromq_or_sse_stream(cluster: Run
         body = {"model": topo.model, "prompt": prompts[i], "max_tokens": 64, "stream": True, "ignore_eos": True,
                 "temperature": 0}
         try:
-            texts[i - 2] = sse_text(url, body, flowing[i])
+            texts[i - 2] = sse_text(url, body, timeout_s=240, flowing=flowing[i])
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             texts[i - 2] = exc
 

@@ -36,6 +36,7 @@ from deepinfer.launch.sections import GatewaySpec
 from deepinfer.launch.topology import Topology, free_local_ports
 from deepinfer.services.router_state import RouterConfig
 from tests.integration.http_served import BackgroundGateway, BackgroundMesh, settle
+from tests.integration.http_served import sse_text as served_sse_text
 
 pytestmark = pytest.mark.smollm2
 
@@ -80,24 +81,7 @@ def hardened(smollm2_path, tmp_path_factory) -> Iterator[tuple[BackgroundMesh, B
 
 
 def sse_text(url: str, body: dict[str, Any], flowing: threading.Event | None = None) -> str:
-    """One streamed completion's text (choice 0), checked: 200, no error event, ends with [DONE]."""
-    text, done = "", False
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=WAIT_S) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: ") and not done, line
-            if line == "data: [DONE]":
-                done = True
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            assert "error" not in event, event
-            text += event["choices"][0]["text"]
-            if flowing is not None and text:
-                flowing.set()
-    assert done
-    return text
+    return served_sse_text(url, body, AUTH, WAIT_S, flowing)
 
 
 @pytest.fixture(scope="module")
