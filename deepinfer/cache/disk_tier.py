@@ -45,8 +45,10 @@ The disk tier is a cache: losing a block is fine, serving a wrong one is not. He
   root are bounded by the sum of its daemons' capacities, plus what dead daemons left (the next daemon
   of that namespace to open indexes it, and evicts what exceeds its own capacity, oldest use first), plus
   other namespaces. A file indexed by two daemons counts in both (conservatively), and is deleted by
-  whichever evicts it first; the other sees a miss. Size each daemon's capacity as its share of the mount;
-  a mount that fills up anyway (others' files) gives ENOSPC, which frees some of this daemon's blocks.
+  whichever evicts it first; the other sees a miss. Size each daemon's capacity as its share of the mount,
+  or give the daemons one budget for the whole root (pool_share: each shrinks itself, `shrink_to`, in
+  proportion); a mount that fills up anyway (others' files) gives ENOSPC, which frees some of this
+  daemon's blocks.
 
 Concurrency: one lock guards the index, usage and counters; file I/O runs outside it. A reader pins the
 block for the duration of its read, and only unpinned blocks are evicted, so this tier never deletes a file
@@ -468,6 +470,14 @@ class DiskTier:
             if self._on_change is not None:
                 self._on_change("evicted", hashes)
         return victims
+
+    def shrink_to(self, target_bytes: int) -> int:
+        """Evict unpinned blocks, oldest use first, until this tier indexes at most `target_bytes` (a pool's
+        shared budget, `pool_share`). Returns the blocks evicted."""
+        with self._lock:
+            victims = self._evict_locked(target_bytes) if self._opened and not self._closed else []
+        self._delete_files(victims)
+        return len(victims)
 
     def _delete_files(self, victims: list[_Victim]) -> None:
         """Delete each victim's file if it is still the file we indexed (another daemon's newer copy under

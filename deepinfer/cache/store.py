@@ -40,6 +40,7 @@ from pathlib import Path
 from deepinfer.cache.disk_tier import MISS, READ_ERROR, VANISHED, DiskTier, RebuildReport
 from deepinfer.cache.hashing import HASH_BYTES, BlockHash
 from deepinfer.cache.host_tier import HostTier, Payload
+from deepinfer.cache.pool_share import PoolShare
 
 __all__ = ["TieredStore", "ReadResult", "TierEvent", "RebuildReport", "HOST", "DISK"]
 
@@ -292,6 +293,24 @@ class TieredStore:
             out["pending_writes"] = len(self._pending)
             out["pending_write_bytes"] = self._pending_bytes
         return out
+
+    def balance_pool(self, share: PoolShare) -> int:
+        """A round of the pool's shared budget (blocking): this daemon's note written, the others' read, and its
+        disk tier shrunk to its share when the pool is over budget. Returns the blocks evicted; a pool that
+        cannot be read or written skips the round (counted)."""
+        disk = self.disk
+        if disk is None:
+            return 0
+        try:
+            target = share.target(disk.used_bytes)
+        except OSError:
+            with self._lock:
+                self._counters["pool_rounds_failed"] += 1
+            return 0
+        evicted = disk.shrink_to(target) if target is not None else 0
+        with self._lock:
+            self._counters["pool_evicted"] += evicted
+        return evicted
 
     def drop_page_cache(self) -> int:
         """Drop the kernel's cached pages of every disk block (benchmarks of cold reads); files advised."""

@@ -88,7 +88,8 @@ def build_service(topology: Topology, role: str, name: str, ctx: zmq.asyncio.Con
         k = topology.kvcache(name)
         return KvCacheService(k.name, topology.backend, ctx, topology.model, k.endpoint,
                               k.dir if k.dir is not None else default_kvcache_dir(), k.host_mb, k.disk_mb,
-                              block_size=topology.block_size, kv_cache_dtype=topology.kv_cache_dtype, auth=auth)
+                              block_size=topology.block_size, kv_cache_dtype=topology.kv_cache_dtype,
+                              pool_mb=k.pool_mb, auth=auth)
     if role == "balancer":
         if topology.balancer is None or name != BALANCER_NAME:
             raise ValueError(f"the topology has no balancer named {name!r} (a [balancer] table runs {BALANCER_NAME!r})")

@@ -173,6 +173,9 @@ class KvCacheSpec:
     dir: str | None = None  # None: default_kvcache_dir()
     host_mb: int = DEFAULT_HOST_CACHE_MB
     disk_mb: int = DEFAULT_DISK_CACHE_MB
+    # One budget shared by every daemon whose `dir` is this pool (give each the same value): the daemons agree
+    # their shares of it (cache.pool_share). None: each daemon's disk_mb is its only bound.
+    pool_mb: int | None = None
 
 
 @dataclass(frozen=True)

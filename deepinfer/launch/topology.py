@@ -46,6 +46,7 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     dir = "/mnt/nvme/deepinfer-kv"        # the disk tier (default: the user's cache directory)
     host_mb = 4096                        # DRAM tier capacity
     disk_mb = 200000                      # disk tier capacity (watermarks keep usage below it)
+    pool_mb = 800000                      # optional: one budget for every daemon sharing this dir (a shared mount)
     [balancer]                            # optional: the expert balancer for the MoE worker groups (one per mesh,
     interval_s = 30.0                     #   named "balancer"): how often it reconsiders each group's placement
     window_s = 120.0                      # the load reports it weighs: the last window_s seconds

@@ -59,6 +59,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer.cache.hashing import HASH_BYTES
+from deepinfer.cache.pool_share import PoolShare
 from deepinfer.cache.store import DISK, TieredStore
 from deepinfer.config.engine import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_DTYPE
 from deepinfer.loading.fetch import resolve_model
@@ -78,6 +79,7 @@ MAX_FETCHES_IN_FLIGHT = 64
 MAX_STORES_IN_FLIGHT = 16
 MAX_PREFETCHES_IN_FLIGHT = 2  # a prefetch reads disk ahead of need: a couple at once keep the disk busy
 PREFETCH_DEADLINE_S = 10.0  # a prefetch still reading after this has been overtaken by its fetch
+POOL_ROUND_S = 5.0  # how often a daemon with a pool budget agrees its share with the others
 OVERLOADED = "overloaded"  # the reason in a reply to a request refused for lack of room (ErrorCode's word)
 LOG_PERIOD_S = 10.0  # a warning that a flood or a failing disk would repeat is logged at most this often
 
@@ -133,7 +135,8 @@ class KvCacheService(Service):
                  kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE, io_threads: int = 4,
                  max_fetches_in_flight: int = MAX_FETCHES_IN_FLIGHT,
                  max_stores_in_flight: int = MAX_STORES_IN_FLIGHT,
-                 max_prefetches_in_flight: int = MAX_PREFETCHES_IN_FLIGHT, **kw: Any) -> None:
+                 max_prefetches_in_flight: int = MAX_PREFETCHES_IN_FLIGHT, pool_mb: int | None = None,
+                 **kw: Any) -> None:
         identity = model_identity(resolve_model(model), block_size, kv_cache_dtype)
         # The engine's KV as the workers hold it: the daemon stores and serves blocks of exactly this spec.
         self.kv = identity.kv
@@ -142,6 +145,9 @@ class KvCacheService(Service):
         self.endpoint = endpoint
         self.store = TieredStore(self.namespace.id, self.kv.block_nbytes, host_mb << 20, Path(directory),
                                  disk_mb << 20)
+        # One budget for every daemon on this pool directory (pool_share), on top of this daemon's own disk_mb.
+        self.pool_share = None if pool_mb is None else PoolShare(Path(directory) / self.namespace.id, instance,
+                                                                   pool_mb << 20)
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix=f"{instance}-io")
         self.publisher = KvEventPublisher(instance, self.incarnation)
         self.sock: Any = None
@@ -181,7 +187,8 @@ class KvCacheService(Service):
         # The workers' socket takes cache requests only: control comes from the router's side.
         cache_table: dict[type, Handler] = {m.CacheLookup: self._on_lookup, m.CacheFetch: self._on_fetch,
                                             m.CacheStore: self._on_store, m.CachePrefetch: self._on_prefetch}
-        return [self.dispatch_forever(self.sock, arecv_routed, cache_table), self._flush_loop(), self._events_loop()]
+        loops = [self.dispatch_forever(self.sock, arecv_routed, cache_table), self._flush_loop(), self._events_loop()]
+        return loops + ([self._pool_loop()] if self.pool_share is not None else [])
 
     def handlers(self) -> dict[type, Handler]:
         return {m.KvResync: self._on_resync}
@@ -337,6 +344,15 @@ class KvCacheService(Service):
         return self.store.write(hashes, self.kv.block_payloads(kv))
 
     # -- write-behind and events --------------------------------------------------------------
+
+    async def _pool_loop(self) -> None:
+        """The pool's shared budget, a round every POOL_ROUND_S (pool_share)."""
+        assert self.pool_share is not None
+        while True:
+            evicted = await self._io(self.store.balance_pool, self.pool_share)
+            if evicted:
+                self.log.info("over the pool's budget: evicted this daemon's share", blocks=evicted)
+            await asyncio.sleep(POOL_ROUND_S)
 
     async def _flush_loop(self) -> None:
         while True:

@@ -53,7 +53,7 @@ def cluster_topology(cluster: Cluster, model: str, keys: Path, pool: Path) -> To
          WorkerSpec("decode-0", "decode", f"tcp://{d1}:5570", threads=1, kv_cache_mb=64, kvcache="kvcache-d1"),
          WorkerSpec("decode-1", "decode", f"tcp://{d2}:5570", threads=1, kv_cache_mb=64, kvcache="kvcache-d2")),
         kvcaches=tuple(KvCacheSpec(f"kvcache-{host}", f"tcp://{address}:5580", dir=str(pool), host_mb=64,
-                                   disk_mb=256)
+                                   disk_mb=256, pool_mb=512)
                        for host, address in (("p1", p1), ("p2", p2), ("d1", d1), ("d2", d2))),
         security=SecuritySpec(str(keys)),
         gateways=(GatewaySpec("gateway-0", f"{front}:{GATEWAY_PORT}"),),
@@ -358,6 +358,9 @@ def test_the_pool_gone_or_read_only_fails_no_request(cluster: Running, smollm2_o
         before = on_disk()
         answered("back")
         wait_for(lambda: on_disk() > before, "new blocks in the pool once it is writable again")
+        # Every daemon takes part in the pool's one budget: its usage note is there (cache.pool_share).
+        notes = lambda: {p.name for p in cluster.pool.glob("*/.usage/*")}  # noqa: E731
+        wait_for(lambda: set(daemons) <= notes(), "every daemon's note of its share of the pool")
     finally:
         c.close()
     assert not made.dead(), "\n".join(made.dead())

@@ -282,7 +282,7 @@ def every_field(tmp_path: Path) -> Topology:
                                   ep=2, ep_master="10.0.0.3:29500", ep_timeout_s=42.0, redundant_experts=3,
                                   weights="q8_0", stream_interval_ms=12.5, lookup_ahead_steps=5,
                                   fetch_policy="always", swap_space_mb=7)
-    kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128)
+    kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128, pool_mb=512)
     security = dict(client_keys=str(tmp_path / "clients.allowed"))
     balancer: dict[str, Any] = dict(interval_s=5.5, window_s=45.0, threshold=0.125, max_moves=3, max_moves_total=7,
                                     move_timeout_s=9.0)
