@@ -221,11 +221,12 @@ class Cluster:
         return service
 
     def kill_host(self, host: str) -> None:
-        """Lose the host: SIGKILL every process in its namespace (its link stays, as a dead machine's port)."""
+        """Lose the host: SIGKILL every process in its namespace (its link stays, as a dead machine's port). Its
+        services leave `services`, as with `kill`: `dead()` names only deaths nobody caused."""
         self._kill_namespace(host)
-        for service in self.services:
-            if service.host == host:
-                service.process.wait()
+        for service in [s for s in self.services if s.host == host]:
+            service.process.wait()
+            self.services.remove(service)
 
     def _kill_namespace(self, host: str) -> None:
         pids = _ip("netns", "pids", self.namespace(host), check=False).stdout.split()
