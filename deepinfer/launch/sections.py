@@ -87,8 +87,9 @@ class WorkerSpec:
     adaptive_speculation: bool = True
     # Expert parallelism: the worker is a group of `ep` ranks, one process each (rank 0 speaks for the group
     # to the mesh); `ep_master` is the group's torch.distributed rendezvous, "host:port" (required when ep > 1,
-    # unused when ep = 1). Every rank runs on the worker's host; `threads` is the worker's, shared equally by
-    # its ranks (at least one each; mesh.engine_config divides it).
+    # unused when ep = 1), on rank 0's host. A rank runs wherever its unit is started (`up` and `systemd --host`
+    # put them all on the worker's host; docs/cluster.md spreads them over hosts); `threads` is the worker's,
+    # shared equally by its ranks (at least one each; mesh.engine_config divides it).
     ep: int = 1
     ep_master: str = ""
     # How long a rank waits for its group (rendezvous, every control round) before the group counts as broken.
