@@ -349,7 +349,11 @@ class KvCacheService(Service):
         """The pool's shared budget, a round every POOL_ROUND_S (pool_share)."""
         assert self.pool_share is not None
         while True:
-            evicted = await self._io(self.store.balance_pool, self.pool_share)
+            try:
+                evicted = await self._io(self.store.balance_pool, self.pool_share)
+            except Exception:  # the store counts a pool it cannot reach; anything else is a bug, not a stop
+                self.log.exception("pool budget round failed")
+                evicted = 0
             if evicted:
                 self.log.info("over the pool's budget: evicted this daemon's share", blocks=evicted)
             await asyncio.sleep(POOL_ROUND_S)
