@@ -108,6 +108,11 @@ ROUTER_PREFILL_SITES = Counter(
     "Requests with a prefill/decode pair to choose from, by where they were prefilled: remote (a prefill worker, "
     "then the KV handoff) or local (on their decode worker: conditional disaggregation, local_prefill_max_tokens).",
     (*WHO, "site"))
+ROUTER_RESUMES = Counter(
+    "deepinfer_router_resumes",
+    "Client resumes after a lost connection (router_resume), by case: attached (this router held the request), "
+    "reclaimed (the worker that kept it through a router restart goes on with it), readmitted (computed again), "
+    "reclaim_refused (that worker no longer had it: computed again), refused.", (*WHO, "case"))
 ROUTER_SLOW_CLIENTS = Gauge("deepinfer_router_slow_clients", "Clients whose messages wait in a backlog.", WHO,
                             multiprocess_mode="livesum")
 MESH_LIVE_INSTANCES = Gauge("deepinfer_router_live_instances", "Mesh members the router sees alive, by role.",

@@ -5,7 +5,7 @@ Type bytes are grouped by edge; a range is reserved for each part still to come:
   0x01–0x0F  session and control (handshake, heartbeats, abort, errors, shutdown, drain)
   0x10–0x1F  client ↔ router
   0x20–0x2F  router ↔ tokenizer ↔ decode worker
-  0x30–0x3F  router → prefill worker ↔ decode worker (P/D handoff)
+  0x30–0x3F  router → prefill worker ↔ decode worker (P/D handoff), held requests after a router restart
   0x40–0x4F  KV cache: worker ↔ cache daemon (lookup, fetch, store), KV events → router
   0x50–0x5F  expert parallelism: load reports, the expert balancer's placements and their results
   0xF0–0xFF  reserved: tests and experiments
@@ -59,6 +59,8 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "Heartbeat",
+    "HeldRequest",
+    "HeldRequests",
     "Hello",
     "KvAck",
     "KvEvents",
@@ -74,6 +76,7 @@ __all__ = [
     "PlacementUpdate",
     "PrefillDone",
     "PrefillJob",
+    "Reclaim",
     "RequestFinished",
     "ResumeRequest",
     "Resumed",
@@ -90,7 +93,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 13  # 12: CachePrefetch; 13: ResumeRequest, Resumed
+PROTOCOL_VERSION = 14  # 12: CachePrefetch; 13: ResumeRequest, Resumed; 14: HeldRequests, Reclaim, client_key
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -549,6 +552,9 @@ class PrefillJob:
     # A resumed request (its first worker was lost): the last num_output_tokens of token_ids are output
     # already streamed; the worker continues at that output position (see LLMEngine.add_request).
     num_output_tokens: int = 0
+    # Names the request by its client (`router_resume.client_key`): a router that restarts asks the workers
+    # what they kept running (HeldRequests), and a client resuming this request reclaims it there.
+    client_key: str = ""
 
 
 @message(0x31)
@@ -615,6 +621,7 @@ class KvTransfer:
     # The prompt's logprobs when params.prompt_logprobs asked for them (the decode worker sends them with
     # the request's first DetokenizeItem): one per prompt token, the first None.
     prompt_logprobs: list[LogprobWire | None] | None = None
+    client_key: str = ""  # PrefillJob's
 
 
 @message(0x35)
@@ -626,6 +633,38 @@ class KvAck:
     lease_id: str
     ok: bool
     reason: str = ""
+
+
+@record
+class HeldRequest:
+    request_id: str  # the old router's id for it
+    client_key: str  # PrefillJob.client_key
+    num_output_tokens: int  # generated so far
+
+
+@message(0x36)
+class HeldRequests:
+    """Worker → a router that restarted, once it accepted the worker's Hello again: the requests the worker
+    kept running for the old router's clients. A client that resumes one of them on this router gets it
+    back from there (`Reclaim`) instead of a recomputation."""
+
+    instance: str
+    incarnation: str
+    requests: list[HeldRequest]
+
+
+@message(0x37)
+class Reclaim:
+    """Router → the worker holding `request_id` (HeldRequests): its client resumed it; it goes on there.
+    `token_ids` are the prompt and the output the client has (its last `num_output_tokens`): the worker
+    checks they begin its own sequence, streams to `detokenizer` every token past them, and goes on as
+    with any request. Refused (not held any more, or not that sequence) with ErrorReply worker_lost:
+    the router then computes the request again elsewhere."""
+
+    request_id: str
+    detokenizer: str
+    token_ids: list[int]
+    num_output_tokens: int
 
 
 # --- KV cache 0x40–0x4F ---------------------------------------------------------------------------------------

@@ -321,8 +321,12 @@ class Service(BaseService):
         """After the handshake, before serving."""
 
     async def on_router_restart(self) -> None:
-        """The router restarted: every request this service holds was the old router's, whose clients got
-        an error from their side. Subclasses holding requests drop them all here (before the new Hello)."""
+        """The router restarted: every request this service holds was the old router's. Subclasses holding
+        requests drop them here (before the new Hello), or keep those a client may resume on the new router
+        (a worker's decoding requests: `WorkerCore.on_router_restart`)."""
+
+    async def on_rejoined(self) -> None:
+        """The restarted router accepted this service's Hello: a worker reports what it kept (HeldRequests)."""
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -423,6 +427,7 @@ class Service(BaseService):
                 self.log.info("rejoined the restarted router")
                 self._rehello_at = None
                 await self._beat()  # placeable now, not at the next period: it carries the load
+                await self.on_rejoined()
             return
         if welcome.reason != SAY_HELLO:
             self.log.error("the router refused this service", reason=welcome.reason)

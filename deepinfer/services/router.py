@@ -69,7 +69,8 @@ MAX_BACKLOG = 4096  # messages kept for one slow client, in order; past that the
 EXIT_GRACE_S = 0.3  # a supervisor's exit note is acted on this long after it arrived (see _service_exited)
 # The field naming the instance a message speaks for: it must be the sender's own identity.
 SPEAKS_FOR: dict[type, str] = {m.Heartbeat: "instance", m.TextDeltas: "tokenizer", m.PrefillDone: "prefill_worker",
-                               m.KvEvents: "publisher", m.ExpertLoad: "worker", m.PlacementResult: "worker"}
+                               m.KvEvents: "publisher", m.ExpertLoad: "worker", m.PlacementResult: "worker",
+                               m.HeldRequests: "instance"}
 BALANCER_ROLE = "balancer"  # the Hello service name of the expert balancer
 
 
@@ -173,6 +174,7 @@ class RouterService(BaseService):
         self.backend = self.socket(make_router(self.ctx, self.backend_ep,
                                                auth=self.auth.for_bind(self.backend_ep, "backend")))
         self.log.info("bound", frontend=self.frontend_ep, backend=self.backend_ep)
+        self.core.started_at = self._now()  # resumes wait a moment for the workers' HeldRequests from here
         return True
 
     def tasks(self) -> list[Awaitable[None]]:
@@ -305,6 +307,7 @@ class RouterService(BaseService):
             m.KvEvents: self._kv_events,
             m.TextDeltas: core.on_text_deltas,
             m.ErrorReply: core.on_error,
+            m.HeldRequests: core.on_held,
             m.ExpertLoad: self._keep_expert_load,
             m.PlacementResult: lambda _, result, now: self._to_balancer(result),
         }
@@ -479,7 +482,7 @@ class RouterService(BaseService):
                   "handoffs_adopted": metrics.handoffs_adopted, "drains_begun": self.drains.begun,
                   "drains_finished": self.drains.finished, "drains_timed_out": self.drains.timed_out}
         self.export.state(self.core.phase_counts(), len(self._backlog), events, self.core.table.instances.values())
-        self.export.by_cause(metrics.shed, metrics.migrations, metrics.prefill_sites)
+        self.export.by_cause(metrics.shed, metrics.migrations, metrics.prefill_sites, metrics.resumes)
         self.export.ttft_predictions(metrics.ttft_over_predicted)
 
     def _log_state(self) -> None:

@@ -95,7 +95,7 @@ from deepinfer.services.router_admission import AdmissionMixin, Refusal
 from deepinfer.services.router_cache import Chosen, Prediction, PrefillCostModel
 from deepinfer.services.router_moves import MAX_HANDOFF_RETRIES, RETRIED_CODES, MovesMixin
 from deepinfer.services.router_placement import DECODE, Assignment, Beat, Instance, InstanceTable, Placement
-from deepinfer.services.router_resume import ResumeMixin
+from deepinfer.services.router_resume import ResumeMixin, client_key
 from deepinfer.services.router_state import (
     ClientId,
     Outbound,
@@ -185,10 +185,11 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
         return [Outbound(admitted.name, encode)]
 
     def _open(self, client: ClientId, req: GenerateRequest, tokenizer: Instance, arrival: float,
-              now: float) -> RouterRequest:
-        """Admit `req` (valid, authorised, with a live tokenizer): its state, held by `tokenizer`, queued."""
+              now: float, rid: str | None = None) -> RouterRequest:
+        """Admit `req` (valid, authorised, with a live tokenizer): its state, held by `tokenizer`, queued.
+        `rid`: the id a worker already knows it by (a reclaimed request's, `router_resume`)."""
         cfg = self.config
-        rid = f"{cfg.id_prefix}{self._counter}"
+        rid = rid or f"{cfg.id_prefix}{self._counter}"
         deadline = arrival + (req.timeout_s if req.timeout_s is not None else cfg.request_timeout_s)
         st = RouterRequest(rid, self._counter, client, req, arrival, deadline, Assignment(rid, tokenizer.name))
         self._counter += 1
@@ -284,6 +285,10 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
             return self._stale()
         st.prompt_ids, st.block_hashes = res.token_ids, res.block_hashes
         self._recharge(st, len(st.job_tokens))
+        if st.reclaim_from is not None:
+            reclaimed = self._reclaim(st, now)
+            if reclaimed is not None:
+                return reclaimed
         # (A request that moved or resumed was admitted already: it is never refused for the queue it rejoined.)
         if st.resumed and len(st.output_ids) >= st.params.max_tokens:  # its client had every token
             st.finish_reason = "length"
@@ -372,6 +377,8 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
             return self._stale()
         if st.phase is Phase.FINISHING:
             return self._finish(st, now)  # the output is complete already
+        if sender == st.reclaim_from and st.phase is Phase.DECODING and len(st.output_ids) == st.job_output:
+            return self._reclaim_refused(st, sender, err, now)
         where = st.where
         if (st.phase is Phase.PREFILLING and sender in (where.prefill, where.decode) and err.code in RETRIED_CODES
                 and st.handoff_retries < MAX_HANDOFF_RETRIES):
@@ -455,6 +462,7 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
             expected_cached_blocks=prediction.cached_blocks,
             cache_salt=st.cache_salt,
             num_output_tokens=len(st.output_ids),
+            client_key=client_key(st.client, st.req.request_id),
         )
         return [Outbound(placement.prefill.name, job)]
 

@@ -98,6 +98,9 @@ class RouterRequest:
     priority: int = 0  # the client's, raised to the tenant's floor
     moves: int = 0  # times it continued elsewhere after losing a worker or its tokenizer
     resumed: bool = False  # admitted again after its client lost the router that held it (router_resume)
+    # Reclaimed from the worker that kept it through a router restart (router_resume): that worker, until
+    # the request moves or ends; a refusal from it before any new token sends the request to be computed.
+    reclaim_from: str | None = None
     job_output: int = 0  # output tokens it had when its current prefill job was sent (the job's resume point)
     handoff_retries: int = 0  # times it was placed anew after its prefill or KV handoff failed
     avoid: frozenset[str] = frozenset()  # workers its next placement avoids (where its handoff failed)

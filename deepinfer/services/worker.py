@@ -195,6 +195,7 @@ class WorkerService(Service):
         return {
             m.PrefillJob: self._on_job,
             m.AbortRequest: self._on_abort,
+            m.Reclaim: self._on_reclaim,
             m.KvResync: self._on_resync,
             m.PlacementUpdate: self._on_placement_update,
         }
@@ -266,6 +267,7 @@ class WorkerService(Service):
             await asyncio.sleep(1.0)
             assert self._thread is not None
             await self._thread.call(self.engine.expire_reservations)
+            self._apply(self.core.expire_held(time.monotonic()))
 
     async def _handoff_timer(self) -> None:
         while True:
@@ -288,7 +290,16 @@ class WorkerService(Service):
     async def on_router_restart(self) -> None:
         if self.stage is not None:
             self.stage.clear()
-        await self._run(self.core.on_router_restart())
+        await self._run(self.core.on_router_restart(time.monotonic()))
+
+    async def on_rejoined(self) -> None:
+        held = self.core.held()
+        if held:
+            self.log.info("kept requests reported to the new router", count=len(held))
+            await self.send_router(m.HeldRequests(self.instance, self.incarnation, held))
+
+    async def _on_reclaim(self, rc: m.Reclaim) -> None:
+        await self._run(self.core.on_reclaim(rc, self.progress))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         self._apply(self.core.on_outputs(outputs, self.progress, time.monotonic()))
@@ -375,9 +386,9 @@ class WorkerService(Service):
                 self._command(lambda: engine.cancel_reservation(lease_id), "cancel_reservation")
             case Abort(rid):
                 self._command(lambda: engine.abort(rid), "abort")
-            case AbortAll():
-                self._command(self._abort_all, "abort_all",
-                              lambda n: self.log.info("dropped the old router's requests", count=n))
+            case AbortAll(keep):
+                self._command(lambda: self._abort_all(keep), "abort_all",
+                              lambda n: self.log.info("dropped the old router's requests", count=n, kept=len(keep)))
             case OfferBlocks(rid, hashes, kv):
                 if self.cache is not None:
                     self.cache.offer(rid, hashes, kv)
@@ -479,15 +490,16 @@ class WorkerService(Service):
             self.log.exception("adding the request failed", request_id=job.request_id)
         await self._run(self.core.on_add_failed(job, exc))
 
-    def _abort_all(self) -> int:
-        """On the engine thread: abort everything it holds — requests, held handoffs, reservations."""
+    def _abort_all(self, keep: frozenset[str]) -> int:
+        """On the engine thread: abort everything it holds — requests, held handoffs, reservations — but
+        `keep`."""
         engine = self.engine
         if self.group is not None:
             ids = self.group.live_ids()
         else:
             assert isinstance(engine, LLMEngine)
             ids = {*engine.scheduler.requests, *engine.scheduler.held, *engine.reservations.ids}
-        return sum(engine.abort(rid) for rid in ids)
+        return sum(engine.abort(rid) for rid in ids - keep)
 
     # -- the KV handoff's engine calls and sends --------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.config.kv import KvSpec
@@ -20,18 +20,29 @@ from deepinfer.protocol.messages import (
     DetokenizeItem,
     ErrorCode,
     ErrorReply,
+    HeldRequest,
     KvAck,
     KvReserve,
     KvReserveReply,
     KvTransfer,
     PrefillDone,
     PrefillJob,
+    Reclaim,
+    SamplingParamsWire,
 )
 from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S, StreamCoalescer
 from deepinfer.services.wire import to_wire_logprobs, to_wire_prompt_logprobs
 
 HANDOFF_TIMEOUT_S = 30.0  # the most a prefill worker waits for each of the decode worker's replies
 LEASE_S = 10.0  # asked of the decode worker: how long it keeps blocks reserved for a KvTransfer
+# How long a request kept through a router restart waits for its client to resume it on the new router:
+# the client's window (RESUME_WITHIN_S, 30 s) and the router's wait for reports, with room to spare.
+HELD_FOR_S = 60.0
+# A reclaimable request that finished here is remembered until the router acknowledges its end (the
+# AbortRequest every end sends its holders): if the router died before its end reached the client, the
+# client resumes it on the next router and its output is taken from here. Bounded in tokens and age.
+UNACKED_TOKENS = 1 << 20
+UNACKED_S = 60.0
 
 
 def split_resumed(token_ids: list[int], num_output_tokens: int) -> tuple[list[int], list[int]]:
@@ -117,7 +128,9 @@ class Abort:
 
 @dataclass(frozen=True)
 class AbortAll:
-    pass
+    """Abort everything the engine holds but the requests in `keep` (kept through a router restart)."""
+
+    keep: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,6 +207,20 @@ class Track:
     handoff: Handoff | None = None
     prompt_logprobs_sent: bool = False  # the request's first DetokenizeItem carried them (they go once)
     streamed: bool = False  # some of its tokens went to the tokenizer (later ones may be held: StreamCoalescer)
+    # Kept through a router restart when its client can resume it (`reclaimable`): the request's name by
+    # its client ("" when not reclaimable), its whole sequence so far and its prompt's length, to check a
+    # Reclaim against; while orphaned (no router holds it) its output is held here, not streamed.
+    client_key: str = ""
+    tokens: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    orphaned_at: float | None = None
+    finish_reason: str | None = None  # it finished while orphaned
+
+
+def reclaimable(client_key: str, params: SamplingParamsWire) -> str:
+    """The client key a worker keeps a request under through a router restart, or "" when it is not kept:
+    one asking for logprobs is not (they are not kept here to send again), nor one without a key."""
+    return client_key if params.logprobs is None and params.prompt_logprobs is None else ""
 
 
 # -- the core ------------------------------------------------------------------------------------------
@@ -207,8 +234,14 @@ class WorkerCore:
 
     Contract, for every request the core holds (a `Track`, from an accepted PrefillJob or KvTransfer):
     * It ends exactly once on this worker: a finished DetokenizeItem, an ErrorReply, PrefillDone after an
-      acknowledged handoff, or silently by abort or router restart; its track is then gone. Nothing is sent
-      about it afterwards: late engine outputs, replies and export results are dropped (counted in `stale`).
+      acknowledged handoff, or silently by abort, router restart or an unclaimed hold; its track is then gone.
+      Nothing is sent about it afterwards: late engine outputs, replies and export results are dropped
+      (counted in `stale`).
+    * Router restart: a request decoding here whose client can resume it (`reclaimable`) is kept, orphaned:
+      the engine goes on with it, nothing of it is streamed, its tokens are kept; `held()` lists them for the
+      new router. A `Reclaim` whose tokens begin its sequence ends the orphanhood: one DetokenizeItem from
+      the client's output count carries every token past it (and the finish, if it came meanwhile), and it
+      streams on. Unclaimed for `held_for_s`, it is aborted. Every other request is dropped at the restart.
     * PrefillDone is sent exactly once per job: with the first token computed here (co-located), or when
       the decode worker acknowledged the KV (prefill). A decode-side track never sends one.
     * DetokenizeItem offsets are contiguous: the first starts at the tokens already streamed (a resumed
@@ -225,7 +258,8 @@ class WorkerCore:
 
     def __init__(self, instance: str, role: str, kv: KvSpec, decode_peers: set[str] | frozenset[str], *,
                  offer_blocks: bool = False, handoff_timeout_s: float = HANDOFF_TIMEOUT_S,
-                 lease_s: float = LEASE_S, stream_interval_s: float = STREAM_INTERVAL_S) -> None:
+                 lease_s: float = LEASE_S, stream_interval_s: float = STREAM_INTERVAL_S,
+                 held_for_s: float = HELD_FOR_S) -> None:
         self.instance = instance
         self.role = role
         self.kv = kv  # the engine's KV: a KvTransfer names its layout, and a decode worker takes only its own
@@ -234,11 +268,15 @@ class WorkerCore:
         self.offer_blocks = offer_blocks  # a cache daemon takes finished requests' blocks
         self.handoff_timeout_s = handoff_timeout_s
         self.lease_s = lease_s
+        self.held_for_s = held_for_s
         self.handoffs_done = 0
         self.handoffs_failed: Counter[HandoffFailure] = Counter()
         self.stale = 0  # replies and export results for handoffs no longer awaiting them
         self._tracks: dict[str, Track] = {}
         self.stream = StreamCoalescer(stream_interval_s)  # tokens on their way to the tokenizers
+        # Finished here, their end not yet acknowledged by the router (oldest first), with when they finished.
+        self._unacked: dict[str, tuple[float, Track]] = {}
+        self._unacked_tokens = 0
 
     def __len__(self) -> int:
         return len(self._tracks)
@@ -253,7 +291,9 @@ class WorkerCore:
             prompt, resumed = split_resumed(job.token_ids, job.num_output_tokens)
         except ValueError as exc:
             return [ToRouter(ErrorReply(job.request_id, "invalid_request", str(exc)))]
-        self._tracks[job.request_id] = Track(job.detokenizer, sent=len(resumed), job=job, started=now)
+        key = reclaimable(job.client_key, job.params) if self.role != "prefill" else ""
+        self._tracks[job.request_id] = Track(job.detokenizer, sent=len(resumed), job=job, started=now, client_key=key,
+                                             tokens=list(job.token_ids) if key else [], prompt_len=len(prompt))
         return [AddJob(job, prompt, resumed, prefill_only=self.role == "prefill")]
 
     def on_prefix_loaded(self, job: PrefillJob, fetch_s: float) -> bool:
@@ -278,19 +318,71 @@ class WorkerCore:
                 Abort(job.request_id)]
 
     def on_abort(self, request_id: str) -> list[Action]:
-        """Drop it whatever its phase; the engine abort frees what it holds (running, held, reserved)."""
+        """Drop it whatever its phase; the engine abort frees what it holds (running, held, reserved). For a
+        request that finished here it is the router's acknowledgement of the end."""
+        self._forget_unacked(request_id)
         track = self._tracks.pop(request_id, None)
         if track is not None and track.handoff is not None:
             track.handoff.state = HandoffState.DROPPED
         return [Abort(request_id)]
 
-    def on_router_restart(self) -> list[Action]:
-        """Every request here was the old router's, whose clients already got an error: drop them all."""
-        for track in self._tracks.values():
-            if track.handoff is not None:
-                track.handoff.state = HandoffState.DROPPED
-        self._tracks.clear()
-        return [AbortAll()]
+    def on_router_restart(self, now: float) -> list[Action]:
+        """Every request here was the old router's. Keep those decoding here that their clients can resume on
+        the new router (orphaned, output held; an orphan of an earlier restart stays one, from its first
+        orphaning), and those that finished here without the router acknowledging their end; drop the rest."""
+        keep: set[str] = set()
+        for rid, track in list(self._tracks.items()):
+            if track.client_key and track.handoff is None and (track.job is None or track.prefill_reported):
+                if track.orphaned_at is None:
+                    track.orphaned_at = now
+                self.stream.drop(rid)  # held tokens: kept in `tokens`, sent from the client's count on Reclaim
+                keep.add(rid)
+            else:
+                if track.handoff is not None:
+                    track.handoff.state = HandoffState.DROPPED
+                del self._tracks[rid]
+        for rid, (_, track) in self._unacked.items():  # finished: their ends may never have reached the clients
+            track.orphaned_at = now
+            self._tracks[rid] = track
+            keep.add(rid)
+        self._unacked.clear()
+        self._unacked_tokens = 0
+        return [AbortAll(frozenset(keep))]
+
+    def held(self) -> list[HeldRequest]:
+        """What this worker kept through a router restart, for the new router (`HeldRequests`)."""
+        return [HeldRequest(rid, t.client_key, len(t.tokens) - t.prompt_len)
+                for rid, t in self._tracks.items() if t.orphaned_at is not None]
+
+    def on_reclaim(self, rc: Reclaim, step: int) -> list[Action]:
+        """A client resumed an orphan on the new router: check that its output begins the orphan's (the same
+        prompt, the same tokens), then stream everything past it; refused with ErrorReply worker_lost."""
+        rid, n = rc.request_id, rc.num_output_tokens
+        track = self._tracks.get(rid)
+        if track is None or track.orphaned_at is None:
+            return [ToRouter(ErrorReply(rid, "worker_lost", f"{self.instance} does not hold {rid} any more"))]
+        if not 0 <= n <= len(rc.token_ids) or len(rc.token_ids) - n != track.prompt_len \
+                or track.tokens[:len(rc.token_ids)] != rc.token_ids:
+            del self._tracks[rid]
+            return [ToRouter(ErrorReply(rid, "worker_lost", f"{self.instance} holds {rid} with another sequence")),
+                    Abort(rid)]
+        track.orphaned_at, track.detokenizer = None, rc.detokenizer
+        output = track.tokens[track.prompt_len:]
+        track.sent, track.streamed = len(output), True
+        if track.finish_reason is not None:
+            del self._tracks[rid]
+        elif len(output) == n:
+            return []  # nothing new yet: the next step streams on from n
+        item = DetokenizeItem(rid, n, output[n:], track.finish_reason is not None, track.finish_reason)
+        return [ToTokenizer(rc.detokenizer, DetokenizeBatch(self.instance, step, [item]))]
+
+    def expire_held(self, now: float) -> list[Action]:
+        """Abort the orphans no client resumed within `held_for_s`."""
+        expired = [rid for rid, t in self._tracks.items()
+                   if t.orphaned_at is not None and now - t.orphaned_at > self.held_for_s]
+        for rid in expired:
+            del self._tracks[rid]
+        return [Abort(rid) for rid in expired]
 
     # -- the engine's outputs ------------------------------------------------------------------------
 
@@ -313,7 +405,16 @@ class WorkerCore:
                 actions.append(ToRouter(self._prefill_done(out, track, now)))
             if out.finish_reason is not None and out.finish_reason.value == "error":
                 del self._tracks[rid]
-                actions.append(ToRouter(ErrorReply(rid, "internal", out.error or "")))
+                if track.orphaned_at is None:
+                    actions.append(ToRouter(ErrorReply(rid, "internal", out.error or "")))
+                continue
+            if track.client_key:
+                track.tokens += out.new_token_ids
+            if track.orphaned_at is not None:  # no router holds it: its output waits for a Reclaim
+                if out.finished:
+                    track.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
+                    if self.offer_blocks and out.block_hashes:
+                        actions.append(OfferBlocks(rid, list(out.block_hashes)))
                 continue
             prompt_logprobs = None
             if out.prompt_logprobs is not None and not track.prompt_logprobs_sent:
@@ -330,6 +431,8 @@ class WorkerCore:
             track.streamed |= bool(out.new_token_ids)
             if out.finished:
                 del self._tracks[rid]
+                if track.client_key:
+                    self._remember_unacked(rid, track, out, now)
                 if self.offer_blocks and out.block_hashes:
                     actions.append(OfferBlocks(rid, list(out.block_hashes)))
         if urgent or self.stream.due(now):
@@ -344,10 +447,29 @@ class WorkerCore:
             return []
         actions: list[Action] = []
         for tok, items in self.stream.take(now).items():
-            live = [it for it in items if it.finished or it.request_id in self._tracks]
+            live = [it for it in items if it.finished or self._streaming(it.request_id)]
             if live:
                 actions.append(ToTokenizer(tok, DetokenizeBatch(self.instance, step, live)))
         return actions
+
+    def _remember_unacked(self, rid: str, track: Track, out: RequestOutput, now: float) -> None:
+        track.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
+        self._unacked[rid] = (now, track)
+        self._unacked_tokens += len(track.tokens)
+        while self._unacked:  # the oldest go first, past the age or the token bound
+            oldest, (at, t) = next(iter(self._unacked.items()))
+            if now - at <= UNACKED_S and self._unacked_tokens <= UNACKED_TOKENS:
+                break
+            self._forget_unacked(oldest)
+
+    def _forget_unacked(self, rid: str) -> None:
+        entry = self._unacked.pop(rid, None)
+        if entry is not None:
+            self._unacked_tokens -= len(entry[1].tokens)
+
+    def _streaming(self, request_id: str) -> bool:
+        track = self._tracks.get(request_id)
+        return track is not None and track.orphaned_at is None
 
     def _prefill_done(self, out: RequestOutput, track: Track, now: float) -> PrefillDone:
         assert track.job is not None
@@ -420,7 +542,8 @@ class WorkerCore:
             self.block_size, self.kv.layout, hand.kv, job.detokenizer,
             first_logprob=(to_wire_logprobs(out.new_logprobs) or [None])[-1], priority=job.priority,
             arrival_time=job.arrival_time, num_cached_tokens=out.usage.cached_tokens, cache_salt=job.cache_salt,
-            num_output_tokens=job.num_output_tokens, prompt_logprobs=to_wire_prompt_logprobs(out.prompt_logprobs)))]
+            num_output_tokens=job.num_output_tokens, prompt_logprobs=to_wire_prompt_logprobs(out.prompt_logprobs),
+            client_key=job.client_key))]
 
     def on_tick(self, now: float) -> list[Action]:
         """Fail every handoff whose awaited reply is overdue."""
@@ -466,7 +589,9 @@ class WorkerCore:
             prompt, resumed = split_resumed(t.token_ids, t.num_output_tokens)
         except ValueError as exc:
             return self._refuse(identity, t, str(exc))
-        self._tracks[t.request_id] = Track(t.detokenizer, sent=len(resumed) + 1, streamed=True)
+        key = reclaimable(t.client_key, t.params)
+        self._tracks[t.request_id] = Track(t.detokenizer, sent=len(resumed) + 1, streamed=True, client_key=key,
+                                           tokens=[*t.token_ids, t.first_token] if key else [], prompt_len=len(prompt))
         # The first token goes to the tokenizer before the engine can produce the second: the shell performs
         # these in order, and one PUSH socket per tokenizer keeps them in order. It carries the prefill
         # worker's logprob of that token and the prompt's logprobs, when the request asked for them.

@@ -179,7 +179,9 @@ def test_the_router_killed_mid_stream_loses_no_zeromq_or_sse_stream(cluster: Run
     """Two ZeroMQ streams and two SSE streams (through the gateway on `front`) are decoding when the router is
     killed -9; it is started again 2 s later (systemd's RestartSec) on the same host. Every stream ends as if
     nothing happened: the ZeroMQ streams' deltas add up to transformers' tokens, the SSE streams' text is the
-    undisturbed run's, and the router counts the readmitted streams (migrations "router_lost")."""
+    undisturbed run's. The decode workers kept the streams running while no router was there, and the new router
+    took each back from its worker (resumes "reclaimed") or, where the report came too late, computed it again
+    ("readmitted")."""
     import threading
     import time
 
@@ -206,7 +208,7 @@ def test_the_router_killed_mid_stream_loses_no_zeromq_or_sse_stream(cluster: Run
 
     try:
         wait_until_served(c, made)
-        before = migrations(cluster, "router_lost")
+        before = resumes(cluster, "reclaimed") + resumes(cluster, "readmitted")
         readers = [threading.Thread(target=follow, args=(i,)) for i in range(2)]
         readers += [threading.Thread(target=follow_sse, args=(i,)) for i in range(2, 4)]
         for t in readers:
@@ -228,7 +230,11 @@ def test_the_router_killed_mid_stream_loses_no_zeromq_or_sse_stream(cluster: Run
     for p, text, want in zip(prompts[2:], texts, undisturbed):
         assert want.token_ids == smollm2_oracle.greedy(p, 64)
         assert text == want.text, text
-    wait_for(lambda: migrations(cluster, "router_lost") >= before + 4, "the new router's count of resumed streams")
+    wait_for(lambda: resumes(cluster, "reclaimed") + resumes(cluster, "readmitted") >= before + 4,
+             "the new router's count of resumed streams")
+    print(f"resumed on the new router: {resumes(cluster, 'reclaimed'):g} reclaimed, "
+          f"{resumes(cluster, 'readmitted'):g} computed again")
+    assert resumes(cluster, "reclaimed") >= 1
     assert not made.dead(), "\n".join(made.dead())
 
 
@@ -278,6 +284,12 @@ def migrations(cluster: Running, cause: str) -> float:
     from tests.service.test_metrics_mesh import aggregate, total
 
     return total(aggregate(cluster.metrics), "deepinfer_router_migrations_total", cause=cause)
+
+
+def resumes(cluster: Running, case: str) -> float:
+    from tests.service.test_metrics_mesh import aggregate, total
+
+    return total(aggregate(cluster.metrics), "deepinfer_router_resumes_total", case=case)
 
 
 def test_a_prefix_computed_on_one_host_is_served_on_another_from_the_pool(

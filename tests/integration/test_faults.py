@@ -7,8 +7,10 @@ last one's victims are back. A lost decode worker's or tokenizer's requests move
 other one (the supervisor tells the router the moment a child exits; a stopped one is found by its missed
 heartbeats): every stream completes with the output of an undisturbed run, without a gap or a repeated
 token, seeded sampling included. A killed router loses no stream: its successor is greeted by every service
-again (the workers and tokenizers drop what they held for the old one), and each client resumes its streams on
-it from the last token it received, each finishing with the undisturbed run's output.
+again (the tokenizers drop what they held for the old one; the decode workers keep the streams they were
+decoding and report them), and each client resumes its streams on it from the last token it received — one its
+decode worker kept is taken back from there, the others are computed again — each finishing with the
+undisturbed run's output.
 
 Prefill workers killed mid-prefill: with a spare, their requests move to it; with none (both killed), they
 wait parked for a restarted one; killed once every stream decodes, decoding goes on untouched (no request
@@ -203,10 +205,15 @@ def router_kill_params(i: int) -> dict:
     return dict(params(i), max_tokens=LONG_MAX_TOKENS) if i in LONG else params(i)
 
 
-def dropped_counts(log_dir, names) -> dict[str, list[int]]:
-    """Per service, the `count` of each "dropped the old router's requests" line in its log."""
-    pattern = re.compile(r"dropped the old router's requests.*?\bcount=(\d+)")
+def dropped_counts(log_dir, names, field: str = "count") -> dict[str, list[int]]:
+    """Per service, the `count` (or `kept`, a worker's) of each "dropped the old router's requests" line in its
+    log."""
+    pattern = re.compile(rf"dropped the old router's requests.*?\b{field}=(\d+)")
     return {n: [int(c) for c in pattern.findall((log_dir / f"{n}.log").read_text())] for n in names}
+
+
+def resumes(mesh, case: str) -> float:
+    return metric(mesh.log_dir, "deepinfer_router_resumes_total", case=case) or 0.0
 
 
 def test_kill_9_router_loses_no_stream_and_its_successor_is_greeted_and_serves(mesh, prompts_and_reference,
@@ -227,9 +234,15 @@ def test_kill_9_router_loses_no_stream_and_its_successor_is_greeted_and_serves(m
     results = asyncio.run(streams_through_a_fault(mesh.topology.frontend, prompts, kill, router_kill_params,
                                                   connect_timeout_s=120.0))
     assert_undisturbed(results, want)
-    # Every long stream was flowing at the kill, so each was resumed on the new router.
-    resumed = wait_for_migrations(mesh, "router_lost", more_than=len(LONG) - 1)
-    print(f"streams resumed on the new router: {resumed:g}")
+    # Every long stream was in flight at the kill, so each was resumed on the new router: reclaimed from the
+    # decode worker that kept it running (those decoding then), or computed again (those still prefilling).
+    deadline = time.monotonic() + 60
+    while resumes(mesh, "reclaimed") + resumes(mesh, "readmitted") < len(LONG):
+        assert time.monotonic() < deadline, "the long streams were not all resumed"
+        time.sleep(0.1)
+    reclaimed, readmitted = resumes(mesh, "reclaimed"), resumes(mesh, "readmitted")
+    print(f"streams resumed on the new router: {reclaimed:g} reclaimed, {readmitted:g} computed again")
+    assert reclaimed >= 1
     deadline = time.monotonic() + 120
     while router.restarts == restarts and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -242,16 +255,17 @@ def test_kill_9_router_loses_no_stream_and_its_successor_is_greeted_and_serves(m
     # Every service said Hello again.
     for name in ("tokenizer-0", "tokenizer-1", "prefill-0", "decode-0", "decode-1", "kvcache-0"):
         assert "rejoined the restarted router" in (mesh.log_dir / f"{name}.log").read_text(), name
-    # The old router's work was aborted, not run to its end: the long streams were still held when the
-    # services met the new router, and at least one worker and one tokenizer dropped some of them.
+    # The services met the new router with the long streams in flight: the tokenizers dropped their state of
+    # them, and the decode workers kept those they were decoding (what the reclaims above took back).
     workers, tokenizers = ("prefill-0", "decode-0", "decode-1"), ("tokenizer-0", "tokenizer-1")
     deadline = time.monotonic() + 60
     while not all(dropped_counts(mesh.log_dir, (n,))[n] for n in workers + tokenizers):
         assert time.monotonic() < deadline, dropped_counts(mesh.log_dir, workers + tokenizers)
         time.sleep(0.2)
     dropped = dropped_counts(mesh.log_dir, workers + tokenizers)
-    print("dropped the old router's requests:", dropped)
-    assert sum(sum(dropped[n]) for n in workers) > 0, dropped
+    kept = dropped_counts(mesh.log_dir, workers, "kept")
+    print("dropped the old router's requests:", dropped, "kept:", kept)
+    assert sum(sum(kept[n]) for n in ("decode-0", "decode-1")) >= reclaimed, kept
     assert sum(sum(dropped[n]) for n in tokenizers) > 0, dropped
     # ... and every KV block is free again on every worker (their heartbeats' gauges; a guard, not a timing).
     deadline = time.monotonic() + 120

@@ -19,6 +19,7 @@ from deepinfer.engine.request import FinishReason, InvalidRequestError, Logprob,
 from deepinfer.protocol.messages import (
     DetokenizeItem,
     ErrorReply,
+    HeldRequest,
     KvAck,
     KvReserve,
     KvReserveReply,
@@ -26,6 +27,7 @@ from deepinfer.protocol.messages import (
     LogprobWire,
     PrefillDone,
     PrefillJob,
+    Reclaim,
     SamplingParamsWire,
 )
 from deepinfer.services.worker_core import (
@@ -55,9 +57,10 @@ KV = object()  # an export: the core only carries it
 PEER = b"prefill-1"  # the prefill worker's identity on a decode worker's KV ROUTER
 
 
-def job(rid: str = "r1", n: int = 10, decode: str = "d1", detok: str = "tok1", resumed: int = 0) -> PrefillJob:
+def job(rid: str = "r1", n: int = 10, decode: str = "d1", detok: str = "tok1", resumed: int = 0,
+        key: str = "") -> PrefillJob:
     return PrefillJob(rid, list(range(100, 100 + n)), [b"h0", b"h1"], SamplingParamsWire(max_tokens=7), decode, detok,
-                      priority=2, arrival_time=1.5, cache_salt="salt", num_output_tokens=resumed)
+                      priority=2, arrival_time=1.5, cache_salt="salt", num_output_tokens=resumed, client_key=key)
 
 
 def output(rid: str = "r1", new: list[int] | None = None, finish: str | None = None, *, handoff: bool = False,
@@ -70,9 +73,10 @@ def output(rid: str = "r1", new: list[int] | None = None, finish: str | None = N
                          error=error, handoff=handoff, block_hashes=hashes or [])
 
 
-def transfer(rid: str = "t1", n: int = 9, resumed: int = 0, layout: str = KV_LAYOUT, bs: int = BS) -> KvTransfer:
+def transfer(rid: str = "t1", n: int = 9, resumed: int = 0, layout: str = KV_LAYOUT, bs: int = BS,
+             key: str = "") -> KvTransfer:
     return KvTransfer(rid, rid, 42, list(range(n)), [], SamplingParamsWire(), bs, layout, KV, "tok2",
-                      num_output_tokens=resumed)
+                      num_output_tokens=resumed, client_key=key)
 
 
 def colocated(**kw: Any) -> WorkerCore:
@@ -376,10 +380,85 @@ def test_router_restart_drops_everything() -> None:
     _ = core.on_exported("b", KV, 2.0)
     core.on_transfer(PEER, transfer("c"), 1)
     assert len(core) == 3
-    assert core.on_router_restart() == [AbortAll()]
+    assert core.on_router_restart(3.0) == [AbortAll()]
     assert len(core) == 0
     assert core.on_outputs([output("a"), output("c")], 2, 3.0) == []
     assert core.on_kv_reply("d1", KvReserveReply("b", "b", True), 3.0) == [] and core.on_tick(1000.0) == []
+
+
+def test_router_restart_keeps_the_decoding_requests_a_client_can_resume() -> None:
+    core = colocated(offer_blocks=True)
+    for rid, key, params in [("a", "c/a", SamplingParamsWire(max_tokens=7)), ("b", "c/b", None),
+                             ("lp", "c/lp", SamplingParamsWire(max_tokens=7, logprobs=1)), ("nokey", "", None)]:
+        j = job(rid, key=key)
+        core.on_job(j if params is None else dataclasses.replace(j, params=params), 0.0)
+    core.on_outputs([output("a", [5]), output("lp", [5]), output("nokey", [5])], 1, 1.0)  # b: still prefilling
+    assert core.on_router_restart(2.0) == [AbortAll(frozenset({"a"}))]
+    assert len(core) == 1
+    # Orphaned: the engine goes on, nothing is streamed; the new router hears of it.
+    assert core.on_outputs([output("a", [6, 7])], 2, 3.0) == []
+    assert core.held() == [HeldRequest("a", "c/a", 3)]
+    # The client had one token: the rest goes to the tokenizer the new router named, from offset 1.
+    prompt = job("a").token_ids
+    [(tok, it)] = items(core.on_reclaim(Reclaim("a", "tok7", [*prompt, 5], 1), 4))
+    assert (tok, it.request_id, it.offset, it.token_ids, it.finished) == ("tok7", "a", 1, [6, 7], False)
+    assert core.held() == []
+    [(tok, it)] = items(core.on_outputs([output("a", [8], finish="stop")], 5, 4.0))
+    assert (tok, it.offset, it.token_ids, it.finished, it.finish_reason) == ("tok7", 3, [8], True, "stop")
+    assert len(core) == 0
+
+
+def test_a_request_that_finished_while_orphaned_ends_with_its_reclaim() -> None:
+    core = WorkerCore("d1", "decode", SPEC, set(), offer_blocks=True)
+    core.on_transfer(PEER, transfer("t", n=6, resumed=2, key="c/t"), 1)
+    assert core.on_router_restart(0.0) == [AbortAll(frozenset({"t"}))]
+    done = core.on_outputs([output("t", [9], finish="length", hashes=[b"x"])], 2, 1.0)
+    [offer] = done  # its blocks still go to the cache; no item
+    assert isinstance(offer, OfferBlocks) and (offer.request_id, offer.block_hashes) == ("t", [b"x"])
+    # The transfer's prompt is 4 tokens and 2 of output; then 42 (the first token here) and 9.
+    assert core.held() == [HeldRequest("t", "c/t", 4)]
+    [(_, it)] = items(core.on_reclaim(Reclaim("t", "tok1", [0, 1, 2, 3, 4, 5, 42], 3), 3))
+    assert (it.offset, it.token_ids, it.finished, it.finish_reason) == (3, [9], True, "length")
+    assert len(core) == 0
+
+
+def test_a_finished_request_whose_end_the_router_never_acknowledged_is_kept_too() -> None:
+    core = colocated()
+    for rid in ("acked", "lost"):
+        core.on_job(job(rid, key=f"c/{rid}"), 0.0)
+        core.on_outputs([output(rid, [5, 6], finish="stop")], 1, 1.0)
+    core.on_abort("acked")  # the router's AbortRequest after the end: it reached the client
+    assert core.on_router_restart(2.0) == [AbortAll(frozenset({"lost"}))]
+    assert core.held() == [HeldRequest("lost", "c/lost", 2)]
+    [(_, it)] = items(core.on_reclaim(Reclaim("lost", "tok1", [*job("lost").token_ids, 5], 1), 3))
+    assert (it.offset, it.token_ids, it.finished, it.finish_reason) == (1, [6], True, "stop")
+    assert len(core) == 0
+
+
+def test_a_reclaim_of_another_sequence_or_of_nothing_held_is_refused() -> None:
+    core = colocated()
+    core.on_job(job("a", key="c/a"), 0.0)
+    core.on_outputs([output("a", [5])], 1, 1.0)
+    core.on_router_restart(2.0)
+    assert to_router(core.on_reclaim(Reclaim("zz", "tok1", [1], 0), 3))[0].code == "worker_lost"
+    # The right prompt but another first token: not this sequence.
+    actions = core.on_reclaim(Reclaim("a", "tok1", [*job("a").token_ids, 6], 1), 3)
+    assert [m.code for m in to_router(actions)] == ["worker_lost"] and Abort("a") in actions and len(core) == 0
+    # A prompt of another length (the client's count does not match): refused too.
+    core.on_job(job("b", key="c/b"), 0.0)
+    core.on_outputs([output("b", [5])], 1, 1.0)
+    core.on_router_restart(2.0)
+    assert to_router(core.on_reclaim(Reclaim("b", "tok1", [*job("b").token_ids, 5], 0), 3))[0].code == "worker_lost"
+
+
+def test_an_orphan_no_client_reclaims_is_aborted_when_its_hold_runs_out() -> None:
+    core = colocated(held_for_s=10.0)
+    core.on_job(job("a", key="c/a"), 0.0)
+    core.on_outputs([output("a", [5])], 1, 1.0)
+    core.on_router_restart(2.0)
+    core.on_router_restart(5.0)  # a second restart: still one orphan, held from the first
+    assert core.expire_held(11.0) == [] and len(core) == 1
+    assert core.expire_held(12.5) == [Abort("a")] and len(core) == 0
 
 
 # -- every request ends exactly once ---------------------------------------------------------------------
@@ -408,6 +487,10 @@ class WorkerCoreMachine(RuleBasedStateMachine):
         self.holding_blocks: set[str] = set()  # got a handoff output: the engine holds its blocks
         self.ended: set[str] = set()
         self.prefill_done: Counter[str] = Counter()
+        self.orphans: set[str] = set()  # kept through a router restart, not reclaimed yet
+        self.done_orphans: set[str] = set()  # of those, finished meanwhile
+        self.keyed: set[str] = set()  # started with a client key
+        self.unacked: set[str] = set()  # keyed, finished here, not aborted since (the router's acknowledgement)
 
     def held(self) -> set[str]:
         return {rid for rid in self.known if self.core.track(rid) is not None}
@@ -452,12 +535,15 @@ class WorkerCoreMachine(RuleBasedStateMachine):
             self.ended.add(rid)
             assert terminal == (0 if rid in silent else 1), (rid, ms)
             if rid in self.holding_blocks:
-                freed = actions.count(Release(rid)) + actions.count(Abort(rid)) + actions.count(AbortAll())
+                freed = actions.count(Release(rid)) + actions.count(Abort(rid)) + sum(
+                    isinstance(a, AbortAll) and rid not in a.keep for a in actions)
                 assert freed == 1, (rid, actions)
         for rid in after & before:
             ms = msgs.get(rid, [])
             assert not any(isinstance(m, ErrorReply) or (isinstance(m, DetokenizeItem) and m.finished) for m in ms)
-        assert abort_all == (AbortAll() in actions)
+        assert abort_all == any(isinstance(a, AbortAll) for a in actions)
+        for rid in self.orphans:  # nothing is streamed of a request no router holds
+            assert rid not in msgs, (rid, msgs[rid])
 
     @invariant()
     def core_holds_what_was_started_and_not_ended(self) -> None:
@@ -467,10 +553,13 @@ class WorkerCoreMachine(RuleBasedStateMachine):
     # -- the router ----------------------------------------------------------------------------------
 
     @precondition(lambda self: self.core.role != "decode" and len(self.held()) < 4)
-    @rule(resumed=st.integers(0, 6), peer=st.sampled_from(["d1", "d1", "d2", "d9"]), added=st.integers(0, 3))
-    def new_job(self, resumed: int, peer: str, added: int) -> None:
+    @rule(resumed=st.integers(0, 6), peer=st.sampled_from(["d1", "d1", "d2", "d9"]), added=st.integers(0, 3),
+          keyed=st.booleans())
+    def new_job(self, resumed: int, peer: str, added: int, keyed: bool) -> None:
         rid = self.new_rid("job")
-        j = self.jobs[rid] = job(rid, n=6, decode=peer, resumed=resumed)
+        j = self.jobs[rid] = job(rid, n=6, decode=peer, resumed=resumed, key=f"c/{rid}" if keyed else "")
+        if keyed and self.core.role != "prefill":
+            self.keyed.add(rid)
         self.next_offset[rid] = resumed
         actions = self.core.on_job(j, self.now)
         if resumed < 6:
@@ -502,20 +591,81 @@ class WorkerCoreMachine(RuleBasedStateMachine):
         before = self.held()
         actions = self.core.on_abort(rid)
         assert actions == [Abort(rid)] and self.core.track(rid) is None
+        self.orphans.discard(rid)
+        self.done_orphans.discard(rid)
+        self.unacked.discard(rid)
         self.feed(actions, before, silent={rid})
 
     @precondition(lambda self: len(self.held()) >= 3)
     @rule()
     def router_restart(self) -> None:
         before = self.held()
-        self.feed(self.core.on_router_restart(), before, silent=before, abort_all=True)
-        assert not self.held()
+        # Kept: what decodes here (its first token made here, or its KV installed or coming) under a client key.
+        keep = {rid for rid in before if (t := self.core.track(rid)) is not None and t.client_key
+                and t.handoff is None and (t.job is None or t.prefill_reported)}
+        actions = self.core.on_router_restart(self.now)
+        assert actions == [AbortAll(frozenset(keep | self.unacked))]
+        self.feed(actions, before, silent=before - keep, abort_all=True)
+        # The finished ones whose end the router never acknowledged are back, finished, for a Reclaim.
+        self.ended -= self.unacked
+        self.done_orphans |= self.unacked
+        keep |= self.unacked
+        self.unacked.clear()
+        self.orphans |= keep
+        assert self.held() == keep
+        assert {h.request_id for h in self.core.held()} == keep
+
+    @precondition(lambda self: self.orphans or self.ended)
+    @rule(data=st.data(), right=st.sampled_from([True, True, True, False]))
+    def reclaim(self, data: st.DataObject, right: bool) -> None:
+        """The new router sends a resumed request back: the client's output (any prefix of what this worker
+        made), or a sequence that is not this worker's, or a request it no longer holds."""
+        rid = data.draw(st.sampled_from(sorted(self.orphans) or sorted(self.ended)))
+        track = self.core.track(rid)
+        before = self.held()
+        if track is None or track.orphaned_at is None:
+            actions = self.core.on_reclaim(Reclaim(rid, "tok9", [1, 2], 1), 1)
+            # The answer to the router's question, about a request that ended here: nothing else.
+            assert [m.code for m in to_router(actions)] == ["worker_lost"] and len(actions) == 1
+            assert self.held() == before
+            return
+        made = len(track.tokens) - track.prompt_len
+        n = data.draw(st.integers(0, made))
+        tokens = track.tokens[:track.prompt_len + n]
+        if not right:
+            tokens = [*tokens[:-1], tokens[-1] + 1000]
+        actions = self.core.on_reclaim(Reclaim(rid, "tok9", tokens, n), 1)
+        self.orphans.discard(rid)
+        if right:
+            self.next_offset[rid] = n
+            assert not to_router(actions)
+            if rid in self.done_orphans or made > n:
+                [(tok, it)] = items(actions)
+                assert (tok, it.token_ids, it.finished) == ("tok9", track.tokens[track.prompt_len + n:],
+                                                           rid in self.done_orphans)
+            self.done_orphans.discard(rid)
+            self.feed(actions, before)
+        else:
+            assert [m.code for m in to_router(actions)] == ["worker_lost"] and Abort(rid) in actions
+            self.done_orphans.discard(rid)
+            self.feed(actions, before)
+
+    @precondition(lambda self: self.orphans)
+    @rule()
+    def hold_runs_out(self) -> None:
+        before = self.held()
+        self.now += self.core.held_for_s + 1
+        actions = self.core.expire_held(self.now)
+        assert sorted(actions, key=str) == sorted((Abort(rid) for rid in self.orphans), key=str)
+        self.feed(actions, before, silent=set(self.orphans))
+        self.orphans.clear()
+        self.done_orphans.clear()
 
     # -- the engine ----------------------------------------------------------------------------------
 
     def steppable(self) -> list[str]:
         return [rid for rid in sorted(self.held()) if rid not in self.pending_add and rid not in self.pending_install
-                and rid not in self.holding_blocks]
+                and rid not in self.holding_blocks and rid not in self.done_orphans]
 
     @precondition(lambda self: self.steppable())
     @rule(data=st.data(), late=st.booleans())
@@ -537,7 +687,18 @@ class WorkerCoreMachine(RuleBasedStateMachine):
                     finish = "length"
                 outs.append(output(rid, new=data.draw(st.lists(st.integers(0, 9), max_size=3)), finish=finish))
         before = self.held()
-        self.feed(self.core.on_outputs(outs, step=1, now=self.now), before)
+        silent = set()
+        for out in outs:
+            if out.request_id in self.orphans and out.finished:
+                if out.finish_reason is FinishReason.ERROR:  # it ends here, silently: a Reclaim is refused
+                    self.orphans.discard(out.request_id)
+                    silent.add(out.request_id)
+                else:
+                    self.done_orphans.add(out.request_id)
+            elif (out.request_id in before and out.request_id in self.keyed and out.finished and not out.handoff
+                  and out.finish_reason is not FinishReason.ERROR):
+                self.unacked.add(out.request_id)
+        self.feed(self.core.on_outputs(outs, step=1, now=self.now), before, silent=silent)
 
     def in_state(self, *states: HandoffState) -> list[str]:
         return [rid for rid in sorted(self.held()) if (t := self.core.track(rid)) and t.handoff
@@ -585,10 +746,12 @@ class WorkerCoreMachine(RuleBasedStateMachine):
     # -- the decode side -------------------------------------------------------------------------------
 
     @precondition(lambda self: self.core.role != "prefill" and len(self.held()) < 4)
-    @rule(resumed=st.integers(0, 5), fits=st.booleans())
-    def kv_transfer(self, resumed: int, fits: bool) -> None:
+    @rule(resumed=st.integers(0, 5), fits=st.booleans(), keyed=st.booleans())
+    def kv_transfer(self, resumed: int, fits: bool, keyed: bool) -> None:
         rid = self.new_rid("kv")
-        t = transfer(rid, n=5, resumed=resumed, layout=KV_LAYOUT if fits else "other")
+        t = transfer(rid, n=5, resumed=resumed, layout=KV_LAYOUT if fits else "other", key=f"c/{rid}" if keyed else "")
+        if keyed:
+            self.keyed.add(rid)
         before = self.held()
         self.next_offset[rid] = resumed
         actions = self.core.on_transfer(PEER, t, 1)
@@ -613,6 +776,7 @@ class WorkerCoreMachine(RuleBasedStateMachine):
         else:
             actions = self.core.on_install_failed(PEER, t, RuntimeError("no room"))
             assert actions[0] == CancelReservation(rid)
+            self.orphans.discard(rid)
         self.feed(actions, before, silent={rid})
 
 

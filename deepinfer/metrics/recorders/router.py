@@ -22,6 +22,7 @@ SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_infli
                "ttft_slo")
 MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain",
                     "router_lost")
+RESUME_CASES = ("attached", "reclaimed", "readmitted", "reclaim_refused", "refused")
 SITES = ("remote", "local")  # where a request with a prefill/decode pair was prefilled
 REFUSED_CODES = ("request_too_large", "invalid_request", "bad_message", "other")  # front refusals' reply codes
 MAX_GROUPS = 64  # worker groups with their own series; more are not recorded (cardinality bound)
@@ -60,6 +61,7 @@ class RouterExport:
         self.migrations = TotalsFeed(lambda c: bind(d.ROUTER_MIGRATIONS, *who, _known(c, MIGRATION_CAUSES)))
         self.ttft_over_predicted = bind(d.TTFT_PREDICTION_RATIO, *who)
         self.prefill_sites = TotalsFeed(lambda s: bind(d.ROUTER_PREFILL_SITES, *who, s) if s in SITES else None)
+        self.resumes = TotalsFeed(lambda c: bind(d.ROUTER_RESUMES, *who, c) if c in RESUME_CASES else None)
         self._groups: dict[str, tuple[Any, Any, list[Any], list[Any]]] = {}
 
     # -- per message to a client ------------------------------------------------------------------------
@@ -115,12 +117,13 @@ class RouterExport:
             self.live[role].set(n)
 
     def by_cause(self, shed: Mapping[str, int], migrations: Mapping[str, int],
-                 prefill_sites: Mapping[str, int] | None = None) -> None:
-        """The router's totals of shed requests and of migrations, each by cause, and of prefill placements by
-        site (all monotonic)."""
+                 prefill_sites: Mapping[str, int] | None = None, resumes: Mapping[str, int] | None = None) -> None:
+        """The router's totals of shed requests and of migrations, each by cause, of prefill placements by
+        site, and of resumes by case (all monotonic)."""
         self.shed.update(shed)
         self.migrations.update(migrations)
         self.prefill_sites.update(prefill_sites or {})
+        self.resumes.update(resumes or {})
 
     def ttft_predictions(self, ratios: deque[float]) -> None:
         """Take the router's actual-over-predicted TTFT samples (emptying the deque)."""
