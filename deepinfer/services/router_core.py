@@ -32,8 +32,9 @@ Decisions:
   which the prefill samples and streams itself when that token ends the request): another worker's are
   refused, counted (`refused_deltas`), logged.
 * A client whose connection dropped resumes its requests on the next one (`router_resume`): this router
-  sends what it missed of a request it holds, and readmits one it does not (its predecessor's), continuing
-  from the client's output as a move does.
+  sends what it missed of a request it holds; one it does not (its predecessor's) it takes back from the
+  worker that kept it running (`HeldRequests`, `Reclaim`), or else readmits, continuing from the client's
+  output as a move does.
 * Client abort ends the request with RequestFinished(finish_reason="abort") carrying the output so far.
   A gone client's requests end the same way but nothing is sent: there is no one to send to.
 * Losing a service (its heartbeats stop, it restarts, or the supervisor reports its exit) moves every
