@@ -21,6 +21,10 @@ what of this run still exists (for tests to assert nothing is left).
 
 The hosts share the filesystem: a directory both hosts' cache daemons name stands in for a shared mount.
 
+A host's clock can be set off (`clock_shifts`, seconds by host): its processes start with `clock_shift.c` preloaded,
+which moves their wall clock (CLOCK_REALTIME: time.time(), log timestamps) by that much; their monotonic clocks and
+the file times the kernel sets stay true, as a shared mount's server sets them for a host whose clock is wrong.
+
 By hand, a topology whose tcp:// endpoints use the addresses A.B.C.1, A.B.C.2, ... (host k = A.B.C.k, in the
 order of first appearance) runs as a cluster until Ctrl-C:
 
@@ -86,6 +90,7 @@ class Cluster:
     log_dir: Path | None = None
     net: str | None = None
     services: list[Service] = field(default_factory=list)
+    clock_shifts: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         pid = os.getpid()
@@ -192,10 +197,21 @@ class Cluster:
         self._logs.append(log)
         cmd = ["ip", "netns", "exec", self.namespace(host), sys.executable, "-m", "deepinfer.launch.cli",
                "service", role, "--name", name, "--topology", str(topology), *extra]
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}  # as the unit's Environment= has it
+        if host in self.clock_shifts:
+            env.update(LD_PRELOAD=str(self._clock_shift_library()), CLOCK_SHIFT_S=str(self.clock_shifts[host]))
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         service = Service(host, role, name, process, log_path)
         self.services.append(service)
         return service
+
+    def _clock_shift_library(self) -> Path:
+        assert self.log_dir is not None
+        library = self.log_dir / "clock_shift.so"
+        if not library.exists():
+            source = Path(__file__).with_name("clock_shift.c")
+            subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(library), str(source), "-ldl"], check=True)
+        return library
 
     def cut(self, host: str) -> None:
         """Take the host's link down: its processes keep running, unreachable and reaching nothing."""

@@ -7,7 +7,8 @@ It asks the router as the `drain` command does (an operator's ServiceQuery per m
 the backend under a supervisor identity, with the supervisor's key on a secured mesh) and prints one line per
 service: its host (from its endpoint in the topology), role, state (serving, draining, up but not placeable, dead,
 or never registered), pid, incarnation and the restarts the router saw, requests held, its load (running and
-waiting sequences, free KV blocks, measured tokens/s), how long ago its last heartbeat came, and the blocks it
+waiting sequences, free KV blocks, measured tokens/s), how long ago its last heartbeat came, its wall clock
+against the router's (a host whose clock is off shows here; nothing in the mesh depends on it), and the blocks it
 published to the router's prefix index by tier. The exit status is 0 when every service is alive, 1 when one is
 not (or the router does not answer): a health check for scripts and monitors.
 """
@@ -26,7 +27,7 @@ import click
 from deepinfer.launch.operator_link import OperatorLink, mesh_topology
 
 COLUMNS = ("HOST", "SERVICE", "ROLE", "STATE", "PID", "RESTARTS", "HELD", "RUN/WAIT", "KV FREE", "TOK/S", "BEAT",
-           "CACHED BLOCKS")
+           "CLOCK", "CACHED BLOCKS")
 
 
 @click.command()
@@ -36,7 +37,7 @@ COLUMNS = ("HOST", "SERVICE", "ROLE", "STATE", "PID", "RESTARTS", "HELD", "RUN/W
               help="Or the run directory of an `up` (its topology.toml).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per service instead of the table.")
 def status(topology: Path | None, run_dir: Path | None, as_json: bool) -> None:
-    """Show every service of the mesh as the router sees it: host, state, restarts, load, cache by tier.
+    """Show every service of the mesh as the router sees it: host, state, restarts, load, clock, cache by tier.
     Exits 1 when a service is not alive."""
     from deepinfer.protocol import messages as m
 
@@ -84,12 +85,13 @@ def state(st: Any) -> str:
 
 def _row(host: str, st: Any) -> tuple[str, ...]:
     if not st.known:
-        return (host, st.instance, "", state(st), *("",) * 8)
+        return (host, st.instance, "", state(st), *("",) * 9)
     beat = "" if st.heartbeat_age_s is None else f"{st.heartbeat_age_s:.1f}s"
     kv = f"{st.free_blocks}/{st.total_blocks}" if st.total_blocks else ""
     cached = " ".join(f"{tier}={n}" for tier, n in st.cached_blocks.items())
+    clock = "" if st.clock_offset_s is None else f"{st.clock_offset_s:+.1f}s"  # its wall clock against the router's
     return (host, st.instance, st.role, state(st), str(st.pid), str(st.restarts), str(st.held),
-            f"{st.running}/{st.waiting}", kv, f"{st.tokens_per_s:.0f}", beat, cached)
+            f"{st.running}/{st.waiting}", kv, f"{st.tokens_per_s:.0f}", beat, clock, cached)
 
 
 def table(rows: list[tuple[str, ...]]) -> str:

@@ -350,7 +350,8 @@ class ServiceStatus:
     process (`incarnation`, `pid`) counts as running; `serving`: it may be given new work now; `held`:
     requests it holds state for; `restarts`: new incarnations this router saw; the load fields are its latest
     heartbeat's (`heartbeat_age_s` ago; None before any); `cached_blocks`: the blocks it published by tier, as
-    the router's prefix index holds them."""
+    the router's prefix index holds them; `clock_offset_s`: its wall clock less the router's, as its last
+    heartbeat's `sent_time` showed it (transit included: a few milliseconds)."""
 
     instance: str
     known: bool
@@ -369,6 +370,7 @@ class ServiceStatus:
     total_blocks: int = 0
     tokens_per_s: float = 0.0
     cached_blocks: dict[str, int] = field(default_factory=dict)
+    clock_offset_s: float | None = None
 
 
 # --- client ↔ router 0x10–0x1F ---------------------------------------------------------------------------------

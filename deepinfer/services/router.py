@@ -301,7 +301,7 @@ class RouterService(BaseService):
     def _service_table(self) -> dict[type, Handler]:
         core = self.core
         from_members: dict[type, Callable[[str, Any, float], list[Outbound]]] = {
-            m.Heartbeat: lambda _, hb, now: core.on_heartbeat(hb, now) + self.drains.on_heartbeat(hb),
+            m.Heartbeat: self._heartbeat,
             m.EncodeResult: core.on_encode_result,
             m.PrefillDone: lambda _, done, now: core.on_prefill_done(done, now),
             m.KvEvents: self._kv_events,
@@ -332,6 +332,13 @@ class RouterService(BaseService):
             else:
                 await self._send(event(sender, msg, self._now()))
         return handle
+
+    def _heartbeat(self, sender: str, hb: m.Heartbeat, now: float) -> list[Outbound]:
+        out = self.core.on_heartbeat(hb, now) + self.drains.on_heartbeat(hb)
+        inst = self.core.table.get(sender)
+        if inst is not None and inst.incarnation == hb.incarnation and hb.sent_time:
+            inst.clock_offset_s = hb.sent_time - time.time()  # for operators: hosts whose clocks are off
+        return out
 
     def _kv_events(self, sender: str, events: m.KvEvents, now: float) -> list[Outbound]:
         out = self.core.on_kv_events(sender, events, now)

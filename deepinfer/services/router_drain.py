@@ -87,7 +87,7 @@ class DrainDesk:
                              draining(inst), inst.placeable(now, self.table.heartbeat_timeout_s), len(inst.held),
                              inst.restarts, age, hb.running if hb else 0, hb.waiting if hb else 0,
                              hb.free_blocks if hb else 0, hb.total_blocks if hb else 0,
-                             hb.tokens_per_s if hb else 0.0, dict(cached_blocks or {}))
+                             hb.tokens_per_s if hb else 0.0, dict(cached_blocks or {}), inst.clock_offset_s)
 
     def _begin(self, inst: Instance) -> None:
         if not inst.draining:

@@ -67,6 +67,7 @@ class Instance:
     draining: bool = False
     drain_acked: bool = False
     restarts: int = 0  # new incarnations after its first, as this router saw them
+    clock_offset_s: float | None = None  # its wall clock less the router's (ServiceStatus; nothing decides by it)
 
     def placeable(self, now: float, timeout_s: float) -> bool:
         return (

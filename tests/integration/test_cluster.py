@@ -6,6 +6,7 @@ The cluster: `front` (router, tokenizer, HTTP gateway), `p1` and `p2` (a prefill
 mount). The services start
 one by one in an order no supervisor would choose (decode first, router last), as independent units do; `p2`'s
 worker joins later, in the test that needs it. The clients run in the root namespace, reaching only `front`.
+Two hosts' clocks are off, `p2`'s 30 s ahead and `d2`'s 30 s behind (CLOCK_SHIFTS), for every test of the module.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.integration.http_served import sse_text
 pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(available() is not None, reason=str(available()))]
 
 HOSTS = ("front", "p1", "p2", "d1", "d2")
+CLOCK_SHIFTS = {"p2": 30.0, "d2": -30.0}  # seconds: these hosts' wall clocks are off (bench/clock_shift.c)
 # (host, role, name): the services the fixture starts, in this order; p2's worker is started by the test using it.
 UNITS = [("d1", "worker", "decode-0"), ("front", "tokenizer", "tokenizer-0"), ("p1", "kvcache", "kvcache-p1"),
          ("front", "gateway", "gateway-0"), ("p2", "kvcache", "kvcache-p2"), ("d2", "kvcache", "kvcache-d2"),
@@ -73,7 +75,7 @@ class Running:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[Running]:
     root = tmp_path_factory.mktemp("cluster")
-    with Cluster(HOSTS, log_dir=root) as made:
+    with Cluster(HOSTS, log_dir=root, clock_shifts=CLOCK_SHIFTS) as made:
         topo = cluster_topology(made, str(smollm2_path), root / "keys", root / "pool")
         path = root / "cluster.toml"
         path.write_text(topo.to_toml())
@@ -241,7 +243,14 @@ def test_the_router_killed_mid_stream_loses_no_zeromq_or_sse_stream(cluster: Run
 def test_status_shows_every_host_and_service_as_the_router_sees_it(cluster: Running) -> None:
     """`deepinfer-launch status --topology FILE` from outside the cluster (the root namespace reaches the router's
     backend on front): a line per service with its host's address, the running ones serving with a pid and load,
-    p2's worker (not started yet) unregistered, so the exit status is 1; the published blocks by tier shown."""
+    p2's worker (not started yet) unregistered, so the exit status is 1; the published blocks by tier shown.
+
+    Each service's clock against the router's: p2's 30 s ahead, d2's 30 s behind (CLOCK_SHIFTS), the others'
+    true. Nothing in the mesh compares one host's wall clock with another's — liveness, deadlines and the pool's
+    budget run on each process's monotonic clock, and the pool's files are aged by their times only past a margin
+    far above any skew — and the other tests of the module show the skewed hosts serving as the others do: d2 takes
+    the streams moved from d1 and from the killed router, p2's worker serves from the pool what p1 wrote, p2's
+    daemon shares the pool's budget and rides out the pool going away."""
     import json
     import subprocess
     import sys
@@ -274,10 +283,13 @@ def test_status_shows_every_host_and_service_as_the_router_sees_it(cluster: Runn
         else:
             assert row["state"] == "serving" and row["alive"] and row["pid"] > 0 and row["incarnation"], row
             assert row["heartbeat_age_s"] is not None and row["heartbeat_age_s"] < 30, row
+            shift = CLOCK_SHIFTS.get(host, 0.0)
+            assert abs(row["clock_offset_s"] - shift) < 2.0, row
     assert all(rows[w]["total_blocks"] > 0 for w in ("prefill-0", "decode-0", "decode-1"))
     text = subprocess.run([sys.executable, "-m", "deepinfer.launch.cli", "status", "--topology", str(cluster.file)],
                           capture_output=True, text=True, timeout=120).stdout
     assert "HOST" in text.splitlines()[1] and "unregistered" in text and made.address("d2") in text, text
+    assert "+30.0s" in text or "+29.9s" in text or "+30.1s" in text, text
 
 
 def migrations(cluster: Running, cause: str) -> float:

@@ -99,7 +99,9 @@ def test_an_operator_sees_a_members_restarts_load_last_heartbeat_and_cached_bloc
     status = desk.status("worker-0", NOW + 1.5, {"device": 12})
     assert (status.restarts, status.heartbeat_age_s, status.running, status.waiting) == (0, 1.5, 3, 2)
     assert (status.free_blocks, status.total_blocks, status.tokens_per_s) == (40, 100, 55.0)
-    assert status.cached_blocks == {"device": 12} and status.serving
+    assert status.cached_blocks == {"device": 12} and status.serving and status.clock_offset_s is None
+    table.instances["worker-0"].clock_offset_s = -29.5  # the router's shell sets it from each heartbeat's sent_time
+    assert desk.status("worker-0", NOW).clock_offset_s == -29.5
     for n, incarnation in enumerate(("inc-2", "inc-3"), start=1):
         table.reset("worker-0", WORKER, incarnation, NOW)
         restarted = desk.status("worker-0", NOW)
