@@ -11,9 +11,9 @@ Three parts, each with its own baseline run the same way in the same invocation:
   (so the same total capacity). Prints each arm's hit rate by tier over the trace's reusable fraction, TTFT
   p50/p99 and throughput.
 * pd — a 2k-token prompt's time to first and second token with its prefill on p1 and decode on d1 (the KV crosses
-  the bridge over tcp://) against both workers on one host (tcp:// inside one namespace): what the network hop
-  costs. Prefix caching is off, every prompt is new; the KV handoff's bytes and seconds come from the workers'
-  metrics, giving its throughput on each path.
+  the bridge over tcp://) against both workers on one host, over tcp:// inside one namespace and over ipc:// (as
+  `up` wires one host): what the network hop costs. Prefix caching is off, every prompt is new; the KV handoff's
+  bytes and seconds come from the workers' metrics, giving its throughput on each path.
 * cut — streams decoding on d1 and d2, then d1's link is cut: for each stream that moved, the time from the cut to
   its next token (the router's heartbeat timeout, the move, a prefill of prompt + output on another worker).
 * restart — a warm pool, streams decoding, p1's cache daemon killed -9 and started again at once (as systemd would,
@@ -171,18 +171,26 @@ def part_replay(args: argparse.Namespace, model: str, vocab: int, context: int, 
 # -- pd: the network hop of a disaggregated prefill ------------------------------------------------------------------
 
 
-def pd_cluster(model: str, threads: int, kv_cache_mb: int, split: bool) -> Any:
-    """front (router, tokenizer) and the P/D pair: on p1 and d1 (`split`) or both on one host `pd`."""
+PD_ARMS = (("one host, ipc", ("front", "pd"), "ipc"), ("one host, tcp", ("front", "pd"), "tcp"),
+           ("across hosts", ("front", "p1", "d1"), "across"))
+
+
+def pd_cluster(model: str, threads: int, kv_cache_mb: int, wiring: str, sockets: Path) -> Any:
+    """front (router, tokenizer) and the P/D pair: on p1 and d1 over tcp:// ("across"), or both on one host `pd`
+    over tcp:// ("tcp") or, with every endpoint but the router's front, over ipc:// sockets in `sockets` ("ipc")."""
     def build(cluster: Cluster) -> tuple[Topology, list[tuple[str, str, str]]]:
         front = cluster.address("front")
-        prefill_host, decode_host = ("p1", "d1") if split else ("pd", "pd")
-        p_at, d_at = cluster.address(prefill_host), cluster.address(decode_host)
-        workers = (WorkerSpec("prefill-0", "prefill", f"tcp://{p_at}:5570", threads=threads, kv_cache_mb=kv_cache_mb,
+        prefill_host, decode_host = ("p1", "d1") if wiring == "across" else ("pd", "pd")
+
+        def at(host: str, port: int) -> str:
+            return f"ipc://{sockets}/{port}.sock" if wiring == "ipc" else f"tcp://{cluster.address(host)}:{port}"
+
+        workers = (WorkerSpec("prefill-0", "prefill", at(prefill_host, 5570), threads=threads, kv_cache_mb=kv_cache_mb,
                               prefix_caching=False),
-                   WorkerSpec("decode-0", "decode", f"tcp://{d_at}:5571", threads=threads, kv_cache_mb=kv_cache_mb,
+                   WorkerSpec("decode-0", "decode", at(decode_host, 5571), threads=threads, kv_cache_mb=kv_cache_mb,
                               prefix_caching=False))
-        topo = Topology(model, f"tcp://{front}:5550", f"tcp://{front}:5551",
-                        (TokenizerSpec("tokenizer-0", f"tcp://{front}:5560"),), workers, insecure=True)
+        topo = Topology(model, f"tcp://{front}:5550", at("front", 5551),
+                        (TokenizerSpec("tokenizer-0", at("front", 5560)),), workers, insecure=True)
         return topo, [("front", "router", "router"), ("front", "tokenizer", "tokenizer-0"),
                       (prefill_host, "worker", "prefill-0"), (decode_host, "worker", "decode-0")]
     return build
@@ -193,9 +201,11 @@ def part_pd(args: argparse.Namespace, model: str, vocab: int, root: Path) -> dic
     prompts = [[rng.randrange(args.low, vocab) for _ in range(PD_PROMPT_TOKENS)] for _ in range(PD_RUNS + 1)]
     threads = max(1, args.threads // 2)
     arms: dict[str, Any] = {}
-    for name, hosts, split in (("one host", ("front", "pd"), False), ("across hosts", ("front", "p1", "d1"), True)):
-        build = pd_cluster(model, threads, args.kv_cache_mb, split)
-        with running_cluster(hosts, build, root, f"pd-{name.replace(' ', '-')}") as running:
+    for name, hosts, wiring in PD_ARMS:
+        # Short: an ipc:// path has at most 107 characters.
+        with tempfile.TemporaryDirectory(prefix="dipd-") as sockets, \
+                running_cluster(hosts, pd_cluster(model, threads, args.kv_cache_mb, wiring, Path(sockets)), root,
+                                f"pd-{wiring}") as running:
             first, second = [], []
             with Client(running.topology.frontend, timeout_s=args.timeout_s) as c:
                 for i, p in enumerate(prompts):
@@ -208,11 +218,14 @@ def part_pd(args: argparse.Namespace, model: str, vocab: int, root: Path) -> dic
         arms[name] = {"ttft_s": first, "second_token_s": second, "ttft_median_s": statistics.median(first),
                       "second_token_median_s": statistics.median(second), "handoff_bytes": sent,
                       "handoff_s": seconds, "handoff_gb_s": sent / seconds / 1e9 if seconds else None}
-    one, across = arms["one host"], arms["across hosts"]
-    return {"prompt_tokens": PD_PROMPT_TOKENS, "runs": PD_RUNS, "arms": arms,
-            "ratios": {"TTFT, across / one host": _ratio(across["ttft_median_s"], one["ttft_median_s"]),
-                       "second token, across / one host": _ratio(across["second_token_median_s"],
-                                                                 one["second_token_median_s"])}}
+    ipc, tcp, across = arms["one host, ipc"], arms["one host, tcp"], arms["across hosts"]
+    ratios = {}
+    for base_name, base in (("one host ipc", ipc), ("one host tcp", tcp)):
+        ratios[f"TTFT, across / {base_name}"] = _ratio(across["ttft_median_s"], base["ttft_median_s"])
+        ratios[f"second token, across / {base_name}"] = _ratio(across["second_token_median_s"],
+                                                              base["second_token_median_s"])
+    ratios["handoff GB/s, across / one host ipc"] = _ratio(across["handoff_gb_s"], ipc["handoff_gb_s"])
+    return {"prompt_tokens": PD_PROMPT_TOKENS, "runs": PD_RUNS, "arms": arms, "ratios": ratios}
 
 
 def metric_total(directory: Path, name: str, **labels: str) -> float:
