@@ -196,6 +196,8 @@ def test_a_young_router_waits_for_the_reports_then_computes_what_no_worker_kept(
     assert [(o.dest, type(o.msg)) for o in out] == [(C1, Resumed), ("tok0", EncodeRequest)]
     assert msgs(out, EncodeRequest)[0].request_id == "old-1"
     mesh.now = 3.5  # past RECLAIM_WAIT_S: no worker kept the other one
+    for name, role in (("tok0", "tokenizer"), ("pre0", "prefill"), ("dec0", "decode")):
+        mesh.beat(name, role)  # alive all along (their heartbeats' timeout is 3 s too)
     [_, enc] = msgs(mesh.core.tick(mesh.now))
     assert enc.request_id != "old-1" and mesh.core.metrics.resumes == {"reclaimed": 1, "readmitted": 1}
     assert mesh.core.metrics.migrations == {"router_lost": 1}
