@@ -88,6 +88,35 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Ite
     assert made.leftovers() == []  # every namespace, link and process gone
 
 
+@pytest.fixture(autouse=True)
+def nothing_left_held(cluster: Running) -> Iterator[None]:
+    """After every test of the module, whatever it broke: no request left on any worker and no KV block leaked."""
+    yield
+    idle_everywhere(cluster.topology)
+
+
+def idle_everywhere(topo: Topology, timeout_s: float = 120.0) -> None:
+    """Wait until every live worker of `topo` is idle with its whole KV pool free, as the router sees it in their
+    heartbeats (`deepinfer-launch status`'s figures): no request running, waiting or held there, no block in use.
+    A block a request kept after it ended never comes back, so this times out on a leak (a guard, not a timing)."""
+    import time
+
+    from deepinfer.launch.operator_link import OperatorLink
+    from deepinfer.protocol import messages as m
+
+    deadline = time.monotonic() + timeout_s
+    with OperatorLink(topo) as link:
+        while True:
+            rows = [link.ask(m.ServiceQuery(w.name), deadline=deadline) for w in topo.workers]
+            busy = [f"{s.instance}: {s.running} running, {s.waiting} waiting, {s.held} held, {s.free_blocks} of "
+                    f"{s.total_blocks} blocks free" for s in rows
+                    if s.alive and (s.running or s.waiting or s.held or s.free_blocks != s.total_blocks)]
+            if not busy and all(s.heartbeat_age_s is not None for s in rows if s.alive):
+                return
+            assert time.monotonic() < deadline, busy
+            time.sleep(0.5)
+
+
 def client(topo: Topology) -> Client:
     assert topo.security is not None
     pair, router_key = load_client_keys(topo.security.keys_dir)

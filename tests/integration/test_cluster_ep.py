@@ -28,6 +28,7 @@ from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.sections import TokenizerSpec, WorkerSpec
 from deepinfer.launch.topology import RouterConfig, Topology
 from deepinfer.protocol.client import Client
+from tests.integration.test_cluster import idle_everywhere
 from tests.integration.test_group_mesh import tiny_mixtral  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(available() is not None, reason=str(available()))]
@@ -98,6 +99,7 @@ def test_an_ep_group_across_two_hosts_serves_as_one_process_and_comes_back_from_
             for t in readers:
                 t.join(300)
             assert not any(t.is_alive() for t in readers)
+        idle_everywhere(topo)  # the new group holds no request and no block of the moved streams'
         for i, msgs in enumerate(streams):
             *deltas, final = msgs
             assert not isinstance(final, Exception), (i, final)
