@@ -100,6 +100,7 @@ class Cluster:
         self._index = {h: i for i, h in enumerate(self.hosts)}
         self._made: list[str] = []
         self._logs: list[IO[bytes]] = []
+        self.forced: list[str] = []  # services still running STOP_GRACE_S after SIGTERM at destroy(), killed
         if self.log_dir is None:
             import tempfile
 
@@ -160,6 +161,9 @@ class Cluster:
             try:
                 service.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self.forced.append(f"{service.host}/{service.name}")
+                print(f"cluster: {service.host}/{service.name} still running {STOP_GRACE_S:.0f} s after SIGTERM: "
+                      "killed", file=sys.stderr)
                 service.process.kill()
                 service.process.wait()
         for host in self.hosts:

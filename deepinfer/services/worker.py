@@ -235,7 +235,7 @@ class WorkerService(Service):
 
     def idle(self) -> bool:
         e = self.engine
-        return len(self.core) == 0 and not e.has_unfinished() and not e.num_held and not e.num_reserved_blocks
+        return self.core.owed() == 0 and not e.has_unfinished() and not e.num_held and not e.num_reserved_blocks
 
     def _on_engine_failure(self, exc: BaseException) -> None:
         self.log.error("engine failed", error=repr(exc))

@@ -281,6 +281,13 @@ class WorkerCore:
     def __len__(self) -> int:
         return len(self._tracks)
 
+    def owed(self) -> int:
+        """Requests this worker still owes an answer: every one it holds but the finished orphans. Those wait
+        for a Reclaim that may never come (most finished before the router restarted, their ends delivered),
+        so a drain does not wait for them; a client resuming one after this worker stopped gets it computed
+        again, output unchanged."""
+        return sum(1 for t in self._tracks.values() if t.orphaned_at is None or t.finish_reason is None)
+
     def track(self, request_id: str) -> Track | None:
         return self._tracks.get(request_id)
 

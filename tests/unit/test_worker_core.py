@@ -412,7 +412,9 @@ def test_a_request_that_finished_while_orphaned_ends_with_its_reclaim() -> None:
     core = WorkerCore("d1", "decode", SPEC, set(), offer_blocks=True)
     core.on_transfer(PEER, transfer("t", n=6, resumed=2, key="c/t"), 1)
     assert core.on_router_restart(0.0) == [AbortAll(frozenset({"t"}))]
+    assert core.owed() == 1  # decoding: a drain waits for it
     done = core.on_outputs([output("t", [9], finish="length", hashes=[b"x"])], 2, 1.0)
+    assert core.owed() == 0 and len(core) == 1  # finished, held for a Reclaim: a drain does not wait for it
     [offer] = done  # its blocks still go to the cache; no item
     assert isinstance(offer, OfferBlocks) and (offer.request_id, offer.block_hashes) == ("t", [b"x"])
     # The transfer's prompt is 4 tokens and 2 of output; then 42 (the first token here) and 9.
@@ -429,7 +431,7 @@ def test_a_finished_request_whose_end_the_router_never_acknowledged_is_kept_too(
         core.on_outputs([output(rid, [5, 6], finish="stop")], 1, 1.0)
     core.on_abort("acked")  # the router's AbortRequest after the end: it reached the client
     assert core.on_router_restart(2.0) == [AbortAll(frozenset({"lost"}))]
-    assert core.held() == [HeldRequest("lost", "c/lost", 2)]
+    assert core.held() == [HeldRequest("lost", "c/lost", 2)] and core.owed() == 0
     [(_, it)] = items(core.on_reclaim(Reclaim("lost", "tok1", [*job("lost").token_ids, 5], 1), 3))
     assert (it.offset, it.token_ids, it.finished, it.finish_reason) == (1, [6], True, "stop")
     assert len(core) == 0
