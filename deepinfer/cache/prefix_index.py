@@ -27,7 +27,7 @@ by several publishers is stored in each of their sets.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -164,12 +164,21 @@ class PrefixIndex:
         """How many of hashes[start:] lead the chain in one publisher's tier."""
         return _run(hashes, start, self.holds(publisher, tier))
 
-    def cached_by_tier(self, hashes: Sequence[bytes], device: str | None, daemon: str | None) -> dict[str, int]:
+    def cached_by_tier(self, hashes: Sequence[bytes], device: str | None, daemon: str | None,
+                       computing: Container[bytes] = ()) -> dict[str, int]:
         """Blocks of the chain a worker would find cached, by tier, as it looks them up: the leading run in
-        its own device pool (`device`: the worker's name), then, from there on, the run its cache daemon
-        holds in host DRAM or on disk; a daemon block in both counts as "host" (the fastest)."""
+        its own device pool (`device`: the worker's name) or being computed there (`computing`: it will be in
+        that pool by the time a request placed now gets to it), then, from there on, the run its cache
+        daemon holds in host DRAM or on disk; a daemon block in both counts as "host" (the fastest)."""
         out = dict.fromkeys(TIERS, 0)
-        n = out[DEVICE] = _run(hashes, 0, self.holds(device, DEVICE)) if device is not None else 0
+        n = 0
+        if device is not None:
+            pool = self.holds(device, DEVICE)
+            for h in hashes:
+                if h not in pool and h not in computing:
+                    break
+                n += 1
+        out[DEVICE] = n
         if daemon is None:
             return out
         host, disk = self.holds(daemon, HOST), self.holds(daemon, DISK)

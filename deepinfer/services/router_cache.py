@@ -9,9 +9,12 @@ from the prefix index and rates measured on the mesh. Pure: no sockets, no clock
   measured over steps that computed a block or more), else an EWMA over its PrefillDone reports of
   computed tokens (prompt − cached) per second (prefill_s − fetch_s, which includes waiting in the
   worker's queue, so it underestimates a busy worker), else a configured prior.
-* `cached_tokens`: the blocks the worker would find — the leading run in its own device pool, then the run
-  its cache daemon holds (host DRAM, then disk) — in tokens, capped so the prompt's last token is always
-  computed (its logits give the first output token).
+* `cached_tokens`: the blocks the worker would find — the leading run in its own device pool or being computed
+  there by a prefill this router sent (`Instance.computing`: the worker's scheduler makes a request wait for a
+  prefix another one is computing, and that wait is in `queued_tokens`), then the run its cache daemon holds
+  (host DRAM, then disk) — in tokens, capped so the prompt's last token is always computed (its logits give
+  the first output token). So two requests with one new prefix arriving together go to one worker, the second
+  reusing the first's blocks, unless its queue costs more than computing the prefix again elsewhere.
 * `fetch_s_per_token`: per tier, an EWMA over PrefillDone's fetch_s per token loaded from the daemon; the
   device tier costs nothing (those blocks are in the worker's own pool). One fetch_s covers both daemon
   tiers: a report with both is split in proportion to the current estimates.
@@ -87,7 +90,7 @@ class PrefillCostModel:
     def predict(self, inst: Instance, block_hashes: Sequence[bytes], prompt_tokens: int,
                 rate: float | None = None) -> Prediction:
         """`rate`: the worker's prefill tokens/s, by default its measured or learnt one."""
-        blocks = self.index.cached_by_tier(block_hashes, inst.name, inst.kvcache)
+        blocks = self.index.cached_by_tier(block_hashes, inst.name, inst.kvcache, inst.computing)
         budget = max(prompt_tokens - 1, 0)
         cached: dict[str, int] = {}
         for tier in TIERS:  # fastest first, so the cap trims the slowest tier

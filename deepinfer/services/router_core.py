@@ -436,7 +436,7 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
             # A moved request whose prompt logprobs arrived (with its first tokens): its next worker
             # need not compute them again, and can reuse cached blocks.
             params = dataclasses.replace(params, prompt_logprobs=None)
-        self.table.assign(st.where, placement, len(st.job_tokens), compute)
+        self.table.assign(st.where, placement, len(st.job_tokens), compute, st.block_hashes)
         site = "colocated"
         if placement.decode.role == DECODE:  # a P/D pair was there to choose from (router_cache)
             site = "remote" if placement.prefill is not placement.decode else "local"

@@ -20,8 +20,8 @@ or not newer than the last seq, are stale.
 from __future__ import annotations
 
 import enum
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.protocol.messages import Heartbeat
@@ -60,6 +60,10 @@ class Instance:
     prefill_tokens: int = 0  # prompt tokens of prefill jobs sent here and not yet done
     pending_blocks: int = 0  # KV blocks of requests headed here whose KV is not yet installed
     assigned: int = 0  # requests this router decodes here (placed or running)
+    # Block hashes of the prompts being prefilled here (a count per hash): blocks this worker will hold in its
+    # device pool once those prefills commit them. A request placed here meanwhile waits for them rather than
+    # computing them again (the scheduler's in-flight dedupe), so they count as cached here (router_cache).
+    computing: Counter[bytes] = field(default_factory=Counter)
     kvcache: str | None = None  # the cache daemon this worker reads from (its Hello's "kvcache" capability)
     pid: int | None = None  # its process id (the Hello's "pid" capability), as a supervisor names it
     # Draining (router_drain): set when an operator asks the router to drain it, or its heartbeat says so;
@@ -124,6 +128,7 @@ class Assignment:
     prefill_tokens: int = 0  # charged on `prefill` until the prefill is over (the tokens it must compute)
     pending_blocks: int = 0  # charged on `decode` until the KV is installed there
     assigned: bool = False  # counted in `decode`'s batch until decoding is over
+    computing: tuple[bytes, ...] = ()  # its prompt's block hashes, charged on `prefill` until the prefill is over
 
 
 class InstanceTable:
@@ -184,6 +189,7 @@ class InstanceTable:
         inst.role, inst.incarnation, inst.seq, inst.progress, inst.load = role, incarnation, -1, 0, None
         inst.held.clear()
         inst.prefill_tokens = inst.pending_blocks = inst.assigned = 0
+        inst.computing.clear()
         inst.alive, inst.last_progress = True, now
         inst.draining = inst.drain_acked = False  # a new process: the old one's drain is over
         if hb is not None:
@@ -243,15 +249,19 @@ class InstanceTable:
         a.holders = new
 
     def assign(
-        self, a: Assignment, placement: Placement, prompt_tokens: int, compute_tokens: int | None = None
+        self, a: Assignment, placement: Placement, prompt_tokens: int, compute_tokens: int | None = None,
+        block_hashes: Sequence[bytes] = (),
     ) -> None:
         """Send `a` to a placement: charge its loads now (heartbeats only show the work later). The prefill
         worker is charged `compute_tokens` (the prompt less its predicted cache hit; default the whole
-        prompt), the decode worker the blocks of the whole prompt."""
+        prompt) and the prompt's `block_hashes` as being computed there, the decode worker the blocks of the
+        whole prompt."""
         self.hold(a, {a.tokenizer})  # sheds any earlier placement
         prefill, decode = placement.prefill, placement.decode
         a.prefill, a.decode = prefill.name, decode.name
         a.prefill_tokens = prompt_tokens if compute_tokens is None else compute_tokens
+        a.computing = tuple(block_hashes)
+        prefill.computing.update(a.computing)
         a.pending_blocks, a.assigned = self.blocks_for(prompt_tokens), True
         prefill.prefill_tokens += a.prefill_tokens
         decode.pending_blocks += a.pending_blocks
@@ -263,6 +273,13 @@ class InstanceTable:
         if a.prefill_tokens:
             self.instances[a.prefill].prefill_tokens -= a.prefill_tokens  # type: ignore[index]
             a.prefill_tokens = 0
+        if a.computing:
+            computing = self.instances[a.prefill].computing  # type: ignore[index]
+            computing.subtract(a.computing)
+            for h in a.computing:
+                if computing[h] <= 0:
+                    computing.pop(h, None)
+            a.computing = ()
         self._installed(a)
 
     def decode_over(self, a: Assignment) -> None:

@@ -106,6 +106,7 @@ def assert_clean(core: RouterCore) -> None:
     assert core.unplaced_tokens == 0 and not core._inflight_by_tenant and not core._queued_tokens_by_tenant
     for inst in core.table.instances.values():
         assert not inst.held and inst.prefill_tokens == inst.pending_blocks == inst.assigned == 0, inst.name
+        assert not +inst.computing, inst.name
     m = core.metrics
     assert m.admitted == sum(m.finished.values()) + sum(m.errors.values())
 
@@ -350,6 +351,25 @@ def test_a_long_enough_queue_outweighs_the_cached_prefix() -> None:
     mesh.kv("preB", "device", chain(640))
     job, dest = mesh.job(640)
     assert dest == "preA" and job.expected_cached_blocks == 0
+
+
+def test_a_prefix_being_computed_on_a_worker_counts_as_cached_there_until_its_prefill_is_over() -> None:
+    mesh = two_prefills()  # A idle, B 100 tokens queued
+    first, dest = mesh.job(640)
+    assert dest == "preA" and first.expected_cached_blocks == 0
+    # The same prompt while A computes it: A's scheduler makes it wait for those blocks, so A's queue (the
+    # first prompt) plus one token beats computing all 640 on B. Without the in-flight count B would win.
+    second, dest = mesh.job(640)
+    assert dest == "preA" and second.expected_cached_blocks == 40
+    assert mesh.core.table.get("preA").computing[chain(640)[0]] == 2
+    # A queue long enough still outweighs it: 10,000 tokens ahead on A, and B computes the prefix again.
+    mesh.beat("preA", "prefill", queued_prompt_tokens=10_000)
+    assert mesh.job(640)[1] == "preB"
+    # Each prefill over (or ended any other way) takes its blocks off the worker's count.
+    for job, worker in ((first, "preA"), (second, "preA")):
+        mesh.done(job, worker)
+    assert not +mesh.core.table.get("preA").computing
+    assert +mesh.core.table.get("preB").computing
 
 
 def test_least_loaded_placement_ignores_the_cache() -> None:
