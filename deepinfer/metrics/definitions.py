@@ -180,6 +180,10 @@ CACHE_REFUSED = Counter("deepinfer_cache_refused",
                         (*WHO, "reason"))
 CACHE_PENDING_WRITES = Gauge("deepinfer_cache_pending_writes", "Blocks queued for the disk tier.", WHO,
                              multiprocess_mode="livesum")
+CACHE_DISK_WRITE_ERRORS = Counter("deepinfer_cache_disk_write_errors",
+                                  "Block writes the disk tier failed, by cause: no_space (ENOSPC, EDQUOT: the pool "
+                                  "is full), io (any other: a read-only or vanished mount, a failing device). The "
+                                  "blocks stay in host DRAM; requests are not affected.", (*WHO, "cause"))
 
 # --- expert parallelism (recorded at the router from each group's ExpertLoad) -------------------------------
 

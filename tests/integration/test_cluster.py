@@ -366,12 +366,15 @@ def test_a_prefix_computed_on_one_host_is_served_on_another_from_the_pool(
     assert b.usage.cached_by_tier.get("disk", 0) >= (blocks - 1) * topo.block_size, b.usage
 
 
-def test_the_pool_gone_or_read_only_fails_no_request(cluster: Running, smollm2_oracle: Any,
-                                                    tmp_path: Path) -> None:
+def test_the_pool_gone_full_or_read_only_fails_no_request(cluster: Running, smollm2_oracle: Any,
+                                                         tmp_path: Path) -> None:
     """The pool's mount goes away (an empty read-only mount over it: every block file gone, every write refused),
-    then comes back read-only, then read-write, under every daemon at once. Throughout, prompts are answered with
-    transformers' tokens (the workers compute what the pool cannot give) and no service dies; back read-write, new
-    blocks reach the pool again."""
+    then is full (a 1 MiB tmpfs over it, about one block: writes fail with ENOSPC), then comes back read-only,
+    then read-write, under every daemon at once. Throughout, prompts are answered with transformers' tokens (the
+    workers compute what the pool cannot give) and no service dies; the daemons count the failed writes by cause
+    (deepinfer_cache_disk_write_errors_total); back read-write, new blocks reach the pool again."""
+    from tests.service.test_metrics_mesh import aggregate, total
+
     made, topo = cluster.cluster, cluster.topology
     on_disk = lambda: len(list(cluster.pool.rglob("*.kvb")))  # noqa: E731
     c = client(topo)
@@ -405,6 +408,16 @@ def test_the_pool_gone_or_read_only_fails_no_request(cluster: Running, smollm2_o
             logs = [s.log for s in made.services if s.name in daemons]
             wait_for(lambda: any("disk writes failing" in log.read_text() for log in logs),
                      "a daemon's warning that its disk writes fail")
+        finally:
+            unmount()
+        write_errors = lambda: total(aggregate(cluster.metrics), "deepinfer_cache_disk_write_errors_total",  # noqa: E731
+                                     cause="no_space")
+        full_before = write_errors()
+        for name in daemons:
+            made.in_mounts(name, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(cluster.pool))
+        try:
+            answered("full")
+            wait_for(lambda: write_errors() > full_before, "the daemons' count of writes a full pool refused")
         finally:
             unmount()
         mount(cluster.pool)

@@ -165,7 +165,8 @@ def test_worker_steps_transfers_and_cache_tiers():
     c.stats({"host_blocks": 4, "host_bytes": 400, "host_capacity_bytes": 1000, "host_evictions": 2, "host_hits": 5,
              "host_misses": 1, "disk_blocks": 9, "disk_evictions": 1, "pending_writes": 3})
     c.stats({"host_blocks": 2, "host_bytes": 200, "host_capacity_bytes": 1000, "host_evictions": 7, "host_hits": 5,
-             "host_misses": 1, "disk_blocks": 9, "disk_evictions": 1, "pending_writes": 0})
+             "host_misses": 1, "disk_blocks": 9, "disk_evictions": 1, "pending_writes": 0,
+             "disk_write_errors_no_space": 2, "disk_write_errors_io": 1})
     body, _ = metrics.exposition()
     w_who = {"service": "prefill", "instance": "w-steps"}
     c_who = {"service": "kvcache", "instance": "c-tiers"}
@@ -185,6 +186,8 @@ def test_worker_steps_transfers_and_cache_tiers():
     assert value(body, "deepinfer_cache_evictions_total", **c_who, tier="host") == 7
     assert value(body, "deepinfer_cache_lookups_total", **c_who, tier="host", result="hit") == 5
     assert value(body, "deepinfer_cache_pending_writes", **c_who) == 0
+    assert value(body, "deepinfer_cache_disk_write_errors_total", **c_who, cause="no_space") == 2
+    assert value(body, "deepinfer_cache_disk_write_errors_total", **c_who, cause="io") == 1
 
 
 def test_totals_feed_counts_growth_and_restarts_from_zero():

@@ -1,5 +1,6 @@
 """What the cache daemon records, from its store's flat stats (`TieredStore.stats()`): per tier (host,
-disk) the blocks and bytes held and the capacity, evictions, and reads by result; the disk write queue."""
+disk) the blocks and bytes held and the capacity, evictions, and reads by result; the disk write queue and the
+disk tier's failed writes by cause."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class CacheExport:
         for tier in TIERS:
             counters[f"{tier}_hits"] = bind(d.CACHE_LOOKUPS, *who, tier, "hit")
             counters[f"{tier}_misses"] = bind(d.CACHE_LOOKUPS, *who, tier, "miss")
+        for cause in ("no_space", "io"):
+            counters[f"disk_write_errors_{cause}"] = bind(d.CACHE_DISK_WRITE_ERRORS, *who, cause)
         self._totals = TotalsFeed(counters.get)
         self._pending = bind(d.CACHE_PENDING_WRITES, *who)
         self._refused = TotalsFeed(lambda reason: bind(d.CACHE_REFUSED, *who, reason) if reason in REFUSALS else None)
