@@ -56,7 +56,7 @@ from deepinfer.services.group.engine import GroupEngine
 from deepinfer.services.kv_events import KvEventPublisher
 from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S
 from deepinfer.services.wire import from_wire_logprob, to_engine_params
-from deepinfer.services.worker_core import (
+from deepinfer.services.worker_actions import (
     Abort,
     AbortAll,
     Action,
@@ -70,8 +70,8 @@ from deepinfer.services.worker_core import (
     ToPrefill,
     ToRouter,
     ToTokenizer,
-    WorkerCore,
 )
+from deepinfer.services.worker_core import WorkerCore
 from deepinfer.services.worker_experts import ExpertLink, refuse_not_a_group
 from deepinfer.services.worker_stage import Stage
 

@@ -1,9 +1,9 @@
 """The worker service's pure core: which requests this worker holds, and the P/D handoff of each.
 
 No sockets, no asyncio, no engine: every event comes in as a call (with `now`, monotonic seconds, where
-time matters) and the core answers with `Action`s — messages to send and engine commands to run — that
-the shell (`worker.WorkerService`) performs in order. The engine's answers to those commands come back as
-events (`on_exported`, `on_installed`, …).
+time matters) and the core answers with `Action`s (`worker_actions`) — messages to send and engine commands
+to run — that the shell (`worker.WorkerService`) performs in order. The engine's answers to those commands
+come back as events (`on_exported`, `on_installed`, …).
 """
 
 from __future__ import annotations
@@ -32,6 +32,21 @@ from deepinfer.protocol.messages import (
 )
 from deepinfer.services.stream_coalescer import STREAM_INTERVAL_S, StreamCoalescer
 from deepinfer.services.wire import to_wire_logprobs, to_wire_prompt_logprobs
+from deepinfer.services.worker_actions import (
+    Abort,
+    AbortAll,
+    Action,
+    AddJob,
+    CancelReservation,
+    ExportKv,
+    Install,
+    OfferBlocks,
+    Release,
+    ToDecode,
+    ToPrefill,
+    ToRouter,
+    ToTokenizer,
+)
 
 HANDOFF_TIMEOUT_S = 30.0  # the most a prefill worker waits for each of the decode worker's replies
 LEASE_S = 10.0  # asked of the decode worker: how long it keeps blocks reserved for a KvTransfer
@@ -51,99 +66,6 @@ def split_resumed(token_ids: list[int], num_output_tokens: int) -> tuple[list[in
         raise ValueError(f"num_output_tokens {num_output_tokens} does not fit {len(token_ids)} tokens")
     cut = len(token_ids) - num_output_tokens
     return list(token_ids[:cut]), list(token_ids[cut:])
-
-
-# -- actions: what the shell does for the core ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ToRouter:
-    msg: PrefillDone | ErrorReply
-
-
-@dataclass(frozen=True)
-class ToTokenizer:
-    tokenizer: str
-    batch: DetokenizeBatch
-
-
-@dataclass(frozen=True, eq=False)
-class ToDecode:
-    """Prefill side → decode worker `peer`, on this worker's DEALER to it."""
-
-    peer: str
-    msg: KvReserve | KvTransfer
-
-
-@dataclass(frozen=True)
-class ToPrefill:
-    """Decode side → the prefill worker whose DEALER has this identity, on the KV ROUTER."""
-
-    identity: bytes
-    msg: KvReserveReply | KvAck
-
-
-@dataclass(frozen=True)
-class AddJob:
-    """Load the job's cached prefix (with a cache daemon; then ask `on_prefix_loaded`), add it to the engine;
-    a failure goes to `on_add_failed`."""
-
-    job: PrefillJob
-    prompt: list[int]
-    resumed: list[int]
-    prefill_only: bool
-
-
-@dataclass(frozen=True)
-class ExportKv:
-    """Export a held request's KV; the result goes to `on_exported`, a failure to `on_handoff_error`."""
-
-    request_id: str
-
-
-@dataclass(frozen=True, eq=False)
-class Install:
-    """Add a transferred request to the engine under its lease; then `on_installed` or `on_install_failed`."""
-
-    identity: bytes
-    transfer: KvTransfer
-    prompt: list[int]
-    resumed: list[int]
-
-
-@dataclass(frozen=True)
-class Release:
-    request_id: str  # free a held (handed-off or failed) request's blocks
-
-
-@dataclass(frozen=True)
-class CancelReservation:
-    lease_id: str
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str  # whatever the engine holds of it: running, held or reserved
-
-
-@dataclass(frozen=True)
-class AbortAll:
-    """Abort everything the engine holds but the requests in `keep` (kept through a router restart)."""
-
-    keep: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, eq=False)
-class OfferBlocks:
-    """Offer full blocks to the cache daemon (write-behind); `kv` is a handoff's export, else the pool's."""
-
-    request_id: str
-    block_hashes: list[bytes]
-    kv: Any = None
-
-
-Action = (ToRouter | ToTokenizer | ToDecode | ToPrefill | AddJob | ExportKv | Install | Release
-          | CancelReservation | Abort | AbortAll | OfferBlocks)
 
 
 # -- per-request records -------------------------------------------------------------------------------

@@ -30,15 +30,13 @@ from deepinfer.protocol.messages import (
     Reclaim,
     SamplingParamsWire,
 )
-from deepinfer.services.worker_core import (
+from deepinfer.services.worker_actions import (
     Abort,
     AbortAll,
     Action,
     AddJob,
     CancelReservation,
     ExportKv,
-    HandoffFailure,
-    HandoffState,
     Install,
     OfferBlocks,
     Release,
@@ -46,6 +44,10 @@ from deepinfer.services.worker_core import (
     ToPrefill,
     ToRouter,
     ToTokenizer,
+)
+from deepinfer.services.worker_core import (
+    HandoffFailure,
+    HandoffState,
     WorkerCore,
 )
 
