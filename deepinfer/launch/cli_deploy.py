@@ -76,7 +76,8 @@ def service(role: str, topology: Path, name: str | None, index: int | None, rank
 @click.option("--user", default="deepinfer", show_default=True,
               help="The (existing, unprivileged) user every unit runs as.")
 @click.option("--host", default=None, metavar="ADDRESS",
-              help="This machine's address in the topology: the target starts only the services bound there.")
+              help="This machine's address in the topology: the target starts only the services bound there "
+                   "(and the expert-parallel ranks its workers' rank_hosts put there).")
 def systemd(topology: Path, out: Path, user: str, host: str | None) -> None:
     """Write systemd units for a topology (templates per role, a target that starts every instance, or with --host
     this host's). A topology with tcp:// endpoints needs [security], or `insecure = true` in the file (what every

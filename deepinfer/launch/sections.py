@@ -87,11 +87,13 @@ class WorkerSpec:
     adaptive_speculation: bool = True
     # Expert parallelism: the worker is a group of `ep` ranks, one process each (rank 0 speaks for the group
     # to the mesh); `ep_master` is the group's torch.distributed rendezvous, "host:port" (required when ep > 1,
-    # unused when ep = 1), on rank 0's host. A rank runs wherever its unit is started (`up` and `systemd --host`
-    # put them all on the worker's host; docs/cluster.md spreads them over hosts); `threads` is the worker's,
-    # shared equally by its ranks (at least one each; mesh.engine_config divides it).
+    # unused when ep = 1), on rank 0's host. A rank runs wherever its unit is started: `rank_hosts` names each
+    # rank's host by its address (rank 0's is the host of `kv`), which `systemd --host` follows; empty, every
+    # rank is on the worker's host (as `up` runs them). `threads` is the worker's, shared equally by its ranks
+    # (at least one each; mesh.engine_config divides it).
     ep: int = 1
     ep_master: str = ""
+    rank_hosts: tuple[str, ...] = ()
     # How long a rank waits for its group (rendezvous, every control round) before the group counts as broken.
     ep_timeout_s: float = DEFAULT_EP_TIMEOUT_S
     # An MoE group's redundant expert replicas per layer in its starting (static) placement, the slots the
@@ -124,7 +126,7 @@ class WorkerSpec:
         if self.redundant_experts is not None and self.redundant_experts < 0:
             return f"redundant_experts = {self.redundant_experts}: must not be negative"
         if self.ep == 1:
-            return None
+            return self._rank_hosts_problem()
         if self.device not in EP_DEVICES:
             return (f"device = {self.device!r}: the ranks of an expert-parallel group take one device each "
                     f"(rank R on cuda:R), so give device = \"cuda\" or \"cpu\"")
@@ -134,7 +136,34 @@ class WorkerSpec:
             split_host_port(self.ep_master)
         except ValueError as exc:
             return f"ep_master = {self.ep_master!r}: {exc}"
+        return self._rank_hosts_problem()
+
+    def _rank_hosts_problem(self) -> str | None:
+        if not self.rank_hosts:
+            return None
+        if len(self.rank_hosts) != self.ep or not all(self.rank_hosts):
+            return f"rank_hosts = {list(self.rank_hosts)!r}: must name the host of each of the {self.ep} ranks"
+        kv_host = self.host()
+        if kv_host is None or kv_host.lower() != self.rank_hosts[0].lower():
+            return (f"rank_hosts = {list(self.rank_hosts)!r}: rank 0 binds kv = {self.kv!r}, so its host must be "
+                    f"that endpoint's address")
         return None
+
+    def host(self) -> str | None:
+        """The address this worker binds `kv` on (its rank 0's host); None for ipc:// and inproc://."""
+        if not self.kv.startswith("tcp://"):
+            return None
+        try:
+            return split_host_port(self.kv.removeprefix("tcp://"))[0]
+        except ValueError:  # a malformed kv is refused where endpoints are checked
+            return None
+
+    def ranks_on(self, address: str) -> list[int]:
+        """The ranks that run on the host with this address (`rank_hosts`, else all of them on the worker's)."""
+        if self.rank_hosts:
+            return [r for r, h in enumerate(self.rank_hosts) if h.lower() == address.lower()]
+        host = self.host()
+        return list(range(self.ep)) if host is not None and host.lower() == address.lower() else []
 
     def weights_problem(self) -> str | None:
         """What is wrong with this worker's `weights` key, or None."""

@@ -28,7 +28,11 @@ An expert-parallel worker (`ep = N > 1`) gets one concrete unit per rank instead
 cannot go on without every rank, so rank 0 and each follower are bound both ways (`BindsTo=`): stopping
 any rank stops the group, and a rank's automatic restart (`Restart=on-failure`) restarts every unit bound
 to it, so the group starts again whole. Rank 0 is ordered after its followers, so on a stop it drains
-first, while they still compute with it.
+first, while they still compute with it. A group whose ranks are on several hosts (the worker's `rank_hosts`)
+gets, with `--host`, the units of that host's ranks only, bound to each other; systemd cannot bind units of
+two machines, so across hosts the group holds itself together: a rank that loses its group exits and its unit
+restarts it, and a follower away from rank 0's host has `Restart=always`, since its leader's restart ends it
+cleanly (exit 0).
 
 With a `[security]` table, no unit reads the keys directory (it stays root's, 0700): each unit gets its own
 secret key and every service's public key (and the router the tenants' list) as systemd credentials
@@ -73,7 +77,7 @@ PartOf=deepinfer.target
 Type=exec
 User={user}
 ExecStart={exec_start}
-Restart=on-failure
+Restart={restart}
 RestartSec=2
 TimeoutStopSec={stop_s}
 KillSignal=SIGTERM
@@ -156,11 +160,12 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
     read_write = "".join(f"ReadWritePaths=-{d}\n" for d in writable)
 
     def unit(role: str, after: str = "deepinfer-router@router.service", name: str = "%i", rank: int | None = None,
-             description: str | None = None, group: str = "") -> str:
+             description: str | None = None, group: str = "", restart: str = "on-failure") -> str:
         # Workers may drive a GPU; the other roles need no device at all.
         private_devices = "" if role == "worker" else "PrivateDevices=yes\n"
         argv = f"{launcher} service {role} --topology {topo} --name {name}"
         return _TEMPLATE.format(description=description or f"DeepInfer {role} %i", after=after, group=group,
+                                restart=restart,
                                 user=user, stop_s=int(DRAIN_TIMEOUT_S) + STOP_MARGIN_S,
                                 exec_start=argv if rank is None else f"{argv} --rank {rank}",
                                 read_write=read_write, protect_home=protect_home, private_devices=private_devices,
@@ -168,8 +173,11 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
                                 credentials=credential_lines(topology, role, name))
 
     # (rank_unit refuses a name a unit cannot hold; such a name is also one word of ExecStart=, no specifier.)
+    # A follower away from its rank 0 comes back even after a clean exit: its leader's restart ends it with a
+    # stop (exit 0), and no BindsTo= across machines would start it again.
     groups = {rank_unit(w, r): unit("worker", name=w.name, rank=r, group=_group_lines(w, r),
-                                    description=f"DeepInfer worker {w.name} rank {r} of {w.ep}")
+                                    description=f"DeepInfer worker {w.name} rank {r} of {w.ep}",
+                                    restart="always" if r and not _with_rank0(w, r) else "on-failure")
               for w in topology.workers if w.ep > 1 for r in range(w.ep)}
     instances = ["deepinfer-router@router.service"]
     instances += [f"deepinfer-tokenizer@{t.name}.service" for t in topology.tokenizers]
@@ -186,7 +194,9 @@ def unit_files(topology_path: Path, topology: Topology, launcher: str | None = N
         here = set(topology.instances_on(host))
         if not here:
             raise TopologyError(f"no service of the topology binds on {host}: give one of its hosts' addresses")
-        instances = [i for i in instances if _instance_name(i) in here]
+        ranks_here = {rank_unit(w, r) for w in topology.workers if w.ep > 1 for r in w.ranks_on(host)}
+        instances = [i for i in instances if _instance_name(i) in here and (i not in groups or i in ranks_here)]
+        groups = {u: text for u, text in groups.items() if u in ranks_here}
     return {
         "deepinfer.target": _TARGET.format(wants=" ".join(instances)),
         "deepinfer-router@.service": unit("router", after=""),
@@ -215,14 +225,27 @@ def rank_unit(w: WorkerSpec, rank: int) -> str:
     return f"deepinfer-worker-{w.name}-rank{rank}.service"
 
 
+def _with_rank0(w: WorkerSpec, rank: int) -> bool:
+    """Whether `rank` runs on rank 0's host (every rank does without `rank_hosts`)."""
+    return not w.rank_hosts or w.rank_hosts[rank].lower() == w.rank_hosts[0].lower()
+
+
 def _group_lines(w: WorkerSpec, rank: int) -> str:
-    """A rank unit's [Unit] lines that tie its group together (see the module's docstring)."""
-    followers = " ".join(rank_unit(w, r) for r in range(1, w.ep))
+    """A rank unit's [Unit] lines that tie its group together (see the module's docstring). systemd binds units
+    of one machine only: a rank binds the group's ranks on its own host (`rank_hosts`); across hosts the group
+    itself does it (rank 0 stops a group that lost a rank, and a rank whose group broke exits, so each unit's
+    Restart= starts it again)."""
+    host = w.rank_hosts[rank] if w.rank_hosts else None
+    together = [r for r in range(w.ep) if host is None or w.rank_hosts[r].lower() == host.lower()]
     lines = [f"# Expert-parallel group {w.name}: its {w.ep} ranks stop and restart together."]
     if rank == 0:
-        lines += [f"BindsTo={followers}", f"After={followers}"]
-    else:
+        followers = " ".join(rank_unit(w, r) for r in together if r != 0)
+        lines += [f"BindsTo={followers}", f"After={followers}"] if followers else []
+    elif _with_rank0(w, rank):
         lines.append(f"BindsTo={rank_unit(w, 0)}")
+    if len(together) < w.ep:
+        elsewhere = ", ".join(f"rank {r} on {w.rank_hosts[r]}" for r in range(w.ep) if r not in together)
+        lines.append(f"# On other hosts (bound by the group itself): {elsewhere}.")
     return "\n".join(lines) + "\n"
 
 

@@ -107,6 +107,8 @@ def from_table(cls: type[T], table: Any, refused: Mapping[str, str] | None = Non
             raise TopologyError(f"missing key {name!r}")
     values = {}
     for key, value in table.items():
+        if typing.get_origin(_hints(cls)[key]) is tuple and isinstance(value, list):
+            value = tuple(value)  # a TOML array, for a field that holds a fixed sequence
         problem = field_problem(cls, key, value)
         if problem is not None:
             raise TopologyError(problem)
@@ -153,6 +155,8 @@ def toml_value(value: Any) -> str:
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, str):
         return toml_string(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise TopologyError(f"{value!r} has no TOML form here")
 
 

@@ -31,7 +31,8 @@ Built from flags (`Topology.local`) or read from TOML (`Topology.load`); `to_tom
     weights = "auto"                      # "native" (GGUF blocks kept packed), "fp32", "q8_0" (quantise on load);
                                           #   "auto": native for a GGUF file on a CPU device
     ep = 1                                # expert parallelism: a group of N ranks, a process each (default 1;
-    ep_master = "10.0.0.2:29500"          #   N > 1 needs this rendezvous, host:port, and no kvcache yet)
+    ep_master = "10.0.0.2:29500"          #   N > 1 needs this rendezvous, host:port)
+    rank_hosts = []                       # with ep = N: N hosts, rank 0 on kv's (default: all on kv's host)
     redundant_experts = 2                 # MoE: extra expert replicas per layer (default: max(1, E // 8); 0: none)
     stream_interval_ms = 50               # send new tokens at most this often (first tokens, finishes: at once)
     lookup_ahead_steps = 2                # with a kvcache: look a job's prefix up as it enters the engine's queue,
@@ -86,8 +87,9 @@ top level; the router's copy is derived from it (`[router] block_size` is refuse
 decoding does: on decode and co-located workers. A prefill worker stops after the first token and has
 nothing to speculate on; `Topology.local` sets the speculation keys on decoding workers only.
 
-A worker with `ep = N > 1` is an expert-parallel group: N processes on the worker's host, rank 0 speaking
-for the group to the mesh and ranks 1..N-1 following it (`service worker --rank R`). Its `device` is "cpu"
+A worker with `ep = N > 1` is an expert-parallel group: N processes, on the worker's host unless `rank_hosts`
+spreads them (docs/cluster.md), rank 0 speaking for the group to the mesh and ranks 1..N-1 following it
+(`service worker --rank R`). Its `device` is "cpu"
 or "cuda" (rank R on cuda:R; `WorkerSpec.rank_device`), its `threads` are shared equally by the ranks, and
 `ep_master` is where the ranks rendezvous (torch.distributed's store, on rank 0): an address no other
 endpoint of the topology uses. `Topology.local` gives each group a free 127.0.0.1 port.
@@ -300,15 +302,16 @@ class Topology:
     def instances_on(self, address: str) -> list[str]:
         """The services that run on the host with this address, by where each binds: the router by its frontend,
         a tokenizer by its detok, a worker by its kv (a prefill worker's is required for this), a cache daemon
-        by its endpoint, a gateway by its listen address; the balancer goes with the router. A service bound to
-        a wildcard address, or to ipc://, is on no named host."""
+        by its endpoint, a gateway by its listen address; the balancer goes with the router; an expert-parallel
+        worker also on each host its `rank_hosts` puts a rank on. A service bound to a wildcard address, or to
+        ipc://, is on no named host."""
         def on(endpoint: str) -> bool:
             host = endpoint.removeprefix("tcp://") if endpoint.startswith("tcp://") else None
             return host is not None and split_host_port(host)[0].lower() == address.lower()
 
         names = ["router"] if on(self.frontend) else []
         names += [t.name for t in self.tokenizers if on(t.detok)]
-        names += [w.name for w in self.workers if on(w.kv)]
+        names += [w.name for w in self.workers if on(w.kv) or w.ranks_on(address)]  # its rank 0, or another rank
         names += [k.name for k in self.kvcaches if on(k.endpoint)]
         names += [BALANCER_NAME] if self.balancer is not None and on(self.frontend) else []
         names += [g.name for g in self.gateways if on(f"tcp://{g.listen}")]

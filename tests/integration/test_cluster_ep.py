@@ -1,7 +1,8 @@
 """Expert parallelism across hosts (issue 32): an EP = 2 worker group whose two ranks run on two hosts (network
 namespaces e1 and e2, bench/cluster_harness.py), torch.distributed's gloo over tcp:// between them, each rank
 started as its unit runs it (`deepinfer-launch service worker --name worker-0 --rank R`); the router and the
-tokenizer on `front`. The model is a tiny random-weight Mixtral (test_group_mesh's, SmolLM2's tokenizer).
+tokenizer on `front`. The topology names each rank's host (`rank_hosts`), and each host's units (`systemd --host`)
+are its ranks'. The model is a tiny random-weight Mixtral (test_group_mesh's, SmolLM2's tokenizer).
 
 Its greedy output equals the same model in one process (EP = 1) token for token. Then e2 is lost under load
 (every process there killed): rank 0 stops the broken group, both ranks are started again (as their units'
@@ -26,6 +27,7 @@ from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
 from deepinfer.launch.sections import TokenizerSpec, WorkerSpec
+from deepinfer.launch.systemd import unit_files
 from deepinfer.launch.topology import RouterConfig, Topology
 from deepinfer.protocol.client import Client
 from tests.integration.test_cluster import idle_everywhere
@@ -60,10 +62,14 @@ def test_an_ep_group_across_two_hosts_serves_as_one_process_and_comes_back_from_
         topo = Topology(str(tiny_mixtral), f"tcp://{front}:5550", f"tcp://{front}:5551",
                         (TokenizerSpec("tokenizer-0", f"tcp://{front}:5560"),),
                         (WorkerSpec("worker-0", "worker", f"tcp://{e1}:5570", threads=2, kv_cache_mb=32, ep=2,
-                                    ep_master=f"{e1}:29611"),),
+                                    ep_master=f"{e1}:29611", rank_hosts=(e1, made.address("e2"))),),
                         router=RouterConfig(placement_timeout_s=240.0), insecure=True)
         path = tmp_path / "ep.toml"
         path.write_text(topo.to_toml())
+        # Each host's units (`systemd --host`) run exactly its ranks, as this test starts them below.
+        for host, rank in (("e1", 0), ("e2", 1)):
+            units = [n for n in unit_files(path, topo, host=made.address(host)) if "-rank" in n]
+            assert units == [f"deepinfer-worker-worker-0-rank{rank}.service"], (host, units)
         for host, role, extra in (("front", "router", ()), ("front", "tokenizer", ()),
                                   ("e2", "worker", ("--rank", "1")), ("e1", "worker", ("--rank", "0"))):
             made.start(host, role, {"router": "router", "tokenizer": "tokenizer-0"}.get(role, "worker-0"), path,

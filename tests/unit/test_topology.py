@@ -279,7 +279,8 @@ def every_field(tmp_path: Path) -> Topology:
     worker: dict[str, Any] = dict(device="cuda", threads=3, kv_cache_mb=64, max_num_seqs=8,
                                   max_num_batched_tokens=256, prefix_caching=False,
                                   speculative="ngram", num_speculative_tokens=6, adaptive_speculation=False,
-                                  ep=2, ep_master="10.0.0.3:29500", ep_timeout_s=42.0, redundant_experts=3,
+                                  ep=2, ep_master="10.0.0.3:29500", rank_hosts=("10.0.0.3", "10.0.0.4"),
+                                  ep_timeout_s=42.0, redundant_experts=3,
                                   weights="q8_0", stream_interval_ms=12.5, lookup_ahead_steps=5,
                                   fetch_policy="always", swap_space_mb=7)
     kvcache: dict[str, Any] = dict(dir=str(tmp_path / "kv dir"), host_mb=64, disk_mb=128, pool_mb=512)
@@ -365,10 +366,51 @@ def test_a_group_reads_back_with_its_ranks_on_their_devices(tmp_path):
     ('ep = 2\nep_master = ":29500"', "must be host:port"),
     ('ep = 2\nep_master = "10.0.0.2:0"', "must be host:port"),
     ('ep = 2\nep_master = "10.0.0.2:65536"', "must be host:port"),
+    ('ep = 2\nep_master = "10.0.0.2:29500"\nrank_hosts = ["10.0.0.2"]',
+     r"rank_hosts = \['10.0.0.2'\]: must name the host of each of the 2 ranks"),
+    ('ep = 2\nep_master = "10.0.0.2:29500"\nrank_hosts = ["10.0.0.3", "10.0.0.2"]',
+     "rank 0 binds kv = 'tcp://10.0.0.2:5570', so its host must be that endpoint's address"),
+    ('ep = 2\nep_master = "10.0.0.2:29500"\nrank_hosts = ["10.0.0.2", 3]',
+     "rank_hosts = .*: must be a list of a string"),
+    ('rank_hosts = ["10.0.0.2", "10.0.0.3"]', "must name the host of each of the 1 ranks"),
 ])
 def test_bad_parallel_keys_are_refused_naming_the_key(tmp_path, keys, match):
     with pytest.raises(TopologyError, match=match):
         group(tmp_path, keys)
+
+
+def test_a_group_spread_over_hosts_gets_each_hosts_rank_units_bound_on_that_host_only(tmp_path):
+    from deepinfer.launch.systemd import unit_files
+
+    topo = group(tmp_path, 'ep = 3\nep_master = "10.0.0.2:29500"\nrank_hosts = ["10.0.0.2", "10.0.0.2", "10.0.0.4"]')
+    w = topo.worker("w")
+    assert w.rank_hosts == ("10.0.0.2", "10.0.0.2", "10.0.0.4")
+    assert load(tmp_path, topo.to_toml()) == topo
+    assert [w.ranks_on(h) for h in ("10.0.0.2", "10.0.0.4", "10.0.0.9")] == [[0, 1], [2], []]
+    assert topo.instances_on("10.0.0.4") == ["w"]  # a rank's host runs part of the worker
+    path = tmp_path / "t.toml"
+
+    def units(host: str | None) -> dict[str, str]:
+        return {n: t for n, t in unit_files(path, topo, launcher="/usr/bin/deepinfer-launch", host=host).items()
+                if "-rank" in n}
+
+    here, there, every = units("10.0.0.2"), units("10.0.0.4"), units(None)
+    assert sorted(here) == ["deepinfer-worker-w-rank0.service", "deepinfer-worker-w-rank1.service"]
+    assert sorted(there) == ["deepinfer-worker-w-rank2.service"] and sorted(every) == sorted(here | there)
+    rank0, rank1, rank2 = here["deepinfer-worker-w-rank0.service"], here["deepinfer-worker-w-rank1.service"], \
+        there["deepinfer-worker-w-rank2.service"]
+    # systemd binds units of one machine: rank 0 and rank 1 to each other, rank 2 to nothing...
+    assert "BindsTo=deepinfer-worker-w-rank1.service\n" in rank0
+    assert "BindsTo=deepinfer-worker-w-rank0.service\n" in rank1
+    assert "BindsTo" not in rank2 and "--rank 2" in rank2
+    # ...and rank 2 comes back after its leader's restart ends it cleanly.
+    assert "Restart=always" in rank2 and "Restart=on-failure" in rank0 and "Restart=on-failure" in rank1
+    # Without rank_hosts every rank is on the worker's host, bound as one.
+    local = group(tmp_path, 'ep = 3\nep_master = "10.0.0.2:29500"')
+    one = unit_files(path, local, launcher="/usr/bin/deepinfer-launch", host="10.0.0.2")
+    assert "BindsTo=deepinfer-worker-w-rank1.service deepinfer-worker-w-rank2.service\n" in \
+        one["deepinfer-worker-w-rank0.service"]
+    assert local.worker("w").ranks_on("10.0.0.2") == [0, 1, 2] and local.instances_on("10.0.0.4") == []
 
 
 def test_a_group_may_use_a_cache_daemon(tmp_path):
