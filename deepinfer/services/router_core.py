@@ -286,14 +286,17 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
             return self._stale()
         st.prompt_ids, st.block_hashes = res.token_ids, res.block_hashes
         self._recharge(st, len(st.job_tokens))
+        if st.resumed and len(st.output_ids) >= st.params.max_tokens:  # its client had every token
+            st.finish_reason = "length"
+            kept = [Outbound(st.reclaim_from, AbortRequest(st.rid, "its client had every token"))] \
+                if st.reclaim_from is not None else []  # not a holder yet: the worker that kept it
+            st.reclaim_from = None
+            return kept + self._finish(st, now)
         if st.reclaim_from is not None:
             reclaimed = self._reclaim(st, now)
             if reclaimed is not None:
                 return reclaimed
         # (A request that moved or resumed was admitted already: it is never refused for the queue it rejoined.)
-        if st.resumed and len(st.output_ids) >= st.params.max_tokens:  # its client had every token
-            st.finish_reason = "length"
-            return self._finish(st, now)
         if not st.moves and not st.resumed:
             refusal = self._over_token_limits(st)
             if refusal is not None:

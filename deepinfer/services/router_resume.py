@@ -90,7 +90,7 @@ class ResumeMixin:
     table: InstanceTable
     metrics: RouterMetrics
     draining: bool
-    # The core's, used here: `request_of`, `_open`, `_finish`, `_error`, `_set_phase`, `_dequeue`, `_move`.
+    # The core's, used here: `request_of`, `_open`, `_error`, `_set_phase`, `_dequeue`, `_move`.
 
     _reqs: dict[str, RouterRequest]
 
@@ -229,9 +229,6 @@ class ResumeMixin:
         name = st.reclaim_from
         assert name is not None
         inst = self.table.get(name)
-        if len(st.output_ids) >= st.params.max_tokens:  # its client had every token
-            st.reclaim_from, st.finish_reason = None, "length"
-            return [Outbound(name, AbortRequest(st.rid, "its client had every token")), *self._finish(st, now)]
         if inst is None or not inst.alive:
             st.reclaim_from = None
             self.metrics.migrations[READMITTED] += 1
