@@ -337,13 +337,13 @@ class WorkerCore:
                 if track.orphaned_at is None:
                     actions.append(ToRouter(ErrorReply(rid, "internal", out.error or "")))
                 continue
-            if track.client_key:
+            if track.client_key:  # every orphan has one: only a reclaimable request is kept
                 track.tokens += out.new_token_ids
-            if track.orphaned_at is not None:  # no router holds it: its output waits for a Reclaim
                 if out.finished:
                     track.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
-                    if self.offer_blocks and out.block_hashes:
-                        actions.append(OfferBlocks(rid, list(out.block_hashes)))
+            if track.orphaned_at is not None:  # no router holds it: its output waits for a Reclaim
+                if out.finished and self.offer_blocks and out.block_hashes:
+                    actions.append(OfferBlocks(rid, list(out.block_hashes)))
                 continue
             prompt_logprobs = None
             if out.prompt_logprobs is not None and not track.prompt_logprobs_sent:
@@ -361,7 +361,7 @@ class WorkerCore:
             if out.finished:
                 del self._tracks[rid]
                 if track.client_key:
-                    self._remember_unacked(rid, track, out, now)
+                    self._remember_unacked(rid, track, now)
                 if self.offer_blocks and out.block_hashes:
                     actions.append(OfferBlocks(rid, list(out.block_hashes)))
         if urgent or self.stream.due(now):
@@ -381,8 +381,7 @@ class WorkerCore:
                 actions.append(ToTokenizer(tok, DetokenizeBatch(self.instance, step, live)))
         return actions
 
-    def _remember_unacked(self, rid: str, track: Track, out: RequestOutput, now: float) -> None:
-        track.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
+    def _remember_unacked(self, rid: str, track: Track, now: float) -> None:
         self._unacked[rid] = (now, track)
         self._unacked_tokens += len(track.tokens)
         while self._unacked:  # the oldest go first, past the age or the token bound
