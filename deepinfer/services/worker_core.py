@@ -261,7 +261,8 @@ class WorkerCore:
         orphaning), and those that finished here without the router acknowledging their end; drop the rest."""
         keep: set[str] = set()
         for rid, track in list(self._tracks.items()):
-            if track.client_key and track.handoff is None and (track.job is None or track.prefill_reported):
+            if track.orphaned_at is not None or (track.client_key and track.handoff is None
+                                                 and (track.job is None or track.prefill_reported)):
                 if track.orphaned_at is None:
                     track.orphaned_at = now
                 self.stream.drop(rid)  # held tokens: kept in `tokens`, sent from the client's count on Reclaim

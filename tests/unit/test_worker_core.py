@@ -604,9 +604,10 @@ class WorkerCoreMachine(RuleBasedStateMachine):
     @rule()
     def router_restart(self) -> None:
         before = self.held()
-        # Kept: what decodes here (its first token made here, or its KV installed or coming) under a client key.
-        keep = {rid for rid in before if (t := self.core.track(rid)) is not None and t.client_key
-                and t.handoff is None and (t.job is None or t.prefill_reported)}
+        # Kept: what decodes here (its first token made here, or its KV installed or coming) under a client key,
+        # and every orphan of an earlier restart (one that finished before its first token was reported too).
+        keep = {rid for rid in before if (t := self.core.track(rid)) is not None and (t.orphaned_at is not None or (
+                t.client_key and t.handoff is None and (t.job is None or t.prefill_reported)))}
         actions = self.core.on_router_restart(self.now)
         assert actions == [AbortAll(frozenset(keep | self.unacked))]
         self.feed(actions, before, silent=before - keep, abort_all=True)
