@@ -46,7 +46,8 @@ def _short(v: Any) -> str:
 # Sampling parameters both endpoints take (OpenAI's, then vLLM's extensions) that map one to one.
 _SAMPLING_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
                   "logit_bias", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos")
-_COMMON_KEYS = {"model", "max_tokens", "n", "stream", "stream_options", "user", "ttft_slo_s", *_SAMPLING_KEYS}
+_COMMON_KEYS = {"model", "max_tokens", "n", "stream", "stream_options", "user", "ttft_slo_s", "tpot_slo_s",
+                *_SAMPLING_KEYS}
 COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_KEYS = _COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                             "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
@@ -218,11 +219,13 @@ def _sampling(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
         SamplingParams(**params).validate()
     except InvalidRequestError as exc:
         raise invalid(str(exc), next((k for k in params if f" {k}=" in str(exc)), None)) from None
-    slo = _number(body, "ttft_slo_s", None)  # our extension: a tighter time-to-first-token SLO than the tenant's
-    if slo is not None:
-        if slo <= 0:
-            raise invalid(f"ttft_slo_s must be a positive number of seconds, got {slo:g}", "ttft_slo_s")
-        params["ttft_slo_s"] = slo
+    # Our extensions: a tighter time-to-first-token and time-per-output-token SLO than the tenant's.
+    for key in ("ttft_slo_s", "tpot_slo_s"):
+        slo = _number(body, key, None)
+        if slo is not None:
+            if slo <= 0:
+                raise invalid(f"{key} must be a positive number of seconds, got {slo:g}", key)
+            params[key] = slo
     return params
 
 

@@ -92,7 +92,8 @@ ROUTER_SHED = Counter(
     "deepinfer_router_shed",
     "Requests refused with overloaded instead of queueing, by cause: predicted_wait (the prefill backlog's "
     "predicted wait over max_queue_wait_s), queue_requests, queue_tokens, tenant_inflight, tenant_tokens, draining, "
-    "ttft_slo (the predicted time to first token over the request's SLO).",
+    "ttft_slo (the predicted time to first token over the request's SLO), tpot_slo (every decode worker predicted, "
+    "with the request, to give tokens slower than its TPOT SLO or one promised to a stream there).",
     (*WHO, "cause"))
 ROUTER_MIGRATIONS = Counter(
     "deepinfer_router_migrations",
@@ -102,6 +103,11 @@ TTFT_PREDICTION_RATIO = Histogram(
     "deepinfer_router_ttft_over_predicted",
     "Per request, its actual time to first token over the one predicted at its first placement (the wait so far "
     "plus the worker's predicted queue, fetch and compute; what TTFT SLOs are enforced with): 1 is exact.",
+    WHO, buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0))
+TPOT_PREDICTION_RATIO = Histogram(
+    "deepinfer_router_tpot_over_predicted",
+    "Per finished request, its actual time per output token over the one predicted at its first placement (its "
+    "decode worker's measured cadence with one more stream; what TPOT SLOs are enforced with): 1 is exact.",
     WHO, buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0))
 ROUTER_PREFILL_SITES = Counter(
     "deepinfer_router_prefill_sites",

@@ -30,10 +30,11 @@ def build_request(request_id: str, prompt: str | None, messages: list[dict[str, 
                   timeout_s: float | None, params: dict[str, Any]) -> m.GenerateRequest:
     """The GenerateRequest for these arguments; `params` are SamplingParamsWire's fields. `logit_bias` may be a
     mapping {token id: bias} (int keys, or str keys of digits as in OpenAI's JSON) or (token id, bias) pairs;
-    it goes on the wire as pairs. `params` may also hold `ttft_slo_s` (the request's time-to-first-token SLO).
+    it goes on the wire as pairs. `params` may also hold `ttft_slo_s` and `tpot_slo_s` (the request's
+    time-to-first-token and time-per-output-token SLOs).
     Values are range-checked by the router, not here."""
     params = dict(params)
-    ttft_slo_s = params.pop("ttft_slo_s", None)
+    ttft_slo_s, tpot_slo_s = params.pop("ttft_slo_s", None), params.pop("tpot_slo_s", None)
     unknown = set(params) - _PARAM_NAMES
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
@@ -44,7 +45,7 @@ def build_request(request_id: str, prompt: str | None, messages: list[dict[str, 
     elif "logit_bias" in params:
         params = {k: v for k, v in params.items() if k != "logit_bias"}
     return m.GenerateRequest(request_id, prompt, messages, prompt_token_ids, m.SamplingParamsWire(**params),
-                             stream, priority, api_key, timeout_s, ttft_slo_s)
+                             stream, priority, api_key, timeout_s, ttft_slo_s, tpot_slo_s)
 
 
 def logit_bias_pairs(bias: Mapping[int | str, float] | Iterable[tuple[int, float]]) -> list[tuple[int, float]]:

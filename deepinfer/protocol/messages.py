@@ -27,7 +27,8 @@ with prompt_token_ids), logit_bias, per-item logprobs on every DetokenizeItem, a
 request by its id instead of dropping the connection it came on), graceful drain (DrainService,
 ServiceQuery, ServiceStatus and Shutdown.timeout_s), and the namespace of CacheLookup and CacheFetch; 10 added
 a client's readiness question (MeshQuery, MeshStatus); 13 added stream resumption across a lost router connection
-(ResumeRequest, Resumed) and ServiceStatus's restarts, load and cached blocks (the `status` command).
+(ResumeRequest, Resumed) and ServiceStatus's restarts, load and cached blocks (the `status` command); 15 added
+TPOT SLOs (GenerateRequest.tpot_slo_s, Heartbeat.tpot_by_batch).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 14  # 12: CachePrefetch; 13: ResumeRequest, Resumed; 14: HeldRequests, Reclaim, client_key
+PROTOCOL_VERSION = 15  # 13: ResumeRequest, Resumed; 14: HeldRequests, Reclaim, client_key; 15: TPOT SLOs
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -282,6 +283,9 @@ class Heartbeat:
     # incarnation (their ratio is the worker's acceptance rate; zero where it does not speculate).
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # A worker's seconds per output token by batch size, measured over back-to-back steps: (mean rows, mean
+    # seconds) per bucket of batch sizes, fewest rows first (services/token_cadence); what TPOT SLOs use.
+    tpot_by_batch: list[tuple[float, float]] = field(default_factory=list)
 
 
 @message(0x04)
@@ -393,6 +397,10 @@ class GenerateRequest:
     # Time-to-first-token SLO from arrival: tightens the tenant's (never loosens it). A request predicted to
     # miss it when it is placed ends with "overloaded" (and retry_after_s) before any prefill is spent on it.
     ttft_slo_s: float | None = None
+    # Time-per-output-token SLO (seconds between tokens, on average over the stream): tightens the tenant's.
+    # A request whose decode worker is predicted to give tokens slower than this — or, with it added, slower
+    # than a stream already there was promised — goes to another, or ends with "overloaded" before any prefill.
+    tpot_slo_s: float | None = None
 
 
 @message(0x11)

@@ -26,6 +26,7 @@ import torch
 
 from deepinfer.engine.interface import ServingEngine
 from deepinfer.engine.request import RequestOutput
+from deepinfer.services.token_cadence import CadenceMeter
 
 T = TypeVar("T")
 
@@ -82,6 +83,11 @@ class EngineThread:
         # Tokens computed per second of step, an EWMA over steps of at least RATE_MIN_TOKENS tokens: what
         # the router divides a prompt's uncached tokens by to predict its prefill time.
         self.tokens_per_s = 0.0
+        # Seconds per output token by batch size, over back-to-back steps: what the router predicts a
+        # stream's TPOT from (token_cadence). `_previous`: the last step's start, streams and tokens given
+        # out, while the loop has not idled since.
+        self.cadence = CadenceMeter()
+        self._previous: tuple[float, int, int] | None = None
         self._commands: deque[tuple[Callable[[], Any], asyncio.Future[Any] | None]] = deque()
         self._wake = threading.Event()
         self._stop = False
@@ -179,16 +185,23 @@ class EngineThread:
                         break
                     self._run_commands()
             if self.engine.has_unfinished():
-                computed, t0 = self.engine.stats.tokens_computed, time.monotonic()
+                stats = self.engine.stats
+                computed, generated, t0 = stats.tokens_computed, stats.tokens_generated, time.monotonic()
+                if self._previous is not None:
+                    start, streams, given = self._previous
+                    self.cadence.record(streams, given, t0 - start)
                 outputs = self.engine.step()
                 self.steps += 1
-                seconds, tokens = time.monotonic() - t0, self.engine.stats.tokens_computed - computed
+                stats = self.engine.stats  # a group engine's is a fresh sum each time
+                seconds, tokens = time.monotonic() - t0, stats.tokens_computed - computed
                 self._measure(tokens, seconds)
+                self._previous = (t0, sum(1 for o in outputs if o.new_token_ids), stats.tokens_generated - generated)
                 if self.step_metrics is not None:
                     self.step_metrics.step(seconds, len(outputs), tokens)
                 if outputs:
                     self.loop.call_soon_threadsafe(self.on_outputs, outputs)
             else:
+                self._previous = None  # an idle wait is no stream's cadence
                 if self._keepalive is not None:
                     self._keepalive()
                 self._wake.wait(timeout=0.05)

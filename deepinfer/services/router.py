@@ -490,7 +490,7 @@ class RouterService(BaseService):
                   "drains_finished": self.drains.finished, "drains_timed_out": self.drains.timed_out}
         self.export.state(self.core.phase_counts(), len(self._backlog), events, self.core.table.instances.values())
         self.export.by_cause(metrics.shed, metrics.migrations, metrics.prefill_sites, metrics.resumes)
-        self.export.ttft_predictions(metrics.ttft_over_predicted)
+        self.export.ttft_predictions(metrics.ttft_over_predicted, metrics.tpot_over_predicted)
 
     def _log_state(self) -> None:
         """One line per period: what an operator (or bench/soak.py) watches for leaks and stalls."""

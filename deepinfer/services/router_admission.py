@@ -21,6 +21,11 @@ request's first placement, and the queue's accounting they read.
   ttft_slo) at arrival when the backlog's predicted wait alone is over the SLO, and at the first placement
   when the wait so far plus the chosen worker's predicted prefill is; the ratio of each request's actual TTFT
   to that prediction is kept (`ttft_over_predicted`) as the predictor's error.
+* TPOT SLOs (`RouterConfig.tpot_slo_s`, tightened per request): at its first placement a request skips the
+  decode workers whose measured cadence (`token_cadence`) predicts, with it added, a time per token over its SLO
+  or over the tightest SLO of a stream already there (promises are kept on `Instance.tpot_slos`); with none
+  left it ends with `overloaded` (shed cause tpot_slo). Actual over predicted TPOT is kept as that
+  predictor's error (`tpot_over_predicted`).
 * Tenancy: `config.tenants` maps api_key → cache salt; an unknown or missing key gets
   `default_cache_salt`, or `unauthorized` when `require_api_key`. Clients never send a salt. A key that
   no tenant setting names falls under the one anonymous tenant (`RouterConfig.known_tenant`): made-up
@@ -39,9 +44,10 @@ from typing import TYPE_CHECKING
 from deepinfer.protocol.messages import ErrorCode, GenerateRequest
 from deepinfer.services.router_placement import Instance
 from deepinfer.services.router_state import Phase, RouterRequest
+from deepinfer.services.token_cadence import predict_tpot
 
 if TYPE_CHECKING:
-    from deepinfer.services.router_cache import PrefillCostModel
+    from deepinfer.services.router_cache import Chosen, PrefillCostModel
     from deepinfer.services.router_placement import InstanceTable
     from deepinfer.services.router_state import RouterConfig, RouterMetrics
 
@@ -58,7 +64,7 @@ class Refusal:
 
 
 class AdmissionMixin:
-    """The admission of `RouterCore` (module docstring)."""
+    """The admission of `RouterCore` (module docstring). It places through the core's `_choose`."""
 
     # The core's state this part uses, set by `RouterCore.__init__`.
     config: RouterConfig
@@ -109,6 +115,20 @@ class AdmissionMixin:
                            self._retry_after(wait - slo))
         return tokenizer
 
+    def _within_slos(self, st: RouterRequest, chosen: Chosen, now: float) -> Chosen | Refusal:
+        """At its first placement: `chosen`, or another placement whose decode worker keeps the TPOT SLOs (of
+        `st` and of the streams there), with the TTFT predicted within `st`'s SLO; else the refusal (counted)."""
+        slow: set[str] = set()
+        while not st.resumed and (refusal := self._misses_tpot(st, chosen[0].decode)) is not None:
+            slow.add(chosen[0].decode.name)
+            again = self._choose(st, now, exclude=slow | st.avoid)
+            if again is None:
+                self.metrics.shed["tpot_slo"] += 1
+                return refusal
+            chosen = again
+        st.predicted_ttft_s = now - st.arrival + chosen[1].seconds
+        return self._misses_slo(st) or chosen
+
     def _misses_slo(self, st: RouterRequest) -> Refusal | None:
         """At its first placement: the refusal of a request whose predicted TTFT is over its SLO (counted)."""
         slo, predicted = st.ttft_slo_s, st.predicted_ttft_s
@@ -117,6 +137,22 @@ class AdmissionMixin:
         self.metrics.shed["ttft_slo"] += 1
         return Refusal("overloaded", f"the predicted time to first token is {predicted:.2f}s, over the SLO of "
                        f"{slo:g}s", "ttft_slo", self._retry_after(predicted - slo))
+
+    def _misses_tpot(self, st: RouterRequest, decode: Instance) -> Refusal | None:
+        """At its first placement: why `st` may not decode on `decode` — its measured cadence predicts, with
+        one more stream, tokens slower than `st`'s TPOT SLO or than the tightest one promised to a stream
+        there — or None (also where nothing is promised or nothing measured). Records the prediction."""
+        points = decode.load.tpot_by_batch if decode.load is not None else []
+        st.predicted_tpot_s = predicted = predict_tpot(points, decode.batch + 1)
+        limits = [s for s in (st.tpot_slo_s, decode.tightest_tpot_slo) if s is not None]
+        if predicted is None or not limits or predicted <= min(limits):
+            return None
+        if st.tpot_slo_s is not None and predicted > st.tpot_slo_s:
+            why = f"the predicted time per output token is {predicted:.3f}s, over the SLO of {st.tpot_slo_s:g}s"
+        else:
+            why = (f"another stream would slow the decode workers' streams to {predicted:.3f}s per token, over "
+                   f"the {min(limits):g}s promised to one of them")
+        return Refusal("overloaded", why, "tpot_slo", self.config.retry_after_s)
 
     def _retry_after(self, excess_s: float) -> float:
         """The retry hint of a refusal over a bound by `excess_s`: at least `retry_after_s`, at most a minute."""

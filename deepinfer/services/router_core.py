@@ -75,13 +75,11 @@ from deepinfer.protocol.messages import (
     EncodeResult,
     ErrorCode,
     ErrorReply,
-    FinishReason,
     GenerateRequest,
     Heartbeat,
     Hello,
     KvEvents,
     KvResync,
-    LogprobWire,
     PrefillDone,
     PrefillJob,
     RequestFinished,
@@ -89,8 +87,6 @@ from deepinfer.protocol.messages import (
     StreamDelta,
     TextDeltaItem,
     TextDeltas,
-    Timings,
-    UsageWire,
 )
 from deepinfer.services.router_admission import AdmissionMixin, Refusal
 from deepinfer.services.router_cache import Chosen, Prediction, PrefillCostModel
@@ -180,7 +176,7 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
         if isinstance(admitted, Refusal):
             return refuse(admitted.code, admitted.message, admitted.shed, admitted.retry_after_s)
         st = self._open(client, req, admitted, now, now)
-        st.ttft_slo_s = slo
+        st.ttft_slo_s, st.tpot_slo_s = slo, cfg.tpot_slo(tenant, req.tpot_slo_s)
         encode = EncodeRequest(st.rid, req.prompt, req.messages, req.prompt_token_ids, cache_salt=st.cache_salt,
                                stop=list(req.params.stop), max_tokens=req.params.max_tokens)
         return [Outbound(admitted.name, encode)]
@@ -420,11 +416,10 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
         chosen = (self._choose(st, now, exclude=st.avoid) if st.avoid else None) or self._choose(st, now)
         if chosen is None:
             return []
-        if not st.attempts:  # its first placement: the TTFT it is predicted, against its SLO
-            st.predicted_ttft_s = now - st.arrival + chosen[1].seconds
-            refusal = self._misses_slo(st)
-            if refusal is not None:
-                return self._error(st, refusal.code, refusal.message, now, retry_after_s=refusal.retry_after_s)
+        if not st.attempts:  # its first placement: within its SLOs, or refused
+            chosen = self._within_slos(st, chosen, now)
+            if isinstance(chosen, Refusal):
+                return self._error(st, chosen.code, chosen.message, now, retry_after_s=chosen.retry_after_s)
         return self._send_job(st, *chosen, now)
 
     def _choose(self, st: RouterRequest, now: float, exclude: Iterable[str] = ()) -> Chosen | None:
@@ -439,7 +434,7 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
             # A moved request whose prompt logprobs arrived (with its first tokens): its next worker
             # need not compute them again, and can reuse cached blocks.
             params = dataclasses.replace(params, prompt_logprobs=None)
-        self.table.assign(st.where, placement, len(st.job_tokens), compute, st.block_hashes)
+        self.table.assign(st.where, placement, len(st.job_tokens), compute, st.block_hashes, st.tpot_slo_s)
         site = "colocated"
         if placement.decode.role == DECODE:  # a P/D pair was there to choose from (router_cache)
             site = "remote" if placement.prefill is not placement.decode else "local"
@@ -528,12 +523,14 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
         return out + self._finish(st, now)
 
     def _finish(self, st: RouterRequest, now: float) -> list[Outbound]:
-        return self._end(st, self._result(st, st.finish_reason or "stop", now), "finished", now, set())
+        if st.predicted_tpot_s and st.tpot_s is not None:
+            self.metrics.tpot_over_predicted.append(st.tpot_s / st.predicted_tpot_s)
+        return self._end(st, st.result(st.finish_reason or "stop", now), "finished", now, set())
 
     def _cancel(self, st: RouterRequest, now: float, reason: str) -> list[Outbound]:
         if st.phase is Phase.FINISHING:
             return self._finish(st, now)
-        return self._end(st, self._result(st, "abort", now), reason, now, set())
+        return self._end(st, st.result("abort", now), reason, now, set())
 
     def _error(
         self,
@@ -571,31 +568,6 @@ class RouterCore(AdmissionMixin, MovesMixin, ResumeMixin):
         if not st.client_gone:
             out.append(Outbound(st.client, terminal))
         return out
-
-    def _result(self, st: RouterRequest, reason: FinishReason, now: float) -> RequestFinished:
-        done = st.prefill_done
-        usage = UsageWire(
-            prompt_tokens=len(st.prompt_ids),
-            completion_tokens=len(st.output_ids),
-            cached_tokens=done.num_cached_tokens if done else 0,
-            cached_by_tier=dict(done.cached_by_tier) if done else {},
-            spec_proposed_tokens=st.spec_proposed_tokens,
-            spec_accepted_tokens=st.spec_accepted_tokens,
-        )
-        first, last, n = st.first_token_at, st.last_token_at, len(st.output_ids)
-        timings = Timings(
-            e2e_s=now - st.arrival,
-            ttft_s=None if first is None else first - st.arrival,
-            tpot_s=None if first is None or last is None or n < 2 else (last - first) / (n - 1),
-            queue_s=None if st.job_sent_at is None else st.job_sent_at - st.arrival,
-            prefill_s=done.prefill_s if done else None,
-        )
-        stop = st.stop_string if reason == "stop" else None
-        logprobs: list[LogprobWire] | None = st.logprobs or None
-        text = "".join(st.text)
-        prompt_ids = list(st.prompt_ids) if st.params.prompt_logprobs is not None and st.prompt_ids else None
-        return RequestFinished(st.req.request_id, text, st.output_ids, reason, usage, timings, stop, logprobs,
-                               prompt_ids, st.prompt_logprobs)
 
     def _stale(self) -> list[Outbound]:
         self.metrics.stale += 1

@@ -64,6 +64,9 @@ class Instance:
     # device pool once those prefills commit them. A request placed here meanwhile waits for them rather than
     # computing them again (the scheduler's in-flight dedupe), so they count as cached here (router_cache).
     computing: Counter[bytes] = field(default_factory=Counter)
+    # The TPOT SLOs of the requests this router decodes here (a count per SLO): a new stream must not slow
+    # the worker's tokens past the tightest of them (router_admission).
+    tpot_slos: Counter[float] = field(default_factory=Counter)
     kvcache: str | None = None  # the cache daemon this worker reads from (its Hello's "kvcache" capability)
     pid: int | None = None  # its process id (the Hello's "pid" capability), as a supervisor names it
     # Draining (router_drain): set when an operator asks the router to drain it, or its heartbeat says so;
@@ -93,6 +96,10 @@ class Instance:
     def batch(self) -> int:
         reported = (self.load.running + self.load.waiting) if self.load else 0
         return max(reported, self.assigned)
+
+    @property
+    def tightest_tpot_slo(self) -> float | None:
+        return min(self.tpot_slos, default=None)
 
     @property
     def free_blocks(self) -> int:
@@ -129,6 +136,7 @@ class Assignment:
     pending_blocks: int = 0  # charged on `decode` until the KV is installed there
     assigned: bool = False  # counted in `decode`'s batch until decoding is over
     computing: tuple[bytes, ...] = ()  # its prompt's block hashes, charged on `prefill` until the prefill is over
+    tpot_slo: float | None = None  # charged on `decode` with `assigned`
 
 
 class InstanceTable:
@@ -190,6 +198,7 @@ class InstanceTable:
         inst.held.clear()
         inst.prefill_tokens = inst.pending_blocks = inst.assigned = 0
         inst.computing.clear()
+        inst.tpot_slos.clear()
         inst.alive, inst.last_progress = True, now
         inst.draining = inst.drain_acked = False  # a new process: the old one's drain is over
         if hb is not None:
@@ -250,12 +259,12 @@ class InstanceTable:
 
     def assign(
         self, a: Assignment, placement: Placement, prompt_tokens: int, compute_tokens: int | None = None,
-        block_hashes: Sequence[bytes] = (),
+        block_hashes: Sequence[bytes] = (), tpot_slo: float | None = None,
     ) -> None:
         """Send `a` to a placement: charge its loads now (heartbeats only show the work later). The prefill
         worker is charged `compute_tokens` (the prompt less its predicted cache hit; default the whole
         prompt) and the prompt's `block_hashes` as being computed there, the decode worker the blocks of the
-        whole prompt."""
+        whole prompt and the request's `tpot_slo`."""
         self.hold(a, {a.tokenizer})  # sheds any earlier placement
         prefill, decode = placement.prefill, placement.decode
         a.prefill, a.decode = prefill.name, decode.name
@@ -266,6 +275,9 @@ class InstanceTable:
         prefill.prefill_tokens += a.prefill_tokens
         decode.pending_blocks += a.pending_blocks
         decode.assigned += 1
+        a.tpot_slo = tpot_slo
+        if tpot_slo is not None:
+            decode.tpot_slos[tpot_slo] += 1
         self.hold(a, {a.tokenizer, prefill.name, decode.name})
 
     def prefill_over(self, a: Assignment) -> None:
@@ -285,8 +297,14 @@ class InstanceTable:
     def decode_over(self, a: Assignment) -> None:
         self._installed(a)
         if a.assigned:
-            self.instances[a.decode].assigned -= 1  # type: ignore[index]
+            decode = self.instances[a.decode]  # type: ignore[index]
+            decode.assigned -= 1
             a.assigned = False
+            if a.tpot_slo is not None:
+                decode.tpot_slos[a.tpot_slo] -= 1
+                if decode.tpot_slos[a.tpot_slo] <= 0:
+                    del decode.tpot_slos[a.tpot_slo]
+                a.tpot_slo = None
 
     def _installed(self, a: Assignment) -> None:
         if a.pending_blocks:

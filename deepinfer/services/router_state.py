@@ -19,7 +19,9 @@ from deepinfer.protocol.messages import (
     GenerateRequest,
     LogprobWire,
     PrefillDone,
+    RequestFinished,
     SamplingParamsWire,
+    Timings,
     UsageWire,
 )
 from deepinfer.services.router_placement import Assignment
@@ -106,6 +108,8 @@ class RouterRequest:
     avoid: frozenset[str] = frozenset()  # workers its next placement avoids (where its handoff failed)
     ttft_slo_s: float | None = None  # its tenant's, tightened by its own
     predicted_ttft_s: float | None = None  # at its first placement: its wait then plus the predicted prefill
+    tpot_slo_s: float | None = None  # its tenant's, tightened by its own
+    predicted_tpot_s: float | None = None  # at its first placement: its decode worker's, with it added
 
     @property
     def params(self) -> SamplingParamsWire:
@@ -119,6 +123,37 @@ class RouterRequest:
     def job_tokens(self) -> list[int]:
         """What a prefill worker computes: the prompt, and the output so far of a request that moved."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Its time per output token so far: from its first token to its last, over the tokens between."""
+        first, last, n = self.first_token_at, self.last_token_at, len(self.output_ids)
+        return None if first is None or last is None or n < 2 else (last - first) / (n - 1)
+
+    def result(self, reason: FinishReason, now: float) -> RequestFinished:
+        """The client's RequestFinished for it, ending now for `reason`."""
+        done = self.prefill_done
+        usage = UsageWire(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=done.num_cached_tokens if done else 0,
+            cached_by_tier=dict(done.cached_by_tier) if done else {},
+            spec_proposed_tokens=self.spec_proposed_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+        )
+        first = self.first_token_at
+        timings = Timings(
+            e2e_s=now - self.arrival,
+            ttft_s=None if first is None else first - self.arrival,
+            tpot_s=self.tpot_s,
+            queue_s=None if self.job_sent_at is None else self.job_sent_at - self.arrival,
+            prefill_s=done.prefill_s if done else None,
+        )
+        stop = self.stop_string if reason == "stop" else None
+        logprobs: list[LogprobWire] | None = self.logprobs or None
+        prompt_ids = list(self.prompt_ids) if self.params.prompt_logprobs is not None and self.prompt_ids else None
+        return RequestFinished(self.req.request_id, "".join(self.text), self.output_ids, reason, usage, timings, stop,
+                               logprobs, prompt_ids, self.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -164,6 +199,14 @@ class RouterConfig:
     # of the excess, before any prefill is spent on it: refused early rather than served late.
     ttft_slo_s: Mapping[str, float] = field(default_factory=dict)
     default_ttft_slo_s: float | None = None
+    # Time-per-output-token SLO (seconds between a stream's tokens) by api_key, and for keys it does not name;
+    # a request may tighten it (GenerateRequest.tpot_slo_s). At its first placement a request goes only to a
+    # decode worker whose measured cadence (Heartbeat.tpot_by_batch) predicts, with one more stream, tokens no
+    # slower than its SLO and than every SLO already promised there; with none, it ends with "overloaded"
+    # (shed cause tpot_slo) before any prefill. A request without one is also kept off a decode worker it
+    # would push past a stream's promise. Nothing is refused on a worker that has not measured its cadence.
+    tpot_slo_s: Mapping[str, float] = field(default_factory=dict)
+    default_tpot_slo_s: float | None = None
     id_prefix: str = ""
     max_ttft_samples: int = 1024
     # Prefill placement: "cache_aware" (least predicted prefill time, from the prefix index and measured
@@ -184,7 +227,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("tenants", "priority_floor", "max_inflight_per_tenant", "max_queued_prompt_tokens_per_tenant",
-                     "ttft_slo_s"):
+                     "ttft_slo_s", "tpot_slo_s"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
@@ -192,9 +235,11 @@ class RouterConfig:
                  self.prior_handoff_s_per_block)
         if not all(math.isfinite(r) and r >= 0 for r in rates) or self.prior_prefill_tokens_per_s <= 0:
             raise ValueError("prior rates must be finite, the prefill rate positive and fetch costs non-negative")
-        slos = [*self.ttft_slo_s.values(), *([] if self.default_ttft_slo_s is None else [self.default_ttft_slo_s])]
-        if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in slos):
-            raise ValueError(f"TTFT SLOs must be positive numbers of seconds, got {slos}")
+        for kind in ("ttft", "tpot"):
+            table, default = getattr(self, f"{kind}_slo_s"), getattr(self, f"default_{kind}_slo_s")
+            slos = [*table.values(), *([] if default is None else [default])]
+            if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in slos):
+                raise ValueError(f"{kind.upper()} SLOs must be positive numbers of seconds, got {slos}")
         if self.prefill_site not in PREFILL_SITES:
             raise ValueError(f"prefill_site must be one of {', '.join(PREFILL_SITES)}, got {self.prefill_site!r}")
         if self.local_prefill_max_tokens < 0:
@@ -210,6 +255,11 @@ class RouterConfig:
         own = self.ttft_slo_s.get(tenant, self.default_ttft_slo_s)
         return asked if own is None else own if asked is None else min(own, asked)
 
+    def tpot_slo(self, tenant: str, asked: float | None) -> float | None:
+        """A request's TPOT SLO: its tenant's, tightened by the one it `asked` for."""
+        own = self.tpot_slo_s.get(tenant, self.default_tpot_slo_s)
+        return asked if own is None else own if asked is None else min(own, asked)
+
     def known_tenant(self, api_key: str | None) -> str:
         """Whose quota and policy a request falls under: its api_key when the configuration names that key
         (a salt or any per-tenant setting), else the one anonymous tenant "" — every unknown or missing key
@@ -217,7 +267,7 @@ class RouterConfig:
         if api_key and any(api_key in table for table in (self.tenants, self.priority_floor,
                                                            self.max_inflight_per_tenant,
                                                            self.max_queued_prompt_tokens_per_tenant,
-                                                           self.ttft_slo_s)):
+                                                           self.ttft_slo_s, self.tpot_slo_s)):
             return api_key
         return ANONYMOUS
 
@@ -242,9 +292,9 @@ class RouterMetrics:
     # ResumeRequests by outcome: "attached" (this router held the request), "readmitted", "refused".
     resumes: Counter[str] = field(default_factory=Counter)
     # Admission refusals with "overloaded", by cause: queue_requests, queue_tokens, predicted_wait,
-    # tenant_inflight, tenant_tokens, draining, ttft_slo (also counted in `rejected`, or in `errors` when
-    # the refusal came once the request was encoded: a token limit broken by the exact prompt length, a
-    # TTFT SLO the placement's prediction misses).
+    # tenant_inflight, tenant_tokens, draining, ttft_slo, tpot_slo (also counted in `rejected`, or in `errors`
+    # when the refusal came once the request was encoded: a token limit broken by the exact prompt length, a
+    # TTFT or TPOT SLO the placement's prediction misses).
     shed: Counter[str] = field(default_factory=Counter)
     refused_deltas: int = 0  # text deltas of a request from another worker than the one it was placed on
     # Where requests with a prefill/decode pair to choose from were prefilled (conditional disaggregation):
@@ -265,10 +315,13 @@ class RouterMetrics:
     ttft_s: deque[float] = field(init=False)  # the latest time-to-first-token samples
     # Actual TTFT over the TTFT predicted at first placement, per request, until the metrics take them.
     ttft_over_predicted: deque[float] = field(init=False)
+    # Actual TPOT (over its decode) over the TPOT predicted at first placement, per finished request.
+    tpot_over_predicted: deque[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.ttft_s = deque(maxlen=self.max_ttft_samples)
         self.ttft_over_predicted = deque(maxlen=self.max_ttft_samples)
+        self.tpot_over_predicted = deque(maxlen=self.max_ttft_samples)
 
     def count_cached(self, predicted_blocks: Mapping[str, int], block_size: int, done: PrefillDone) -> None:
         """One finished prefill's cached tokens: as the prefix index predicted (blocks by tier), as the
@@ -298,7 +351,7 @@ def input_problem(req: GenerateRequest) -> str | None:
         return "give exactly one of prompt, messages or prompt_token_ids"
     if not given[0]:
         return "the prompt is empty"
-    for name in ("timeout_s", "ttft_slo_s"):
+    for name in ("timeout_s", "ttft_slo_s", "tpot_slo_s"):
         value = getattr(req, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             return f"{name} must be a positive number of seconds, got {value!r}"

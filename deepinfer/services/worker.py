@@ -217,7 +217,8 @@ class WorkerService(Service):
                     waiting=load.waiting + staged[0], queued_prompt_tokens=load.queued_prompt_tokens + staged[1],
                     tokens_per_s=self._thread.tokens_per_s if self._thread else 0.0,
                     spec_proposed_tokens=stats.spec_proposed_tokens,
-                    spec_accepted_tokens=stats.spec_accepted_tokens)
+                    spec_accepted_tokens=stats.spec_accepted_tokens,
+                    tpot_by_batch=self._thread.cadence.points() if self._thread else [])
 
     def record_metrics(self, beat: m.Heartbeat) -> None:
         super().record_metrics(beat)

@@ -78,6 +78,17 @@ def test_a_mesh_exports_its_requests_pool_cache_and_handoffs(smollm2_path):
                     results.append(await c.generate(prompt=REPEATED, max_tokens=MAX_TOKENS))
                 streamed = [msg async for msg in c.stream(prompt=QUESTIONS[0], max_tokens=MAX_TOKENS)]
                 results.append(streamed[-1])
+            # The decode worker's heartbeats carry the time per token it measured by batch size (it decoded
+            # the repeated prompt's tokens one step after another); a request placed once the router has them
+            # is given a predicted TPOT, and its actual over predicted is exported when it finishes.
+            decode = mesh.service("router").core.table.get("decode-0")
+            for _ in range(400):
+                if decode.load is not None and decode.load.tpot_by_batch:
+                    break
+                await asyncio.sleep(0.05)
+            assert decode.load.tpot_by_batch, "no cadence in decode-0's heartbeats"
+            async with AsyncClient(topo.frontend, ctx=mesh.ctx, timeout_s=120) as c:
+                results.append(await c.generate(prompt=QUESTIONS[1], max_tokens=MAX_TOKENS))
             # The pool gauges and the tiers come with heartbeats, and a handoff's KvAck may reach the prefill
             # worker after its request finished: wait for them.
             for _ in range(400):
@@ -88,8 +99,11 @@ def test_a_mesh_exports_its_requests_pool_cache_and_handoffs(smollm2_path):
                 step_count = "deepinfer_worker_step_duration_seconds_count"
                 steps = [total(after, step_count, instance=w) - total(before, step_count, instance=w)
                          for w in ("prefill-0", "decode-0")]
+                tpot_count = "deepinfer_router_tpot_over_predicted_count"
+                predicted = total(after, tpot_count) > total(before, tpot_count)
                 if total(after, "deepinfer_kv_blocks_free", instance="decode-0") and total(
-                        after, "deepinfer_cache_tier_capacity_bytes", tier="host") and acked == handoffs and all(steps):
+                        after, "deepinfer_cache_tier_capacity_bytes", tier="host") and acked == handoffs and all(
+                        steps) and predicted:
                     break
                 await asyncio.sleep(0.05)
         finally:
@@ -114,6 +128,7 @@ def test_a_mesh_exports_its_requests_pool_cache_and_handoffs(smollm2_path):
     assert grew("deepinfer_prompt_tokens_total", **router) == sum(r.usage.prompt_tokens for r in results)
     assert grew("deepinfer_prefix_cache_hits_total", **router) == sum(r.usage.cached_tokens for r in results) > 0
     assert grew("deepinfer_request_errors_total", **router) == 0
+    assert grew("deepinfer_router_tpot_over_predicted_count", **router) >= 1
     # Each worker's pool, by its role.
     for service, instance in (("prefill", "prefill-0"), ("decode", "decode-0")):
         used = total(after, "deepinfer_kv_blocks_used", service=service, instance=instance)

@@ -106,7 +106,7 @@ def assert_clean(core: RouterCore) -> None:
     assert core.unplaced_tokens == 0 and not core._inflight_by_tenant and not core._queued_tokens_by_tenant
     for inst in core.table.instances.values():
         assert not inst.held and inst.prefill_tokens == inst.pending_blocks == inst.assigned == 0, inst.name
-        assert not +inst.computing, inst.name
+        assert not +inst.computing and not +inst.tpot_slos, inst.name
     m = core.metrics
     assert m.admitted == sum(m.finished.values()) + sum(m.errors.values())
 

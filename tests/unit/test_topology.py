@@ -274,7 +274,8 @@ def every_field(tmp_path: Path) -> Topology:
         prior_host_fetch_s_per_token=1e-6, prior_disk_fetch_s_per_token=3e-5, estimate_alpha=0.5,
         kv_resync_interval_s=1.0, max_queue_wait_s=12.5,
         max_queued_prompt_tokens_per_tenant={"key-a": 500, "": 100}, default_max_queued_prompt_tokens_per_tenant=300,
-        ttft_slo_s={"key-a": 2.5, "": 7.0}, default_ttft_slo_s=4.0, local_prefill_max_tokens=256, prefill_site="local",
+        ttft_slo_s={"key-a": 2.5, "": 7.0}, default_ttft_slo_s=4.0, tpot_slo_s={"key-a": 0.05}, default_tpot_slo_s=0.2,
+        local_prefill_max_tokens=256, prefill_site="local",
         prior_handoff_s_per_block=1e-3)
     worker: dict[str, Any] = dict(device="cuda", threads=3, kv_cache_mb=64, max_num_seqs=8,
                                   max_num_batched_tokens=256, prefix_caching=False,

@@ -19,7 +19,7 @@ ROLES = ("tokenizer", "worker", "prefill", "decode", "kvcache", "balancer")
 EVENTS = ("admitted", "retries", "moves", "stale", "kv_events", "resyncs", "forged", "malformed", "refused_deltas",
           "handoffs_adopted", "drains_begun", "drains_finished", "drains_timed_out")
 SHED_CAUSES = ("predicted_wait", "queue_requests", "queue_tokens", "tenant_inflight", "tenant_tokens", "draining",
-               "ttft_slo")
+               "ttft_slo", "tpot_slo")
 MIGRATION_CAUSES = ("prefill_death", "decode_death", "worker_death", "tokenizer_death", "handoff_failure", "drain",
                     "router_lost")
 RESUME_CASES = ("attached", "reclaimed", "readmitted", "reclaim_refused", "refused")
@@ -60,6 +60,7 @@ class RouterExport:
         self.shed = TotalsFeed(lambda c: bind(d.ROUTER_SHED, *who, _known(c, SHED_CAUSES)))
         self.migrations = TotalsFeed(lambda c: bind(d.ROUTER_MIGRATIONS, *who, _known(c, MIGRATION_CAUSES)))
         self.ttft_over_predicted = bind(d.TTFT_PREDICTION_RATIO, *who)
+        self.tpot_over_predicted = bind(d.TPOT_PREDICTION_RATIO, *who)
         self.prefill_sites = TotalsFeed(lambda s: bind(d.ROUTER_PREFILL_SITES, *who, s) if s in SITES else None)
         self.resumes = TotalsFeed(lambda c: bind(d.ROUTER_RESUMES, *who, c) if c in RESUME_CASES else None)
         self._groups: dict[str, tuple[Any, Any, list[Any], list[Any]]] = {}
@@ -125,10 +126,12 @@ class RouterExport:
         self.prefill_sites.update(prefill_sites or {})
         self.resumes.update(resumes or {})
 
-    def ttft_predictions(self, ratios: deque[float]) -> None:
-        """Take the router's actual-over-predicted TTFT samples (emptying the deque)."""
+    def ttft_predictions(self, ratios: deque[float], tpot_ratios: deque[float] | None = None) -> None:
+        """Take the router's actual-over-predicted TTFT and TPOT samples (emptying the deques)."""
         while ratios:
             self.ttft_over_predicted.observe(ratios.popleft())
+        while tpot_ratios:
+            self.tpot_over_predicted.observe(tpot_ratios.popleft())
 
     # -- expert parallelism -------------------------------------------------------------------------------
 
