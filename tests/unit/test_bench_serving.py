@@ -152,6 +152,7 @@ def test_http_path_measures_a_streamed_completion_and_counts_errors() -> None:
 
     async def run() -> list[RequestRecord]:
         path = HttpPath("http://gateway", "m", 4, transport=httpx.MockTransport(handler))
+        path.extra = {"tpot_slo_s": 0.1}  # --admission's SLO fields go with every request
         work = [ServingRequest(0, 0.0, 5, prompt="hi"), ServingRequest(1, 0.0, 5, prompt="bad"),
                 ServingRequest(2, 0.0, 5, prompt_token_ids=(7, 8))]
         try:
@@ -165,7 +166,7 @@ def test_http_path_measures_a_streamed_completion_and_counts_errors() -> None:
     assert not records[1].ok and records[1].error.startswith("HTTP 400")
     assert records[2].ok and seen[2]["prompt"] == [7, 8]
     assert all(b["stream"] and b["ignore_eos"] and b["stream_options"] == {"include_usage": True} for b in seen)
-    assert {b["max_tokens"] for b in seen} == {5}
+    assert {b["max_tokens"] for b in seen} == {5} and {b["tpot_slo_s"] for b in seen} == {0.1}
 
 
 def test_serving_figures_are_written_beside_the_json(tmp_path: Path) -> None:
@@ -193,3 +194,16 @@ def test_a_load_sweep_needs_the_burst_that_measures_capacity() -> None:
         parse_args(["--load", "1", "--streams", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--load", "1", "--trace", "t.jsonl"])
+
+
+def test_admission_sends_the_slos_with_each_request_and_needs_a_load_and_an_slo() -> None:
+    from bench.bench_serving import parse_args, slo_fields
+    from bench.serving_core import Slo
+
+    assert slo_fields(Slo(2000, 150)) == {"ttft_slo_s": 2.0, "tpot_slo_s": 0.15}
+    assert slo_fields(Slo(None, 150)) == {"tpot_slo_s": 0.15}
+    assert parse_args(["--load", "1", "--slo-tpot-ms", "100", "--admission"]).admission
+    with pytest.raises(SystemExit):
+        parse_args(["--load", "1", "--admission"])  # no SLO to admit against
+    with pytest.raises(SystemExit):
+        parse_args(["--slo-ttft-ms", "100", "--admission"])  # no load sweep
