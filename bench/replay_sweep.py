@@ -1,7 +1,7 @@
 """The Mooncake trace replayed at several loads against each scheduling policy: does each one pay under load?
 
     python -m bench.replay_sweep [--loads 0.5,1,2,4] [--slo-s 5] [--requests N] [--capacity REQ_S]
-                                 [--arms full,cache-off,...] [bench_replay's workload options]
+                                 [--arms full,cache-off,...] [--repeats N] [bench_replay's workload options]
 
 Load is relative to the mesh's measured capacity: first the whole workload is sent at once to the mesh without
 its cache and without admission control, and the requests it completes per second are 1x (or give it, from an
@@ -22,8 +22,10 @@ Per arm and load it prints the hit rate by tier over the reusable fraction (KV b
 target's measure), and of what the answered requests could reuse ("servable": a refused request computes nothing
 for its conversation's later turns to hit) — TTFT p50/p99 of the
 admitted requests, refusals, admitted requests over the SLO, and goodput: requests answered within the SLO per
-second of the run. Then the issue's targets, each marked met or not. One run per point; a 2-core machine's noise
-between identical runs is ~2x in TTFT p50 (bench/results), so single points are read with that in mind.
+second of the run. Then the issue's targets, each marked met or not. A 2-core machine's noise between identical
+runs is ~2x in TTFT p50 (bench/results): `--repeats N` runs every arm N times at each load (arms interleaved) and
+pools them — percentiles and hit rates over every request of every run, counts summed, goodput over the summed
+wall time, each run's goodput printed beside it.
 Figures (goodput, TTFT p50/p99 and hit rate against load, a line per arm) go beside the JSON.
 """
 
@@ -34,6 +36,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,6 +113,21 @@ def with_goodput(rows: list[dict[str, Any]], slo_s: float, reusable_kv: float,
     return s
 
 
+def pooled(runs: list[list[dict[str, Any]]], slo_s: float, reusable_kv: float,
+           servable_kv: list[float]) -> dict[str, Any]:
+    """One arm at one load over several runs of the same arrivals: percentiles and hit rates over every request of
+    every run, counts summed, per-second figures over the runs' summed wall time, and each run's goodput."""
+    if len(runs) == 1:
+        return with_goodput(runs[0], slo_s, reusable_kv, servable_kv[0])
+    s = with_goodput([r for rows in runs for r in rows], slo_s, reusable_kv, statistics.fmean(servable_kv))
+    each = [with_goodput(rows, slo_s, reusable_kv) for rows in runs]
+    wall = sum(e["wall_s"] for e in each)
+    s.update(wall_s=wall, req_s=s["ok"] / wall if wall else None, goodput_req_s=s["met_slo"] / wall if wall else None,
+             goodput_runs=[e["goodput_req_s"] for e in each], runs=len(runs),
+             goodput_ceiling_req_s=each[0]["goodput_ceiling_req_s"])
+    return s
+
+
 def targets(points: dict[str, dict[str, dict[str, Any]]], reusable_kv: float) -> list[tuple[str, bool | None]]:
     """The issue's targets at every load point: (what, met) with None where an arm needed was not run."""
     out: list[tuple[str, bool | None]] = []
@@ -166,9 +184,10 @@ def print_report(r: dict[str, Any]) -> None:
             rows.append([f"{load}x", name, str(a["ok"]), str(a["refused"]), str(a["admitted_over_slo"]),
                          pc(a["hit_rate"]), *(pc(a["hit_rate_by_tier"].get(t)) for t in TIERS),
                          f(a["hit_of_reusable"]), f(a.get("hit_of_servable")), f(a["ttft_p50_s"]), f(a["ttft_p99_s"]),
-                         f(a["goodput_req_s"], ".3f")])
+                         f(a["goodput_req_s"], ".3f"),
+                         "/".join(f(g, ".3f") for g in a.get("goodput_runs", [a["goodput_req_s"]]))])
     table(["load", "arm", "ok", "refused", "over SLO", "hit", *TIERS, "of reusable", "of servable", "TTFT p50 s",
-           "TTFT p99 s", "goodput/s"], rows)
+           "TTFT p99 s", "goodput/s", "each run"], rows)
     print("\ntargets:")
     for what, met in r["targets"]:
         print(f"  [{'met' if met else 'n/a' if met is None else 'NOT met'}] {what}")
@@ -185,6 +204,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--capacity", type=float, default=None, metavar="REQ_S",
                     help="1x in requests/s (default: measured first, the workload at once, cache and admission off)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"a subset of: {', '.join(ARMS)}")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every arm at every load, pooled (see pooled)")
     ap.add_argument("--out", type=Path, default=RESULTS / "replay-sweep.json", help="JSON report")
     return ap.parse_args(argv)
 
@@ -219,16 +239,17 @@ def main(argv: list[str] | None = None) -> None:
         r["capacity"] = cap
     r["command"] = (command_line(args).replace("bench.bench_replay", "bench.replay_sweep") +
                     f" --loads {args.loads} --slo-s {args.slo_s:g} --local-prefill {args.local_prefill} "
-                    f"--capacity {r['capacity_req_s']:.4f} --arms '{','.join(names)}'")
+                    f"--capacity {r['capacity_req_s']:.4f} --arms '{','.join(names)}' --repeats {args.repeats}")
     for load in loads:
         requests = at_rate(st.requests, float(load) * r["capacity_req_s"])
-        r["points"][load], r["rows"][load] = {}, {}
-        for name in names:
-            print(f"{load}x, {name} ...", file=sys.stderr)
-            rows = run_arm(settings, all_arms[name], requests, warm, args.timeout_s)
-            r["rows"][load][name] = rows
-            servable = servable_reusable(requests, rows, args.block_tokens)
-            r["points"][load][name] = with_goodput(rows, args.slo_s, reusable, servable)
+        r["points"][load], r["rows"][load] = {}, {name: [] for name in names}
+        for rep in range(args.repeats):  # arms interleaved, so a slow spell of the machine falls on all of them
+            for name in names:
+                print(f"{load}x, {name}, run {rep + 1} of {args.repeats} ...", file=sys.stderr)
+                r["rows"][load][name].append(run_arm(settings, all_arms[name], requests, warm, args.timeout_s))
+        for name, runs in r["rows"][load].items():
+            servable = [servable_reusable(requests, rows, args.block_tokens) for rows in runs]
+            r["points"][load][name] = pooled(runs, args.slo_s, reusable, servable)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(r, indent=2))  # after each load: a long sweep cut short keeps its points
     r["targets"] = targets(r["points"], reusable)

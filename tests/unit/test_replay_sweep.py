@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay_sweep import ARMS, arms_for, at_rate, servable_reusable, targets, with_goodput
+from bench.replay_sweep import ARMS, arms_for, at_rate, pooled, servable_reusable, targets, with_goodput
 from bench.trace import ScaledRequest
 
 
@@ -37,6 +37,19 @@ def test_goodput_counts_answers_within_the_slo_per_second_of_the_run() -> None:
     # 5 requests, the last arriving at 2.5 s: no policy answers more than 5 / 2.5 s within the SLO.
     arrived = [{**r, "arrival_s": 0.5 * i} for i, r in enumerate(rows, start=1)]
     assert with_goodput(arrived, slo_s=5.0, reusable_kv=0.625)["goodput_ceiling_req_s"] == pytest.approx(2.0)
+
+
+def test_repeated_runs_pool_their_requests_and_sum_their_wall_times() -> None:
+    first = [{**row(1.0), "arrival_s": 1.0}, {**row(6.0, finished_s=8.0), "arrival_s": 2.0}]  # 10 s wall: 1 met
+    second = [{**row(2.0, finished_s=12.0), "arrival_s": 1.0}, {**row(3.0, finished_s=4.0), "arrival_s": 2.0}]
+    s = pooled([first, second], slo_s=5.0, reusable_kv=0.625, servable_kv=[0.5, 0.7])
+    assert (s["ok"], s["met_slo"], s["admitted_over_slo"], s["runs"]) == (4, 3, 1, 2)
+    assert s["wall_s"] == pytest.approx(22.0) and s["goodput_req_s"] == pytest.approx(3 / 22)
+    assert s["goodput_runs"] == [pytest.approx(1 / 10), pytest.approx(2 / 12)]
+    assert (s["ttft_p50_s"], s["ttft_p99_s"]) == (2.0, 6.0)  # over all four requests: 1, 2, 3, 6 s
+    assert s["hit_of_servable"] == pytest.approx(0.5 / 0.6)
+    assert s["goodput_ceiling_req_s"] == pytest.approx(1.0)  # one run's: 2 requests by 2 s
+    assert pooled([first], 5.0, 0.625, [0.5]) == with_goodput(first, 5.0, 0.625, 0.5)
 
 
 def test_servable_reuse_counts_only_prefixes_an_answered_request_computed() -> None:
