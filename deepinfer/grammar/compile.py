@@ -74,9 +74,9 @@ def compile_grammar(spec: ConstraintSpec, vocab: GrammarVocab, *,
     mask is computed here too, so its one-off cost (lexer states for the start) is paid off the step loop and
     counted in `compile_s`.
     """
+    t0 = time.perf_counter()
     digest = spec.digest()
     grammar = grammar_text(spec)
-    t0 = time.perf_counter()
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocab.llg, limits=limits)
     if failed:
         raise GrammarError(messages[0] if messages else "the grammar is invalid")
