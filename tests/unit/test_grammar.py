@@ -434,13 +434,16 @@ def test_a_grammar_mask_on_logits_leaves_only_allowed_tokens(cache, tokenizer, v
     assert all("yes".startswith(tokenizer.decode([t])) or "no".startswith(tokenizer.decode([t])) for t in finite)
 
 
-def test_a_padded_vocabulary_never_allows_the_padding(tokenizer):
+def test_a_padded_vocabulary_never_allows_the_padding_nor_control_tokens(tokenizer):
     padded = grammar_vocab(tokenizer, n_vocab=tokenizer.vocab_size + 45)
     assert grammar_vocab(tokenizer, n_vocab=tokenizer.vocab_size + 45) is padded
     assert padded.mask_words == (tokenizer.vocab_size + 45 + 31) // 32
     c = Constraint(GrammarCache(padded).compile(ConstraintSpec.regex("(?s:.{0,20})")))
     ok = allowed(mask_of(c), padded.n_vocab)
     assert ok[: tokenizer.vocab_size].sum() > 40000 and not ok[tokenizer.vocab_size:].any()
+    # Control tokens are not text: "any 0-20 characters" allows none of them, but EOS (the output may end here).
+    assert not ok[tokenizer.token_to_id("<|im_start|>")] and not ok[tokenizer.token_to_id("<|endoftext|>")]
+    assert ok[list(padded.eos_token_ids)].all()
     assert not c.accept(tokenizer.vocab_size + 3)
     with pytest.raises(ValueError):
         grammar_vocab(tokenizer, n_vocab=tokenizer.vocab_size - 1)
