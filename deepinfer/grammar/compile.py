@@ -125,7 +125,10 @@ class GrammarCache:
             return len(self._entries)
 
     def __contains__(self, spec: ConstraintSpec) -> bool:
-        digest = spec.digest()
+        try:
+            digest = spec.digest()
+        except GrammarError:  # a schema that is not JSON is never an entry
+            return False
         with self._lock:
             return digest in self._entries
 

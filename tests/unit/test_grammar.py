@@ -259,6 +259,7 @@ def test_a_failed_compile_is_cached_as_a_refusal(vocab):
         with pytest.raises(GrammarError, match="unclosed group"):
             cache.compile(bad)
     assert (cache.misses, cache.hits) == (1, 1)
+    assert bad in cache and ConstraintSpec("json_schema", "{") not in cache
 
 
 def test_a_compile_past_its_time_bound_is_a_grammar_error(vocab):
