@@ -65,6 +65,7 @@ from deepinfer.engine.sampler import Sampler, token_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from deepinfer.engine.speculative.speculator import Speculator, build_proposer
 from deepinfer.engine.speculative.verify import VerifyGroup, VerifyResult, verify
+from deepinfer.engine.structured import StepMasks, StructuredOutput
 from deepinfer.kernels.amx import allow_amx
 from deepinfer.loading.identity import cache_namespace
 from deepinfer.loading.weights import LoadedModel
@@ -159,6 +160,7 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
             proposer = build_proposer(self.config, model, self.runner.kv)
             self.speculator = Speculator(self.config, proposer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else self.model_config.eos_token_ids
+        self.structured = StructuredOutput(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._generators: dict[str, torch.Generator | None] = {}
         # Per request: the detokenizer and the text it has released so far.
         self._texts: dict[str, tuple[IncrementalDetokenizer, list[str]]] = {}
@@ -197,9 +199,11 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
             prompt_ids = list(prompt)
         resumed = list(resume_output_ids)
         self._validate(prompt_ids, params, resumed)
+        constraint = self.structured.constraint_for(params, resumed)
         req = Request(request_id, prompt_ids, params, priority=priority, eos_token_ids=self.eos_token_ids,
                       prefill_only=prefill_only, hasher=self.prefix_cache.new_hasher(cache_salt), tenant=cache_salt)
         req.output_token_ids.extend(resumed)
+        req.constraint = constraint
         self._track(req)
         self.scheduler.add(req)
         return request_id
@@ -292,13 +296,15 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
                 self._swap(sched)
             if spec is not None:
                 spec.draft(sched)
+            masking = self.structured.start_masks(sched.chunks)  # on its own thread, beside the forward
             started = time.perf_counter()
             sampled, logits, prompt_rows = self._forward(sched)
+            masks = masking.result() if masking is not None else {}
             # The model returns inference tensors, which the sampler's penalties update in place.
             with torch.inference_mode():
                 for part in prompt_rows:
                     self._collect_prompt_logprobs(part)
-                results = verify(self.sampler, logits, [self._verify_group(c) for c in sampled])
+                results = verify(self.sampler, logits, [self._verify_group(c, masks) for c in sampled])
             elapsed = time.perf_counter() - started
             if spec is not None:
                 spec.record_step(sched.num_batched_tokens, elapsed)
@@ -422,11 +428,12 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
         if start + 1 + m >= len(req.prompt_token_ids):
             req.prompt_logprobs_done = True
 
-    def _verify_group(self, chunk: ScheduledChunk) -> VerifyGroup:
+    def _verify_group(self, chunk: ScheduledChunk, masks: StepMasks) -> VerifyGroup:
         r = chunk.request
         probs = self.speculator.draft_probs(chunk) if self.speculator is not None else None
+        rows, num_masked = masks.get(r.request_id, (None, 0))
         return VerifyGroup(r.params, r.prompt_token_ids, r.output_token_ids, self._generators[r.request_id],
-                           chunk.draft_token_ids, probs)
+                           chunk.draft_token_ids, probs, rows, num_masked)
 
     def _commit(self, chunk: ScheduledChunk, result: VerifyResult) -> tuple[list[int], FinishReason | None]:
         """Append the verified run to the request, token by token, stopping at the first stop; set the

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from deepinfer.engine.model_runner import ModelRunner
     from deepinfer.engine.prefix_cache import DevicePrefixCache
     from deepinfer.engine.scheduler import Scheduler
+    from deepinfer.engine.structured import StructuredOutput
 
 log = structlog.get_logger("deepinfer.engine")
 
@@ -57,6 +58,7 @@ class HandoffMixin:
     prefix_cache: DevicePrefixCache
     reservations: Reservations
     stats: EngineStats
+    structured: StructuredOutput
     _clock: Callable[[], float]
     _pending: list[RequestOutput]
 
@@ -150,6 +152,7 @@ class HandoffMixin:
             raise InvalidRequestError(f"first token {first_token!r} is outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and (first_logprob is None or first_logprob.token_id != first_token):
             raise HandoffError("params ask for logprobs: first_logprob must be given, for the first token")
+        constraint = self.structured.constraint_for(params, resumed)  # the first token is checked as it commits
         num_kv = len(prompt_ids) + len(resumed)
         check_kv(kv, self.kv_spec, num_kv)
         bs = self.config.block_size
@@ -190,6 +193,7 @@ class HandoffMixin:
         req.block_ids = blocks[:keep]
         req.num_computed_tokens = num_kv
         req.output_token_ids.extend(resumed)
+        req.constraint = constraint
         self._track(req)
         req.output_token_ids.append(first_token)
         if params.logprobs is not None and first_logprob is not None:

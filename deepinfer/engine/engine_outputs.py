@@ -21,6 +21,7 @@ from deepinfer.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from deepinfer.config.engine import EngineConfig
+    from deepinfer.engine.structured import StructuredOutput
     from deepinfer.text.tokenizer import Tokenizer
 
 class OutputsMixin:
@@ -30,6 +31,7 @@ class OutputsMixin:
     config: EngineConfig
     tokenizer: Tokenizer | None
     max_model_len: int
+    structured: StructuredOutput
     _generators: dict[str, torch.Generator | None]
     _texts: dict[str, tuple[IncrementalDetokenizer, list[str]]]  # the detokenizer, the text it released
 
@@ -55,7 +57,7 @@ class OutputsMixin:
             return FinishReason.STOP
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
-        return None
+        return self.structured.after_token(req, token)
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         handoff = req.status == RequestStatus.HELD

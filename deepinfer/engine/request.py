@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.cache.hashing import BlockHash, ChainHasher
+from deepinfer.grammar import Constraint, ConstraintSpec
 
 
 class InvalidRequestError(ValueError):
@@ -67,8 +68,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: the output must match this (JSON schema, any JSON object, regex or grammar); each
+    # token is picked among those the constraint allows, and the request stops when the match is complete.
+    constraint: ConstraintSpec | None = None
 
     MAX_LOGPROBS = 20
+    MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex or grammar's text
     MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
     MAX_BIAS = 100.0
     MAX_STOP_STRINGS = 16  # each is searched for after every token: their number and length are bounded
@@ -121,6 +126,12 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop token id {t!r} is outside the vocabulary")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, ConstraintSpec):
+                raise InvalidRequestError("constraint must be a ConstraintSpec")
+            if len(self.constraint.text) > self.MAX_CONSTRAINT_CHARS:
+                raise InvalidRequestError(f"a constraint's text may have at most {self.MAX_CONSTRAINT_CHARS} "
+                                          f"characters (got {len(self.constraint.text)})")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -206,6 +217,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     seq_no: int = field(default_factory=lambda: next(_request_counter))
+    # params.constraint's state over this request's output (deepinfer.grammar.Constraint), set by the engine.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.request import Logprob, SamplingParams
+from deepinfer.grammar import apply_bitmask_
 
 _NEG_INF = float("-inf")
 # Lower bound for the exponential noise: a draw of exactly 0 would turn a masked token's 0 / 0 into
@@ -67,6 +68,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
+    # An output constraint's allowed tokens at this position (deepinfer.grammar's int32 bitmask row), or
+    # None: every token. Applied last, after bias and penalties, so nothing can bring a forbidden token back.
+    mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # Falling back to the global RNG would silently break the seed's reproducibility promise.
@@ -109,7 +113,7 @@ class Sampler:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {n} rows")
         if n == 0:
             return []
-        if all(_is_plain_greedy(row.params) for row in rows):
+        if all(_is_plain_greedy(row.params) and row.mask is None for row in rows):
             # Fast path, taken every decode step of a greedy batch: one kernel and one sync.
             return [(token, None) for token in first_max(logits).tolist()]
 
@@ -158,6 +162,12 @@ class Sampler:
         penalised = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
         if penalised:
             _apply_penalties(logits, [rows[i] for i in penalised], penalised)
+        masked = [i for i, row in enumerate(rows) if row.mask is not None]
+        if masked:
+            bitmask = torch.empty((len(rows), rows[masked[0]].mask.shape[-1]), dtype=torch.int32)  # type: ignore[union-attr]
+            for i in masked:
+                bitmask[i] = rows[i].mask
+            apply_bitmask_(logits, bitmask, masked)
         return logits
 
     def probs(self, penalised: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

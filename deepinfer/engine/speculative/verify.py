@@ -19,8 +19,9 @@ exactly those of plain decoding at that position.
   p_k. The committed tokens are distributed exactly as the target's; the draws come from the row's
   seeded streams (ACCEPT and RESIDUAL purposes), so a seeded request repeats itself for the same drafts.
 
-Every row's logits get the request's logit_bias and penalties first, exactly as in plain decoding, so
-greedy output with speculation equals output without it. Logprobs of committed tokens are the target's
+Every row's logits get the request's logit_bias, penalties and output constraint's mask first, exactly as in
+plain decoding, so greedy output with speculation equals output without it (a draft the constraint forbids is
+never accepted: its row's masked pick, or p(d) = 0, rejects it). Logprobs of committed tokens are the target's
 raw log-softmax (before bias, penalties, temperature and filters), as plain decoding reports them.
 """
 
@@ -46,11 +47,16 @@ class VerifyGroup:
     generator: torch.Generator | None
     draft_token_ids: Sequence[int] = ()
     draft_probs: torch.Tensor | None = None  # [k, vocab], None for a point-mass proposal
+    # An output constraint's bitmask rows: row j allows the tokens after drafts[:j]; rows past the first draft
+    # the constraint forbids are not needed (that draft is rejected: its row's pick or p(d) never allows it).
+    masks: torch.Tensor | None = None
+    num_masked: int = 0  # rows of `masks` that were written
 
     def rows(self) -> list[SamplingRow]:
         out = list(self.output_token_ids)
         drafts = list(self.draft_token_ids)
-        return [SamplingRow(self.params, self.prompt_token_ids, out + drafts[:j], self.generator)
+        return [SamplingRow(self.params, self.prompt_token_ids, out + drafts[:j], self.generator,
+                            self.masks[j] if self.masks is not None and j < self.num_masked else None)
                 for j in range(len(drafts) + 1)]
 
 
