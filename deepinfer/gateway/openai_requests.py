@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from deepinfer.engine.request import InvalidRequestError, SamplingParams
 from deepinfer.gateway.errors import ApiError, invalid, model_not_found
+from deepinfer.gateway.response_format import response_format_params
 from deepinfer.protocol.client import logit_bias_pairs
 
 MAX_N = 128  # samples per prompt
@@ -362,10 +363,6 @@ def _check_chat_unsupported(body: Mapping[str, Any]) -> None:
     for key in ("tool_choice", "function_call"):
         if body.get(key) not in (None, "none", "auto"):
             raise _unsupported(key, "tool calling is not offered")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
-        raise _unsupported("response_format", f"only {{'type': 'text'}}, got {kind!r}")
 
 
 def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
@@ -389,7 +386,7 @@ def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
     if max_tokens is None:  # the rest of the context, as OpenAI does
         used = ctx.count_chat_tokens(messages) if ctx.count_chat_tokens is not None else 0
         max_tokens = max(1, ctx.max_model_len - used)
-    params = _sampling(body, max_tokens)
+    params = _sampling(body, max_tokens) | response_format_params(body.get("response_format"))
     logprobs = (top or 0) if want_logprobs else None
     if logprobs is not None:
         params["logprobs"] = logprobs

@@ -139,6 +139,9 @@ def _mesh_endpoint(endpoint: str | None, model: str, options: dict[str, Any]) ->
               help="One prompt per line; all are submitted at once.")
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt per line, in input order.")
+@click.option("--json-schema", "json_schema", type=click.File("r"), default=None,
+              help="Structured output: every answer is JSON valid against the schema in this file.")
+@click.option("--regex", default=None, help="Structured output: every answer matches this regular expression.")
 @wait_option
 def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
              threads: int | None, ep: int, weights: str | None, kv_cache_dtype: str | None,
@@ -146,7 +149,7 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
              prompts: tuple[str, ...], prompts_file, chat: bool, max_tokens: int,
              temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
              stop: tuple[str, ...], endpoint: str | None, api_key: str | None, keys_dir: Path | None, client_key: str,
-             as_json: bool, wait_s: float) -> None:
+             as_json: bool, json_schema, regex: str | None, wait_s: float) -> None:
     """Generate completions through the mesh (a running one, or an embedded one)."""
     from deepinfer.protocol.client import MeshError
 
@@ -159,6 +162,15 @@ def generate(model: str, kv_cache_mb: int, block_size: int, max_num_seqs: int, m
     if not texts:
         raise click.UsageError("give --prompt TEXT or --prompts-file FILE")
     params = sampling_params(max_tokens, temperature, top_p, top_k, min_p, seed, stop)
+    if json_schema is not None and regex is not None:
+        raise click.UsageError("give at most one of --json-schema and --regex")
+    if json_schema is not None:
+        try:
+            params["json_schema"] = json.load(json_schema)
+        except json.JSONDecodeError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--json-schema") from None
+    elif regex is not None:
+        params["regex"] = regex
     specs = [dict(messages=[{"role": "user", "content": t}]) if chat else dict(prompt=t) for t in texts]
     options = mesh_options(threads, kv_cache_mb, block_size, max_num_seqs, max_num_batched_tokens, speculative,
                            num_speculative_tokens, no_adaptive_speculation, weights, kv_cache_dtype)

@@ -11,6 +11,7 @@ too many token ids) or `InvalidRequestError` (a value the wire cannot carry: an 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any
@@ -31,10 +32,15 @@ def build_request(request_id: str, prompt: str | None, messages: list[dict[str, 
     """The GenerateRequest for these arguments; `params` are SamplingParamsWire's fields. `logit_bias` may be a
     mapping {token id: bias} (int keys, or str keys of digits as in OpenAI's JSON) or (token id, bias) pairs;
     it goes on the wire as pairs. `params` may also hold `ttft_slo_s` and `tpot_slo_s` (the request's
-    time-to-first-token and time-per-output-token SLOs).
+    time-to-first-token and time-per-output-token SLOs), and structured output as one of `json_schema` (a
+    mapping or its JSON text; `strict`, default True), `json_object=True`, `regex` or `grammar` (Lark) — or a
+    `constraint` ConstraintWire.
     Values are range-checked by the router, not here."""
     params = dict(params)
     ttft_slo_s, tpot_slo_s = params.pop("ttft_slo_s", None), params.pop("tpot_slo_s", None)
+    constraint = constraint_of(params)
+    if constraint is not None:
+        params["constraint"] = constraint
     unknown = set(params) - _PARAM_NAMES
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
@@ -46,6 +52,29 @@ def build_request(request_id: str, prompt: str | None, messages: list[dict[str, 
         params = {k: v for k, v in params.items() if k != "logit_bias"}
     return m.GenerateRequest(request_id, prompt, messages, prompt_token_ids, m.SamplingParamsWire(**params),
                              stream, priority, api_key, timeout_s, ttft_slo_s, tpot_slo_s)
+
+
+CONSTRAINT_KEYS = ("json_schema", "json_object", "regex", "grammar")
+
+
+def constraint_of(params: dict[str, Any]) -> m.ConstraintWire | None:
+    """Take the structured-output keys out of `params` (`build_request`): the ConstraintWire they ask for."""
+    strict = params.pop("strict", True)
+    given = {k: params.pop(k) for k in CONSTRAINT_KEYS if params.get(k) not in (None, False)}
+    for k in CONSTRAINT_KEYS:
+        params.pop(k, None)
+    if len(given) + ("constraint" in params and params["constraint"] is not None) > 1:
+        raise ValueError(f"give at most one of {', '.join(CONSTRAINT_KEYS)} or constraint")
+    if not given:
+        return None
+    [(kind, value)] = given.items()
+    if kind == "json_object":
+        return m.ConstraintWire("json_object")
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str):
+        raise TypeError(f"{kind} must be a string, got {type(value).__name__}")
+    return m.ConstraintWire(kind, value, bool(strict))
 
 
 def logit_bias_pairs(bias: Mapping[int | str, float] | Iterable[tuple[int, float]]) -> list[tuple[int, float]]:

@@ -28,7 +28,8 @@ request by its id instead of dropping the connection it came on), graceful drain
 ServiceQuery, ServiceStatus and Shutdown.timeout_s), and the namespace of CacheLookup and CacheFetch; 10 added
 a client's readiness question (MeshQuery, MeshStatus); 13 added stream resumption across a lost router connection
 (ResumeRequest, Resumed) and ServiceStatus's restarts, load and cached blocks (the `status` command); 15 added
-TPOT SLOs (GenerateRequest.tpot_slo_s, Heartbeat.tpot_by_batch).
+TPOT SLOs (GenerateRequest.tpot_slo_s, Heartbeat.tpot_by_batch); 16 structured output
+(SamplingParamsWire.constraint).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ __all__ = [
     "CachePrefetch",
     "CacheStore",
     "CacheStoreAck",
+    "ConstraintWire",
     "DetokenizeBatch",
     "DetokenizeItem",
     "DrainService",
@@ -94,7 +96,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 15  # 13: ResumeRequest, Resumed; 14: HeldRequests, Reclaim, client_key; 15: TPOT SLOs
+PROTOCOL_VERSION = 16  # 14: HeldRequests, Reclaim, client_key; 15: TPOT SLOs; 16: structured output
 MAX_FETCH_BLOCKS = 192  # blocks per CacheBlocks reply: one frame each, inside Limits.max_frames
 
 # Mirrors deepinfer.engine.request.FinishReason values. Engine failures end a request with ErrorReply
@@ -118,6 +120,17 @@ ErrorCode = Literal[
 
 
 @record
+class ConstraintWire:
+    """Structured output (deepinfer.grammar.ConstraintSpec's twin): the output must match `text` as `kind` says —
+    a JSON schema (`strict`: every keyword enforced, else unenforceable ones ignored), any JSON object (no text),
+    a regular expression, or a Lark grammar."""
+
+    kind: Literal["json_schema", "json_object", "regex", "grammar"]
+    text: str = ""
+    strict: bool = True
+
+
+@record
 class SamplingParamsWire:
     """Wire twin of engine.request.SamplingParams: same names and defaults; services convert.
     Values are type-checked here and range-checked by SamplingParams.validate() at the router (token ids
@@ -128,7 +141,9 @@ class SamplingParamsWire:
     `logit_bias` (OpenAI's): (token id, bias) pairs, the bias added to that token's logit before sampling;
     a list of pairs because the codec admits only str map keys (clients may pass a {token id: bias} mapping
     to `build_request`, which turns it into pairs). Each token id at most once, biases finite in [-100, 100],
-    at most MAX_LOGIT_BIAS (300) pairs."""
+    at most MAX_LOGIT_BIAS (300) pairs. `constraint`: structured output (ConstraintWire); a text of at most
+    MAX_CONSTRAINT_CHARS (64 Ki) characters, compiled by the worker (one that cannot compile is "invalid_request",
+    with the reason)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -145,6 +160,7 @@ class SamplingParamsWire:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    constraint: ConstraintWire | None = None
 
 
 @record

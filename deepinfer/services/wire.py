@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from deepinfer.engine.request import InvalidRequestError, Logprob, SamplingParams
-from deepinfer.protocol.messages import LogprobWire, SamplingParamsWire
+from deepinfer.grammar import ConstraintSpec, GrammarError
+from deepinfer.protocol.messages import ConstraintWire, LogprobWire, SamplingParamsWire
 
 
 def to_engine_params(wire: SamplingParamsWire) -> SamplingParams:
@@ -19,6 +20,11 @@ def to_engine_params(wire: SamplingParamsWire) -> SamplingParams:
             raise InvalidRequestError(f"logit_bias names token id {token_id} more than once")
         bias[token_id] = value
     values["logit_bias"] = bias
+    c = wire.constraint
+    try:
+        values["constraint"] = None if c is None else ConstraintSpec(c.kind, c.text, c.strict)
+    except GrammarError as exc:
+        raise InvalidRequestError(f"invalid constraint: {exc.reason}") from None
     return SamplingParams(**values)
 
 
@@ -27,6 +33,8 @@ def to_wire_params(params: SamplingParams) -> SamplingParamsWire:
     values = {f.name: getattr(params, f.name) for f in dataclasses.fields(SamplingParamsWire)}
     values["stop_token_ids"], values["stop"] = list(params.stop_token_ids), list(params.stop)
     values["logit_bias"] = sorted((int(t), float(b)) for t, b in params.logit_bias.items())
+    c = params.constraint
+    values["constraint"] = None if c is None else ConstraintWire(c.kind, c.text, c.strict)
     return SamplingParamsWire(**values)
 
 

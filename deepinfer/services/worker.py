@@ -416,7 +416,22 @@ class WorkerService(Service):
 
         self._thread.call(fn).add_done_callback(done)
 
+    async def _compile_ahead(self, params: m.SamplingParamsWire) -> None:
+        """A constrained request's grammar compiled into the engine's cache here, off the step loop, before the
+        request reaches the engine thread (which then finds it compiled, or its error, at once). Awaited in
+        order with the other actions: bounded by the cache's compile timeout, milliseconds for common schemas."""
+        if params.constraint is None:
+            return
+        engine = self.group.local if self.group is not None else self.engine
+        try:
+            spec = to_engine_params(params).constraint
+            assert spec is not None
+            await asyncio.wrap_future(engine.structured.compile_ahead(spec))
+        except Exception:  # the engine's add raises it again, as invalid_request with the reason
+            pass
+
     async def _add_job(self, action: AddJob) -> None:
+        await self._compile_ahead(action.job.params)
         if self.cache is None:
             self.spawn(self._added(action.job, self._queue_add(action, None)), "AddJob")
         elif self.stage is None:
@@ -533,6 +548,7 @@ class WorkerService(Service):
     async def _install(self, action: Install) -> None:
         assert self._thread is not None
         t = action.transfer
+        await self._compile_ahead(t.params)
         installed = self._thread.call(lambda: self.engine.add_prefilled_request(
             t.request_id, action.prompt, t.first_token, to_engine_params(t.params), t.kv,
             reservation_id=t.lease_id, priority=t.priority, first_logprob=from_wire_logprob(t.first_logprob),

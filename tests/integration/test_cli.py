@@ -49,6 +49,25 @@ def test_generate_json_from_prompts_file_in_input_order(smollm2_path, tmp_path):
     assert result["usage"]["spec_proposed_tokens"] >= result["usage"]["spec_accepted_tokens"] >= 0
 
 
+def test_generate_with_a_json_schema_answers_valid_json(smollm2_path, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    out = launch("generate", "--model", str(smollm2_path), "--prompt", "What is the capital of France? Answer in JSON.",
+                 "--chat", "--json", "--json-schema", str(f), "--max-tokens", "32", "--threads", "2")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip())
+    assert result["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(result["text"]), schema)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    refused = launch("generate", "--model", str(smollm2_path), "--prompt", "x", "--json-schema", str(bad))
+    assert refused.returncode != 0 and "not JSON" in refused.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
