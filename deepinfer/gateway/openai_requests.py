@@ -26,6 +26,7 @@ from typing import Any, Literal
 from deepinfer.engine.request import InvalidRequestError, SamplingParams
 from deepinfer.gateway.errors import ApiError, invalid, model_not_found
 from deepinfer.gateway.response_format import response_format_params
+from deepinfer.gateway.tools import ToolPlan, constraint_params, parse_tools, render_call_turn, with_tools
 from deepinfer.protocol.client import logit_bias_pairs
 
 MAX_N = 128  # samples per prompt
@@ -86,6 +87,7 @@ class GenerationPlan:
     logprobs: int | None = None
     evaluate_only: bool = False  # max_tokens 0: the one generated token is dropped from the answer
     echo_texts: tuple[str | None, ...] = field(default=())  # per prompt: its text (None: decode its ids)
+    tools: ToolPlan | None = None  # chat with tools: answers may be tool calls (gateway.tools)
 
     def prompt_index(self, choice: int) -> int:
         return choice // self.n
@@ -350,19 +352,20 @@ def chat_messages(v: Any) -> list[dict[str, str]]:
     for i, msg in enumerate(v):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             raise invalid(f"messages[{i}] must be an object with a role", "messages")
-        if msg.get("tool_calls") or msg["role"] in ("tool", "function"):
-            raise _unsupported("tool calls", f"messages[{i}] carries one")
+        if msg["role"] == "function":
+            raise _unsupported("function messages", f"messages[{i}]: use tools and role tool")
+        if msg.get("tool_calls"):  # tools: an earlier call, in the calling convention the model is told
+            out.append(render_call_turn(msg, f"messages[{i}]"))
+            continue
         out.append({"role": msg["role"], "content": _content(msg.get("content"), f"messages[{i}]")})
     return out
 
 
 def _check_chat_unsupported(body: Mapping[str, Any]) -> None:
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise _unsupported(key, "tool calling is not offered")
-    for key in ("tool_choice", "function_call"):
-        if body.get(key) not in (None, "none", "auto"):
-            raise _unsupported(key, "tool calling is not offered")
+    if body.get("functions"):
+        raise _unsupported("functions", "use tools")
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise _unsupported("function_call", "use tool_choice")
 
 
 def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
@@ -370,9 +373,12 @@ def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
     model = _check_model(body, ctx)
     if "messages" not in body:
         raise invalid("you must provide messages", "messages")
-    messages = chat_messages(body["messages"])
-    check_prompt_chars(sum(len(msg["content"]) for msg in messages), ctx, "messages")
     _check_chat_unsupported(body)
+    tools = parse_tools(body)
+    messages = chat_messages(body["messages"])
+    if tools is not None:
+        messages = with_tools(messages, tools)
+    check_prompt_chars(sum(len(msg["content"]) for msg in messages), ctx, "messages")
     n = _int(body, "n", 1, 1, MAX_N)
     assert n is not None
     _check_sequences(1, n, ctx)
@@ -387,11 +393,14 @@ def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
         used = ctx.count_chat_tokens(messages) if ctx.count_chat_tokens is not None else 0
         max_tokens = max(1, ctx.max_model_len - used)
     params = _sampling(body, max_tokens) | response_format_params(body.get("response_format"))
+    if tools is not None:
+        params |= constraint_params(tools)
     logprobs = (top or 0) if want_logprobs else None
     if logprobs is not None:
         params["logprobs"] = logprobs
     requests = tuple(MeshRequest(sample, messages=messages) for sample in _samples(params, n))
-    return GenerationPlan("chat", model, requests, n, stream, _stream_options(body, stream), logprobs=logprobs)
+    return GenerationPlan("chat", model, requests, n, stream, _stream_options(body, stream), logprobs=logprobs,
+                          tools=tools)
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------------------

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from deepinfer.gateway.openai_requests import GenerationPlan
+from deepinfer.gateway.tools import may_be_a_call, tool_calls
 from deepinfer.protocol import messages as m
 
 Decode = Callable[[int], str]  # one token id → its text
@@ -148,6 +149,10 @@ def _offsets(tokens: Sequence[str]) -> list[int]:
 
 def chat_choice(plan: GenerationPlan, choice: int, fin: m.RequestFinished, decode: Decode) -> dict[str, Any]:
     logprobs = None if plan.logprobs is None else chat_logprobs(fin.logprobs or [], decode, plan.logprobs)
+    calls = tool_calls(fin.text, plan.tools) if plan.tools is not None else None
+    if calls:
+        return {"index": choice, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                "logprobs": logprobs, "finish_reason": "tool_calls"}
     return {"index": choice, "message": {"role": "assistant", "content": fin.text}, "logprobs": logprobs,
             "finish_reason": finish_reason(fin, plan)}
 
@@ -177,6 +182,9 @@ class ChoiceStream:
         self.decode, self.decode_all = decode, decode_all
         self._started = False  # the first chunk (chat: the role; completions with echo: the prompt) went out
         self._logprobs = CompletionLogprobs(decode, plan.logprobs or 0)
+        # With tools: the text held back while it may still be a tool call, and whether it was let go as text.
+        self._held: list[str] = []
+        self._text = plan.tools is None
 
     def _chunk(self, payload: dict[str, Any]) -> dict[str, Any]:
         kind = "text_completion" if self.plan.kind == "completion" else "chat.completion.chunk"
@@ -209,12 +217,27 @@ class ChoiceStream:
             return chunks
         if self.plan.kind == "chat":
             logprobs = None if self.plan.logprobs is None else chat_logprobs(lps, self.decode, self.plan.logprobs)
-            return [*chunks, self._chunk({"delta": {"content": delta.text}, "logprobs": logprobs})]
+            text = delta.text
+            if not self._text:
+                self._held.append(text)
+                if may_be_a_call("".join(self._held)):
+                    return chunks
+                self._text, text, self._held = True, "".join(self._held), []
+            return [*chunks, self._chunk({"delta": {"content": text}, "logprobs": logprobs})]
         logprobs = None if self.plan.logprobs is None else self._logprobs.part(lps, ids)
         return [*chunks, self._chunk({"text": delta.text, "logprobs": logprobs})]
 
     def on_finished(self, fin: m.RequestFinished) -> list[dict[str, Any]]:
         chunks = self._start(fin)
+        if not self._text:  # held to the end: a call, or text that looked like one
+            assert self.plan.tools is not None
+            calls = tool_calls(fin.text, self.plan.tools)
+            if calls:
+                chunks += [self._chunk({"delta": {"tool_calls": [{"index": j, **call}]}})
+                           for j, call in enumerate(calls)]
+                return [*chunks, self._chunk({"delta": {}, "finish_reason": "tool_calls"})]
+            if self._held:
+                chunks.append(self._chunk({"delta": {"content": "".join(self._held)}}))
         last = {"delta": {}} if self.plan.kind == "chat" else {"text": ""}
         return [*chunks, self._chunk({**last, "finish_reason": finish_reason(fin, self.plan)})]
 

@@ -166,7 +166,7 @@ def test_errors_reach_the_sdk_as_its_exception_types(sdk, served):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         sdk.completions.create(model=MODEL, prompt="hi", temperature=-1)
     with pytest.raises(openai.BadRequestError, match="response_format"):
-        sdk.chat.completions.create(model=MODEL, messages=QUESTION, response_format={"type": "json_object"})
+        sdk.chat.completions.create(model=MODEL, messages=QUESTION, response_format={"type": "yaml"})
     with pytest.raises(openai.BadRequestError, match="context"):
         sdk.completions.create(model=MODEL, prompt="x " * 9000, max_tokens=2)
     r = httpx.post(served[1].url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
@@ -324,3 +324,45 @@ def test_a_schema_the_grammar_engine_refuses_is_a_400_with_its_reason(sdk, zmq_c
         sdk.chat.completions.create(model=MODEL, messages=DESCRIBE, response_format={"type": "yaml"}, max_tokens=8)
     # Beside them an innocent request is served as ever.
     assert zmq_client.generate(messages=QUESTION, max_tokens=4).token_ids
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone.",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 24}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def test_named_and_required_tool_choices_always_call_and_a_streamed_call_assembles(sdk):
+    named = sdk.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER_TOOL, TIME_TOOL],
+                                        tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                        max_tokens=64, temperature=0)
+    [call] = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+    assert set(json.loads(call.function.arguments)) == {"timezone"}
+    required = sdk.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                                           temperature=0.7, seed=3)
+    [call] = required.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    # Streamed: the SDK's own accumulation of delta.tool_calls gives the same call as the unary answer.
+    with sdk.chat.completions.stream(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER_TOOL],
+                                     tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                                     temperature=0) as stream:
+        final = stream.get_final_completion()
+    unary = sdk.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER_TOOL],
+                                        tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                                        temperature=0)
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in final.choices[0].message.tool_calls]
+    want = [(c.function.name, json.loads(c.function.arguments)) for c in unary.choices[0].message.tool_calls]
+    assert got == want and got[0][0] == "get_weather" and final.choices[0].finish_reason == "tool_calls"
+    # The call's result goes back as a tool turn, and the model answers in text.
+    history = [*WEATHER_ASK, unary.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": unary.choices[0].message.tool_calls[0].id, "content": "sunny, 21 C"}]
+    answer = sdk.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], tool_choice="none",
+                                         max_tokens=24, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls

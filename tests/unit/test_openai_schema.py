@@ -154,9 +154,10 @@ def test_bad_completion_bodies_are_400_naming_the_parameter(body, param):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools"),  # no function name
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"messages": []}, "messages"),
