@@ -17,6 +17,7 @@ PROMPT_CONTEXT_TOKENS = 6
 # A trailing U+FFFD still there after this many held tokens is a real replacement character (the
 # model produced invalid bytes), not a character waiting for its last bytes; it is released.
 MAX_HELD_TOKENS = 16
+_MAX_CHAR_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so at most 4 byte-level tokens of its own
 
 
 class Decoder(Protocol):
@@ -85,7 +86,20 @@ class IncrementalDetokenizer:
             self._read, self._sent = len(self._ids), 0
         else:
             self._sent += len(new)
+            if new:
+                self._move_to_whole(text[:settled])
         return new
+
+    def _move_to_whole(self, settled: str) -> None:
+        """The window ends in part of a character, after whole ones that are now sent: make the tokens before
+        that part the next window's context, so a run of characters that every push splits (emoji, CJK: several
+        tokens each) keeps the window short instead of reaching MAX_HELD_TOKENS and breaking a character."""
+        unread = len(self._ids) - self._read
+        for k in range(1, min(_MAX_CHAR_TOKENS, unread - 1) + 1):
+            if self._decode(self._ids[: len(self._ids) - k]) == settled:  # the last k tokens: only the part
+                self._ids = self._ids[self._read :]
+                self._read, self._sent = len(self._ids) - k, 0
+                return
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""

@@ -158,3 +158,15 @@ def test_invalid_bytes_are_released_after_a_bound(byte_tokenizer: Tokenizer) -> 
     texts = [det.push([invalid]).text for _ in range(40)]
     assert "".join(texts) + det.flush().text == "\ufffd" * 40
     assert sum(len(t) for t in texts[:30]) >= 16  # released while generation goes on
+
+
+@pytest.mark.parametrize("size", [5, 7], ids=str)
+def test_a_run_of_characters_split_at_every_push_is_never_broken(byte_tokenizer: Tokenizer, size: int) -> None:
+    # 4 tokens a character, pushed 5 (or 7) at a time: no push ends on a character's end for 20 (28) tokens, past
+    # the bound on held tokens. Found streaming a run of emoji through the mesh (each an incomplete character at
+    # the end of nearly every batch): the window was released at the bound with its last character as U+FFFD.
+    text = "😀" * 12
+    ids = byte_tokenizer.encode(text)
+    deltas = _run(IncrementalDetokenizer(byte_tokenizer), ids, [size])
+    assert "".join(d.text for d in deltas) == text
+    assert not any("\ufffd" in d.text for d in deltas)
