@@ -366,3 +366,40 @@ def test_named_and_required_tool_choices_always_call_and_a_streamed_call_assembl
     answer = sdk.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], tool_choice="none",
                                          max_tokens=24, temperature=0)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_fifty_schemas_answer_valid_json_greedy_over_zeromq_and_sampled_over_http(zmq_client, served):
+    """tests/structured_schemas.py's 50 schemas through the P/D mesh: every answer completes and validates."""
+    import asyncio
+
+    import jsonschema
+
+    from tests.structured_schemas import SCHEMAS
+
+    def ask(what: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"Give me {what} as JSON."}]
+
+    # 8 at a time: the test mesh's 64 MiB KV pools hold about that many of these answers at once.
+    async def over_http() -> list[dict]:
+        slots = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(base_url=served[1].url, timeout=300) as http:
+            async def one(i: int, what: str, schema: dict) -> dict:
+                async with slots:
+                    return (await http.post("/v1/chat/completions", json={
+                        "model": MODEL, "messages": ask(what), "max_tokens": 160, "temperature": 1.0, "seed": i,
+                        "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}",
+                                                                                   "schema": schema}}})).json()
+            return await asyncio.gather(*[one(i, what, schema) for i, (what, schema) in enumerate(SCHEMAS)])
+
+    greedy = [r for at in range(0, len(SCHEMAS), 8) for r in zmq_client.generate_many(
+        [dict(messages=ask(what), max_tokens=160, json_schema=schema, strict=False)
+         for what, schema in SCHEMAS[at : at + 8]])]
+    sampled = asyncio.run(over_http())
+    check = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for (what, schema), g, s in zip(SCHEMAS, greedy, sampled, strict=True):
+        assert g.finish_reason == "stop", (what, g.text)
+        jsonschema.validate(json.loads(g.text), schema, format_checker=check)
+        assert "choices" in s, (what, s)
+        choice = s["choices"][0]
+        assert choice["finish_reason"] == "stop", (what, choice)
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema, format_checker=check)
