@@ -65,3 +65,15 @@ def test_the_gateway_reads_response_format() -> None:
                 {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}):
         with pytest.raises(ApiError):
             params(bad)
+
+
+def test_an_expert_parallel_groups_control_channel_carries_a_constraint() -> None:
+    from deepinfer.engine.request import SamplingParams
+    from deepinfer.services.group.control import _pack as pack
+    from deepinfer.services.group.control import _unpack as unpack
+    from deepinfer.services.group.control import decode_params, encode_params
+
+    params = SamplingParams(max_tokens=7, logit_bias={3: 1.5}, constraint=ConstraintSpec.regex("[0-9]+"))
+    assert decode_params(unpack(pack(encode_params(params)))) == params
+    plain = SamplingParams(max_tokens=7)
+    assert decode_params(unpack(pack(encode_params(plain)))) == plain

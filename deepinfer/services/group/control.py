@@ -25,6 +25,7 @@ import torch
 from deepinfer.cache.block_pool import NoFreeBlocksError
 from deepinfer.engine.handoff import HandoffError
 from deepinfer.engine.request import FinishReason, InvalidRequestError, Logprob, RequestOutput, SamplingParams, Usage
+from deepinfer.grammar import ConstraintSpec
 
 if TYPE_CHECKING:
     from deepinfer.engine.engine import LLMEngine
@@ -160,11 +161,16 @@ def raise_if_error(result: Any) -> Any:
 
 
 def encode_params(p: SamplingParams) -> list[Any]:
-    return [getattr(p, f.name) for f in dataclasses.fields(p)]
+    """The params as msgpack carries them: fields in order, a constraint as [kind, text, strict]."""
+    c = p.constraint
+    values = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    values["constraint"] = None if c is None else [c.kind, c.text, c.strict]
+    return list(values.values())
 
 
 def decode_params(v: list[Any]) -> SamplingParams:
-    return SamplingParams(*v)
+    p = SamplingParams(*v)
+    return p if p.constraint is None else dataclasses.replace(p, constraint=ConstraintSpec(*p.constraint))
 
 
 def encode_logprob(lp: Logprob | None) -> list[Any] | None:
