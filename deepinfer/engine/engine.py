@@ -30,6 +30,7 @@ Under expert parallelism `step()` is a collective of the group's ranks (engine_e
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -161,6 +162,9 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
             self.speculator = Speculator(self.config, proposer, self.max_model_len)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else self.model_config.eos_token_ids
         self.structured = StructuredOutput(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        # Output constraints' masks are computed beside the forward only where it leaves a core free.
+        threads = self.config.num_threads or torch.get_num_threads()
+        self._masks_overlap = not self.config.device.startswith("cpu") or threads < (os.cpu_count() or 1)
         self._generators: dict[str, torch.Generator | None] = {}
         # Per request: the detokenizer and the text it has released so far.
         self._texts: dict[str, tuple[IncrementalDetokenizer, list[str]]] = {}
@@ -296,7 +300,7 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
                 self._swap(sched)
             if spec is not None:
                 spec.draft(sched)
-            masking = self.structured.start_masks(sched.chunks)  # on its own thread, beside the forward
+            masking = self.structured.start_masks(sched.chunks, self._masks_overlap)
             started = time.perf_counter()
             sampled, logits, prompt_rows = self._forward(sched)
             masks = masking.result() if masking is not None else {}

@@ -113,9 +113,17 @@ class Sampler:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {n} rows")
         if n == 0:
             return []
-        if all(_is_plain_greedy(row.params) and row.mask is None for row in rows):
-            # Fast path, taken every decode step of a greedy batch: one kernel and one sync.
-            return [(token, None) for token in first_max(logits).tolist()]
+        if all(_is_plain_greedy(row.params) for row in rows):
+            # Fast path, taken every decode step of a greedy batch: one kernel and one sync. A constrained row
+            # keeps its argmax when the constraint allows it (then it is also the first maximum among the allowed
+            # tokens: every earlier token is below it); only a row whose argmax is forbidden is masked and redone.
+            tokens = first_max(logits).tolist()
+            redo = [i for i, row in enumerate(rows) if row.mask is not None and not _allowed(row.mask, tokens[i])]
+            for i in redo:
+                row_logits = logits[i : i + 1].float()
+                apply_bitmask_(row_logits, rows[i].mask.view(1, -1), [0])  # type: ignore[union-attr]
+                tokens[i] = int(first_max(row_logits)[0])
+            return [(token, None) for token in tokens]
 
         params = [row.params for row in rows]
         raw = self.raw_logprobs(logits, rows)  # before penalise writes into `logits`
@@ -198,6 +206,11 @@ class Sampler:
             for i, logprob in zip(wanted, logprobs, strict=True):
                 results[i] = logprob
         return results
+
+
+def _allowed(mask: torch.Tensor, token: int) -> bool:
+    """Whether bit `token` of a bitmask row (deepinfer.grammar's layout) is set."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
 
 def _has_penalty(p: SamplingParams) -> bool:

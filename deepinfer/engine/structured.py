@@ -18,7 +18,7 @@ and what each committed token does to it. The grammar itself is deepinfer.gramma
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -76,21 +76,33 @@ class StructuredOutput:
         except GrammarError as exc:
             raise InvalidRequestError(f"invalid constraint ({spec.kind}): {exc.reason}") from None
 
-    def start_masks(self, chunks: Sequence[ScheduledChunk]) -> Future[StepMasks] | None:
-        """Begin the bitmask rows of the chunks that sample and are constrained; None when there are none."""
+    def start_masks(self, chunks: Sequence[ScheduledChunk], overlap: bool) -> Future[StepMasks] | None:
+        """The bitmask rows of the chunks that sample and are constrained (None when there are none): computed on
+        the mask thread beside the forward when `overlap` (the forward leaves a core free: a GPU's, or CPU
+        threads fewer than the cores), else when the result is asked for, after it (on a CPU forward that uses
+        every core, a thread beside it slows it down more than the masks cost: 2-core measurement,
+        bench/results)."""
         work = [c for c in chunks if c.samples and c.request.constraint is not None]
         if not work:
             return None
+        if not overlap:
+            later: Future[StepMasks] = _Deferred(lambda: self._masks(work, parallel=False))
+            return later
         if self._masker is None:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._masker.submit(self._masks, work)
+        return self._masker.submit(self._masks, work, True)
 
-    def _masks(self, chunks: list[ScheduledChunk]) -> StepMasks:
+    def _masks(self, chunks: list[ScheduledChunk], parallel: bool) -> StepMasks:
         out: StepMasks = {}
         plain = [c for c in chunks if not c.draft_token_ids]
-        if plain:  # one row each, filled in parallel by llguidance's own threads
+        if plain:  # one row each, in parallel on llguidance's own threads when cores are free for them
             rows = new_bitmask(len(plain), self._vocab_size)
-            fill_bitmask_rows([(c.request.constraint, i) for i, c in enumerate(plain)], rows)  # type: ignore[misc]
+            pairs = [(c.request.constraint, i) for i, c in enumerate(plain)]
+            if parallel:
+                fill_bitmask_rows(pairs, rows)  # type: ignore[arg-type]
+            else:
+                for constraint, i in pairs:
+                    constraint.allowed_mask(rows[i])  # type: ignore[union-attr]
             for i, c in enumerate(plain):
                 out[c.request.request_id] = (rows[i : i + 1], 1)
         for c in chunks:
@@ -114,3 +126,17 @@ class StructuredOutput:
     def close(self) -> None:
         if self._masker is not None:
             self._masker.shutdown(wait=False)
+
+
+class _Deferred(Future):  # type: ignore[type-arg]
+    """A future whose work runs, on the caller's thread, when its result is first asked for."""
+
+    def __init__(self, work: Callable[[], StepMasks]) -> None:
+        super().__init__()
+        self._work: Callable[[], StepMasks] | None = work
+
+    def result(self, timeout: float | None = None) -> StepMasks:
+        if self._work is not None:
+            work, self._work = self._work, None
+            self.set_result(work())
+        return super().result(timeout)

@@ -527,3 +527,19 @@ def test_sampled_ids_lie_in_allowed_set(cases: list[tuple[list[float], SamplingP
         for _ in range(10):
             for r, token in enumerate(tokens_of(sampler(batch.clone(), rows))):
                 assert token in allowed[r], (cases[r], token)
+
+
+def test_a_constrained_greedy_row_picks_the_best_allowed_token_and_leaves_its_neighbours_alone() -> None:
+    from deepinfer.grammar import new_bitmask
+
+    logits = torch.tensor([[0.0, 5.0, 3.0, 1.0, 4.0], [0.0, 5.0, 3.0, 1.0, 4.0], [0.0, 5.0, 3.0, 1.0, 4.0]])
+    forbids_best = new_bitmask(1, 5)[0]
+    forbids_best[0] = 0b11101  # token 1 (the argmax) forbidden
+    allows_best = new_bitmask(1, 5)[0]
+    allows_best[0] = 0b00010  # only token 1
+    rows = [SamplingRow(SamplingParams(), [1], [], None, forbids_best),
+            SamplingRow(SamplingParams(), [1], [], None, allows_best), SamplingRow(SamplingParams(), [1], [], None)]
+    assert [t for t, _ in Sampler()(logits.clone(), rows)] == [4, 1, 1]
+    sampled = [SamplingRow(SamplingParams(temperature=1.0, seed=s), [1], [], make_generator(s), allows_best)
+               for s in range(20)]
+    assert {t for t, _ in Sampler()(logits[:1].repeat(20, 1), sampled)} == {1}  # sampling never leaves the mask
