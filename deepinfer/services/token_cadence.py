@@ -9,13 +9,10 @@ batch size and of that time, and reports the buckets with enough samples as (row
 fewest rows first; heartbeats carry them (`Heartbeat.tpot_by_batch`).
 
 The router predicts the time per token of a batch of `rows` from those points (`predict_tpot`): linear
-between the two points around it, the first point's time below the first, and past the last along the line
-through the last two points (never below the last point's time), or with a single point in proportion to the
-rows. Decode grows less than in proportion to its rows wherever the weights are read once per step for every
-row, so the proportion over-predicts: with one point an SLO judged on it refuses a stream early rather than
-admits it to be served late; with two, the slope measured between them is the better guess (bench/results:
-proportion refused streams the mesh would have served within the SLO). With no point, nothing is predicted
-(and nothing refused).
+between the two points around it, the first point's time below the first, and past the last in proportion to
+the rows. Decode grows less than in proportion to its rows wherever the weights are read once per step for
+every row, so that proportion over-predicts: an SLO judged on it refuses a stream early rather than admits
+it to be served late. With no point, nothing is predicted (and nothing refused).
 """
 
 from __future__ import annotations
@@ -70,8 +67,4 @@ def predict_tpot(points: Sequence[tuple[float, float]], rows: int) -> float | No
         if rows <= r1:
             return s0 + (s1 - s0) * (rows - r0) / (r1 - r0) if r1 > r0 else max(s0, s1)
     last_rows, last_s = points[-1]
-    if len(points) == 1:
-        return last_s * rows / last_rows
-    before_rows, before_s = points[-2]
-    slope = (last_s - before_s) / (last_rows - before_rows) if last_rows > before_rows else 0.0
-    return last_s + max(slope, 0.0) * (rows - last_rows)
+    return last_s * rows / last_rows

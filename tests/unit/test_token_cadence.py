@@ -43,13 +43,11 @@ def test_points_come_fewest_rows_first_with_the_mean_rows_of_each_bucket() -> No
     assert meter.points() == [(1.0, 0.02), (3.0, 0.04), (9.0, 0.09)]
 
 
-def test_prediction_interpolates_holds_below_and_extends_the_last_segment_past_the_last_point() -> None:
+def test_prediction_interpolates_holds_below_and_grows_in_proportion_past_the_last_point() -> None:
     points = [(1.0, 0.02), (3.0, 0.04), (9.0, 0.09)]
     assert predict_tpot([], 5) is None
     assert predict_tpot(points, 1) == pytest.approx(0.02)
     assert predict_tpot(points, 2) == pytest.approx(0.03)
     assert predict_tpot(points, 6) == pytest.approx(0.04 + 0.05 * 3 / 6)
-    assert predict_tpot(points, 18) == pytest.approx(0.09 + 0.05 / 6 * 9)  # the slope from 3 to 9 rows, on
+    assert predict_tpot(points, 18) == pytest.approx(0.18)  # twice the last point's rows: twice its time
     assert predict_tpot([(2.0, 0.05)], 1) == pytest.approx(0.05)  # below the first point: its time
-    assert predict_tpot([(2.0, 0.05)], 6) == pytest.approx(0.15)  # one point: in proportion to the rows
-    assert predict_tpot([(2.0, 0.05), (4.0, 0.04)], 8) == pytest.approx(0.04)  # a falling segment: held
