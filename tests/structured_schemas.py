@@ -104,8 +104,9 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
                                                                    "pattern": "^[0-7]-[0-7]$"}, 2, 3)})),
     ("a contact card", obj({"name": S, "emails": arr({"type": "string", "format": "email", "maxLength": 24}, 1, 2),
                             "company": S}, ["name", "emails"])),
-    ("anything as an object", {"type": "object", "maxProperties": 3,
-                               "additionalProperties": {"type": "string", "maxLength": 12}}),
+    ("a few labels as an object", {"type": "object", "maxProperties": 3,
+                                   "patternProperties": {"^[a-z]{1,10}$": {"type": "string", "maxLength": 12}},
+                                   "additionalProperties": False}),
 ]
 
 assert len(SCHEMAS) == 50
