@@ -8,10 +8,13 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepinfer.cache.hashing import BlockHash, ChainHasher
-from deepinfer.grammar import Constraint, ConstraintSpec
+from deepinfer.grammar import ConstraintSpec
+
+if TYPE_CHECKING:
+    from deepinfer.grammar import Constraint
 
 
 class InvalidRequestError(ValueError):

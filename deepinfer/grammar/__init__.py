@@ -17,11 +17,37 @@ exactly when the output so far is a complete match, and depends only on the spec
 package holds no engine state and starts no work on import.
 """
 
-from deepinfer.grammar.bitmask import apply_bitmask_, mask_words, new_bitmask
-from deepinfer.grammar.compile import CompiledGrammar, GrammarCache, compile_grammar, grammar_text
-from deepinfer.grammar.constraint import Constraint, fill_bitmask_rows
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from deepinfer.grammar.spec import KINDS, ConstraintSpec, GrammarError, Kind
-from deepinfer.grammar.vocab import GrammarVocab, grammar_vocab
+
+if TYPE_CHECKING:
+    from deepinfer.grammar.bitmask import apply_bitmask_, mask_words, new_bitmask
+    from deepinfer.grammar.compile import CompiledGrammar, GrammarCache, compile_grammar, grammar_text
+    from deepinfer.grammar.constraint import Constraint, fill_bitmask_rows
+    from deepinfer.grammar.vocab import GrammarVocab, grammar_vocab
+
+# The spec is pure and is imported everywhere a request's parameters are (the router, the tokenizer, the gateway
+# among them); the rest needs torch and llguidance, which those services never load (a service that imports torch
+# starts a second later: ten at once on two cores missed a client's 10 s connect), so it is imported on first use.
+_LAZY = {
+    "apply_bitmask_": "bitmask", "mask_words": "bitmask", "new_bitmask": "bitmask",
+    "CompiledGrammar": "compile", "GrammarCache": "compile", "compile_grammar": "compile", "grammar_text": "compile",
+    "Constraint": "constraint", "fill_bitmask_rows": "constraint",
+    "GrammarVocab": "vocab", "grammar_vocab": "vocab",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "KINDS",

@@ -66,3 +66,18 @@ def module_cycles() -> list[list[str]]:
 
 def test_no_module_imports_itself_through_others():
     assert module_cycles() == []
+
+
+def test_the_services_without_an_engine_load_neither_torch_nor_the_grammar_engine() -> None:
+    """The router, tokenizer and gateway handle requests' parameters (a structured-output spec among them) but never
+    run a model: importing torch costs a service about a second of start-up, and ten services starting at once on two
+    cores kept a router from binding within a client's 10 s connect (the secured cluster test, when the spec's
+    package imported torch eagerly)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, deepinfer.services.router, deepinfer.services.tokenizer, deepinfer.gateway.app, "
+            "deepinfer.services.wire; from deepinfer.grammar import ConstraintSpec; "
+            "heavy = [m for m in ('torch', 'llguidance') if m in sys.modules]; assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
