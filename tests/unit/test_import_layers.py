@@ -1,6 +1,7 @@
 """The package layers hold: `lint-imports` checks the contracts in pyproject.toml ([tool.importlinter]) — every
-import goes down the layers (launch > gateway > services > metrics > protocol | engine > loading > text | cache >
-config > kernels), so there is no cycle between packages, and the cache imports nothing of the wire."""
+import goes down the layers (launch > gateway > services > metrics > protocol | engine > loading | grammar >
+text | cache > config > kernels), so there is no cycle between packages, and the cache imports nothing of the
+wire."""
 
 from __future__ import annotations
 
