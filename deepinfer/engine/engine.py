@@ -300,10 +300,10 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
                 self._swap(sched)
             if spec is not None:
                 spec.draft(sched)
-            masking = self.structured.start_masks(sched.chunks, self._masks_overlap)
+            step_masks = self.structured.start_masks(sched.chunks, self._masks_overlap)
             started = time.perf_counter()
             sampled, logits, prompt_rows = self._forward(sched)
-            masks = masking.result() if masking is not None else {}
+            masks = step_masks()
             # The model returns inference tensors, which the sampler's penalties update in place.
             with torch.inference_mode():
                 for part in prompt_rows:

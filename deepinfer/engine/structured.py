@@ -7,7 +7,8 @@ and what each committed token does to it. The grammar itself is deepinfer.gramma
   the state is the spec plus the output ids, so nothing else travels). A constraint that cannot compile, or
   output it does not allow, is an InvalidRequestError naming the reason, and the request is not added.
 * Each step, the constrained chunks that sample get their bitmask rows (`start_masks`), computed on a thread of
-  their own while the forward runs (llguidance releases the GIL): row 0 for the next token and, for a
+  their own while the forward runs where it leaves a core free (llguidance releases the GIL), else after it:
+  row 0 for the next token and, for a
   speculating chunk, one per draft the constraint allows, in order. The sampler applies a row's mask after
   bias and penalties; a draft the constraint forbids is therefore never accepted, and greedy output with
   speculation equals output without it.
@@ -76,21 +77,19 @@ class StructuredOutput:
         except GrammarError as exc:
             raise InvalidRequestError(f"invalid constraint ({spec.kind}): {exc.reason}") from None
 
-    def start_masks(self, chunks: Sequence[ScheduledChunk], overlap: bool) -> Future[StepMasks] | None:
-        """The bitmask rows of the chunks that sample and are constrained (None when there are none): computed on
-        the mask thread beside the forward when `overlap` (the forward leaves a core free: a GPU's, or CPU
-        threads fewer than the cores), else when the result is asked for, after it (on a CPU forward that uses
-        every core, a thread beside it slows it down more than the masks cost: 2-core measurement,
-        bench/results)."""
+    def start_masks(self, chunks: Sequence[ScheduledChunk], overlap: bool) -> Callable[[], StepMasks]:
+        """What gives the bitmask rows of the chunks that sample and are constrained, called after the forward:
+        with `overlap` (the forward leaves a core free: a GPU's, or CPU threads fewer than the cores) they are
+        computed meanwhile on the mask thread, else when it is called (on a CPU forward that uses every core, a
+        thread beside it slows it down more than the masks cost: 2-core measurement, bench/results)."""
         work = [c for c in chunks if c.samples and c.request.constraint is not None]
         if not work:
-            return None
+            return dict
         if not overlap:
-            later: Future[StepMasks] = _Deferred(lambda: self._masks(work, parallel=False))
-            return later
+            return lambda: self._masks(work, parallel=False)
         if self._masker is None:
             self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._masker.submit(self._masks, work, True)
+        return self._masker.submit(self._masks, work, True).result
 
     def _masks(self, chunks: list[ScheduledChunk], parallel: bool) -> StepMasks:
         out: StepMasks = {}
@@ -127,16 +126,3 @@ class StructuredOutput:
         if self._masker is not None:
             self._masker.shutdown(wait=False)
 
-
-class _Deferred(Future):  # type: ignore[type-arg]
-    """A future whose work runs, on the caller's thread, when its result is first asked for."""
-
-    def __init__(self, work: Callable[[], StepMasks]) -> None:
-        super().__init__()
-        self._work: Callable[[], StepMasks] | None = work
-
-    def result(self, timeout: float | None = None) -> StepMasks:
-        if self._work is not None:
-            work, self._work = self._work, None
-            self.set_result(work())
-        return super().result(timeout)
