@@ -60,6 +60,7 @@ from deepinfer.gateway.openai_requests import (
 )
 from deepinfer.gateway.router_pool import RouterPool
 from deepinfer.gateway.text_work import TextWork
+from deepinfer.gateway.tool_formats import tool_format_for
 from deepinfer.protocol import messages as m
 from deepinfer.protocol.client import AsyncClient
 
@@ -94,7 +95,9 @@ class Gateway:
         self.text = TextWork(self.tokenizer, self.max_model_len)
         self.decode_one: Callable[[int], str] = lru_cache(maxsize=1 << 17)(lambda t: self.tokenizer.decode([t]))
         self.parse_context = ParseContext(self.model, self.max_model_len, self._count_chat_tokens,
-                                          self.limits.max_sequences, self.text.max_prompt_chars)
+                                          self.limits.max_sequences, self.text.max_prompt_chars,
+                                          tool_format_for(getattr(self.tokenizer, "chat_template", None)),
+                                          self._render_chat)
         self.routers = RouterPool(self.endpoint, self.limits.router_connections, self.request_timeout_s,
                                   self.client_options)
         self.offload = Offload(self.limits.offload_threads, self.limits.max_offload_waiting)
@@ -108,6 +111,9 @@ class Gateway:
             return len(self.text.encode_chat(messages))
         except Exception:  # the mesh's tokenizer gives the real reason; here it only sizes max_tokens
             return 0
+
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        return self.text.encode_chat(messages, tools=tools)
 
     def decode_all(self, ids: list[int]) -> str:
         return self.text.decode(ids)
@@ -454,7 +460,8 @@ def build_app(gw: Gateway, on_startup: Callable[[asyncio.AbstractEventLoop], Non
                 tokens = gw.text.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             else:
                 try:
-                    tokens = gw.text.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+                    tokens = gw.text.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                                 tools=req.tools)
                 except Exception as exc:  # no template, or the template refused the messages
                     raise invalid(f"cannot apply the chat template: {str(exc)[:200]}", "messages") from None
             return _render({"tokens": tokens, "count": len(tokens), "max_model_len": gw.max_model_len})

@@ -26,7 +26,15 @@ from typing import Any, Literal
 from deepinfer.engine.request import InvalidRequestError, SamplingParams
 from deepinfer.gateway.errors import ApiError, invalid, model_not_found
 from deepinfer.gateway.response_format import response_format_params
-from deepinfer.gateway.tools import ToolPlan, constraint_params, parse_tools, render_call_turn, with_tools
+from deepinfer.gateway.tool_formats import JSON_CONVENTION, ToolFormat
+from deepinfer.gateway.tools import (
+    ToolPlan,
+    constraint_params,
+    history_turn,
+    parse_tools,
+    prompt_messages,
+    tool_specs,
+)
 from deepinfer.protocol.client import logit_bias_pairs
 
 MAX_N = 128  # samples per prompt
@@ -103,6 +111,10 @@ class ParseContext:
     count_chat_tokens: Callable[[list[dict[str, str]]], int] | None = None
     max_sequences: int = MAX_N * MAX_BATCH  # choices (n × prompts) one request may ask for
     max_prompt_chars: int | None = None  # a prompt (or a chat's contents) longer than this cannot fit the context
+    # How the model takes tools; a native format's chats with tools are rendered here, by `render_chat`
+    # (messages, tools or None → token ids; raises when the template refuses them).
+    tool_format: ToolFormat = JSON_CONVENTION
+    render_chat: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None = None
 
 
 # --- field readers: each refuses a wrong type with a 400 naming the parameter --------------------------------
@@ -344,8 +356,9 @@ def _content(content: Any, where: str) -> str:
     raise invalid(f"{where}: content must be a string or a list of text parts", "messages")
 
 
-def chat_messages(v: Any) -> list[dict[str, str]]:
-    """OpenAI's messages as the mesh takes them: [{"role", "content"}] with string contents."""
+def chat_messages(v: Any, fmt: ToolFormat = JSON_CONVENTION) -> list[dict[str, Any]]:
+    """OpenAI's messages as the chat template takes them: {"role", "content"} with string contents; earlier tool
+    calls in the model's tool format, and (for a native format) tool results with their call's id."""
     if not isinstance(v, list) or not v:
         raise invalid("messages must be a non-empty list", "messages")
     out = []
@@ -354,11 +367,25 @@ def chat_messages(v: Any) -> list[dict[str, str]]:
             raise invalid(f"messages[{i}] must be an object with a role", "messages")
         if msg["role"] == "function":
             raise _unsupported("function messages", f"messages[{i}]: use tools and role tool")
-        if msg.get("tool_calls"):  # tools: an earlier call, in the calling convention the model is told
-            out.append(render_call_turn(msg, f"messages[{i}]"))
+        content = _content(msg.get("content"), f"messages[{i}]")
+        if msg.get("tool_calls"):
+            out.append(history_turn(msg, content, f"messages[{i}]", fmt))
             continue
-        out.append({"role": msg["role"], "content": _content(msg.get("content"), f"messages[{i}]")})
+        turn = {"role": msg["role"], "content": content}
+        if fmt.native and msg["role"] == "tool" and isinstance(msg.get("tool_call_id"), str):
+            turn["tool_call_id"] = msg["tool_call_id"]
+        out.append(turn)
     return out
+
+
+def _render_native(ctx: ParseContext, messages: list[dict[str, Any]], tools: ToolPlan | None) -> list[int]:
+    """A chat whose tools or earlier calls the template renders itself, as token ids (the mesh's messages carry
+    strings only)."""
+    assert ctx.render_chat is not None, "a native tool format needs render_chat"
+    try:
+        return ctx.render_chat(messages, tool_specs(tools) if tools is not None else None)
+    except Exception as exc:  # the template refused the messages (raise_exception), or cannot render them
+        raise invalid(f"cannot apply the chat template: {str(exc)[:200]}", "messages") from None
 
 
 def _check_chat_unsupported(body: Mapping[str, Any]) -> None:
@@ -374,11 +401,14 @@ def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
     if "messages" not in body:
         raise invalid("you must provide messages", "messages")
     _check_chat_unsupported(body)
-    tools = parse_tools(body)
-    messages = chat_messages(body["messages"])
+    tools = parse_tools(body, ctx.tool_format)
+    messages = chat_messages(body["messages"], ctx.tool_format)
     if tools is not None:
-        messages = with_tools(messages, tools)
+        messages = prompt_messages(messages, tools)
     check_prompt_chars(sum(len(msg["content"]) for msg in messages), ctx, "messages")
+    rendered = None
+    if ctx.tool_format.native and (tools is not None or any("tool_calls" in msg for msg in messages)):
+        rendered = _render_native(ctx, messages, tools)
     n = _int(body, "n", 1, 1, MAX_N)
     assert n is not None
     _check_sequences(1, n, ctx)
@@ -390,7 +420,10 @@ def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, None, 1)
     if max_tokens is None:  # the rest of the context, as OpenAI does
-        used = ctx.count_chat_tokens(messages) if ctx.count_chat_tokens is not None else 0
+        if rendered is not None:
+            used = len(rendered)
+        else:
+            used = ctx.count_chat_tokens(messages) if ctx.count_chat_tokens is not None else 0
         max_tokens = max(1, ctx.max_model_len - used)
     params = _sampling(body, max_tokens) | response_format_params(body.get("response_format"))
     if tools is not None:
@@ -398,7 +431,8 @@ def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
     logprobs = (top or 0) if want_logprobs else None
     if logprobs is not None:
         params["logprobs"] = logprobs
-    requests = tuple(MeshRequest(sample, messages=messages) for sample in _samples(params, n))
+    prompt = {"messages": messages} if rendered is None else {"prompt_token_ids": rendered}
+    requests = tuple(MeshRequest(sample, **prompt) for sample in _samples(params, n))
     return GenerationPlan("chat", model, requests, n, stream, _stream_options(body, stream), logprobs=logprobs,
                           tools=tools)
 
@@ -409,13 +443,15 @@ def parse_chat(body: Any, ctx: ParseContext) -> GenerationPlan:
 @dataclass(frozen=True)
 class TokenizeRequest:
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # for a native tool format's template (else in the messages)
 
 
 def parse_tokenize(body: Any, ctx: ParseContext) -> TokenizeRequest:
-    _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+    """A prompt, or a chat (with tools, described as a chat request with them would be)."""
+    _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"})
     if body.get("model") is not None and body["model"] != ctx.model:
         raise model_not_found(_short(body["model"]))
     if ("prompt" in body) == ("messages" in body):
@@ -425,10 +461,13 @@ def parse_tokenize(body: Any, ctx: ParseContext) -> TokenizeRequest:
             raise invalid("prompt must be a string", "prompt")
         check_prompt_chars(len(body["prompt"]), ctx, "prompt")
         return TokenizeRequest(prompt=body["prompt"], add_special_tokens=_bool(body, "add_special_tokens", True))
-    messages = chat_messages(body["messages"])
+    messages = chat_messages(body["messages"], ctx.tool_format)
+    tools = parse_tools({"tools": body.get("tools")}, ctx.tool_format)
+    if tools is not None:
+        messages = prompt_messages(messages, tools)
     check_prompt_chars(sum(len(msg["content"]) for msg in messages), ctx, "messages")
-    return TokenizeRequest(messages=messages,
-                           add_generation_prompt=_bool(body, "add_generation_prompt", True))
+    return TokenizeRequest(messages=messages, add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                           tools=tool_specs(tools) if tools is not None and ctx.tool_format.native else None)
 
 
 def parse_detokenize(body: Any, ctx: ParseContext, vocab_size: int) -> list[int]:

@@ -220,7 +220,8 @@ class ChoiceStream:
             text = delta.text
             if not self._text:
                 self._held.append(text)
-                if may_be_a_call("".join(self._held)):
+                assert self.plan.tools is not None
+                if may_be_a_call("".join(self._held), self.plan.tools):
                     return chunks
                 self._text, text, self._held = True, "".join(self._held), []
             return [*chunks, self._chunk({"delta": {"content": text}, "logprobs": logprobs})]

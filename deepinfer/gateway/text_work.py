@@ -41,11 +41,14 @@ class TextWork:
                 ids.append(self.tokenizer.eos_token_ids[0])
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The chat template (Python: the GIL is shared with the loop at its switch interval), then encoded."""
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template (Python: the GIL is shared with the loop at its switch interval), then encoded.
+        `tools`: for a template that renders them itself (its `tools` variable)."""
+        extra = {} if tools is None else {"tools": tools}
         if self.backend is None:
-            return list(self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt))
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return list(self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra))
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=False)  # the template writes any BOS itself
 
     def decode(self, ids: Sequence[int]) -> str:

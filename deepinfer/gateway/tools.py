@@ -1,22 +1,19 @@
 """Tool calling for the chat endpoint: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, on any model.
 
-* The tools are described to the model in a system message (appended to the conversation's own, or a new
-  first one), with the one answer format it must use to call them: a JSON object
-  `{"tool_calls": [{"name": <tool>, "arguments": {...}}, ...]}` and nothing else. Earlier turns that called
-  tools are rendered the same way, and tool results as turns of role "tool", so the model sees one
-  convention throughout. (A chat template that renders tools itself is not used: the mesh's requests carry
-  messages only, and SmolLM2's template, like many, has no tools.)
-* `tool_choice` "required" or a named function constrains the output (structured output, `json_schema`) to that
-  format with the allowed tools' own parameter schemas, non-strict (keywords the grammar engine cannot
-  enforce are ignored rather than refused): the answer always parses and always calls what was asked. A
-  named tool is called once; "required" allows several calls unless `parallel_tool_calls` is false (a small
-  model may repeat a call until `max_tokens` cuts it: the answer is then text, finish_reason "length").
-  "auto" leaves the model free, and an answer that parses as the format with known tool names is taken as
-  calls; "none" describes no tools.
+* The tools are put to the model in its `ToolFormat` (gateway/tool_formats.py): through the chat template where
+  the template renders tools itself (Hermes `<tool_call>` blocks), otherwise in a system message with our own
+  JSON answer format. Earlier turns that called tools are rendered in the same format, and tool results as turns
+  of role "tool", so the model sees one convention throughout.
+* `tool_choice` "required" or a named function constrains the output (structured output) to the format's calls
+  with the allowed tools' own parameter schemas, non-strict (keywords the grammar engine cannot enforce are
+  ignored rather than refused): the answer always parses and always calls what was asked. A named tool is
+  called once; "required" allows several calls unless `parallel_tool_calls` is false (a small model may repeat
+  a call until `max_tokens` cuts it: the answer is then text, finish_reason "length"). "auto" leaves the model
+  free, and an answer that reads as calls of known tools is taken as calls; "none" describes no tools.
 * The answer becomes `message.tool_calls` (each with an id `call_…` and its arguments as a JSON string) and
-  `finish_reason: "tool_calls"`. Streamed, the text is held back while it could still be a call (it starts with
-  `{`): calls go out as one `delta.tool_calls` chunk per call, which the SDKs assemble by index; an answer that
-  turns out to be text is streamed from there on.
+  `finish_reason: "tool_calls"`, when the whole answer is calls (text around a call stays text). Streamed, the
+  text is held back while it could still be a call: calls go out as one `delta.tool_calls` chunk per call,
+  which the SDKs assemble by index; an answer that turns out to be text is streamed from there on.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.gateway.errors import invalid
+from deepinfer.gateway.tool_formats import JSON_CONVENTION, ToolFormat
 
 MAX_TOOLS = 128
 
@@ -44,14 +42,16 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     choice: str  # "auto", "required", or the one tool's name ("none" never makes a plan)
     parallel: bool = True
+    format: ToolFormat = JSON_CONVENTION
 
     @property
     def forced(self) -> bool:
         return self.choice != "auto"
 
 
-def parse_tools(body: Mapping[str, Any]) -> ToolPlan | None:
-    """The request's tool plan, or None (no tools, or tool_choice "none"); ApiError (400) for a bad shape."""
+def parse_tools(body: Mapping[str, Any], fmt: ToolFormat = JSON_CONVENTION) -> ToolPlan | None:
+    """The request's tool plan in the model's format, or None (no tools, or tool_choice "none"); ApiError (400)
+    for a bad shape."""
     raw = body.get("tools")
     choice = body.get("tool_choice")
     if raw is None:
@@ -83,7 +83,7 @@ def parse_tools(body: Mapping[str, Any]) -> ToolPlan | None:
         raise invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if picked != "auto" and body.get("response_format") not in (None, {"type": "text"}):
         raise invalid("response_format cannot be combined with a forced tool_choice", "response_format")
-    return ToolPlan(tools, picked, parallel)
+    return ToolPlan(tools, picked, parallel, fmt)
 
 
 def _tool(t: Any, i: int) -> Tool:
@@ -100,72 +100,52 @@ def _tool(t: Any, i: int) -> Tool:
 # --- the prompt ------------------------------------------------------------------------------------------------
 
 
-def system_text(plan: ToolPlan) -> str:
-    specs = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in plan.tools]
+def tool_specs(plan: ToolPlan) -> list[dict[str, Any]]:
+    """The tools as chat templates take them (OpenAI's shape)."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": dict(t.parameters)}} for t in plan.tools]
+
+
+def prompt_messages(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:
+    """`messages` with the tools described, where the format does it in the messages (not the template)."""
     how = ("You must call " + ("the tool " + plan.choice if plan.choice != "required" else "one or more tools")
            if plan.forced else "If a tool helps, call it")
-    return (f"You can call these tools:\n{json.dumps(specs, ensure_ascii=False)}\n{how} by answering with only a "
-            'JSON object {"tool_calls": [{"name": <tool name>, "arguments": {<its arguments>}}]}; otherwise answer '
-            "in plain text.")
+    return plan.format.prompt(messages, tool_specs(plan), how)
 
 
-def render_call_turn(msg: Mapping[str, Any], where: str) -> dict[str, str]:
-    """An earlier assistant turn that called tools, as a plain turn in the calling convention."""
+def history_turn(msg: Mapping[str, Any], content: str, where: str, fmt: ToolFormat) -> dict[str, Any]:
+    """An earlier assistant turn that called tools, in the model's format."""
     try:
-        rendered = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
-                    for c in msg["tool_calls"]]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]]
     except (KeyError, TypeError, ValueError):
         raise invalid(f"{where}.tool_calls must be OpenAI tool calls with JSON arguments", "messages") from None
-    return {"role": "assistant", "content": json.dumps({"tool_calls": rendered}, ensure_ascii=False)}
-
-
-def with_tools(messages: list[dict[str, str]], plan: ToolPlan) -> list[dict[str, str]]:
-    """`messages` with the tools described in the system message."""
-    text = system_text(plan)
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
+    return fmt.call_turn(calls, content)
 
 
 def constraint_params(plan: ToolPlan) -> dict[str, Any]:
     """For a forced choice, the structured-output parameters that make the answer a call of the allowed tools."""
     if not plan.forced:
         return {}
-    allowed = [t for t in plan.tools if plan.choice in ("required", t.name)]
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in allowed]
-    items: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-    if not plan.parallel or plan.choice != "required":  # a named tool is called once
-        array["maxItems"] = 1
-    schema = {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
-              "additionalProperties": False}
-    return {"json_schema": json.dumps(schema, ensure_ascii=False), "strict": False}
+    allowed = [(t.name, t.parameters) for t in plan.tools if plan.choice in ("required", t.name)]
+    return plan.format.constraint(allowed, several=plan.parallel and plan.choice == "required")
 
 
 # --- the answer ------------------------------------------------------------------------------------------------
 
 
 def tool_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]] | None:
-    """The OpenAI tool calls `text` makes, or None when it is not a call of the plan's tools (plain text)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    calls = value.get("tool_calls") if isinstance(value, dict) else None
+    """The OpenAI tool calls `text` makes, or None when it is not only calls of the plan's tools (plain text)."""
+    calls = plan.format.calls(text)
     names = {t.name for t in plan.tools}
-    if not isinstance(calls, list) or not calls or not all(
-            isinstance(c, dict) and c.get("name") in names and isinstance(c.get("arguments", {}), dict)
-            for c in calls):
+    if not calls or not all(name in names and isinstance(args, dict) for name, args in calls):
         return None
     if not plan.parallel:
         calls = calls[:1]
     return [{"id": "call_" + secrets.token_hex(12), "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
-            for c in calls]
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+            for name, args in calls]
 
 
-def may_be_a_call(text: str) -> bool:
+def may_be_a_call(text: str, plan: ToolPlan) -> bool:
     """Whether a streamed answer so far could still turn out to be a call (held back until it is known)."""
-    head = text.lstrip()
-    return not head or head.startswith("{")
+    return plan.format.may_be_a_call(text)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -221,9 +221,10 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
         # The template writes any BOS itself.
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
@@ -349,8 +350,8 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
     # Templates come with model files, so they are untrusted: sandboxed, immutable containers.
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
@@ -358,4 +359,15 @@ def _compile(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template)
+    return env
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    return _environment().from_string(template)
+
+
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads without setting them (`messages`, `tools`, ...); raises
+    jinja2.TemplateError for a template that does not parse."""
+    return frozenset(meta.find_undeclared_variables(_environment().parse(template)))

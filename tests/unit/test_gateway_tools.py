@@ -12,6 +12,7 @@ import pytest
 from deepinfer.gateway.errors import ApiError
 from deepinfer.gateway.openai_requests import ParseContext, parse_chat
 from deepinfer.gateway.openai_responses import ChoiceStream, chat_choice
+from deepinfer.gateway.tool_formats import HERMES_TAGS, JSON_CONVENTION, tool_format_for
 from deepinfer.protocol import messages as m
 
 CTX = ParseContext("tiny", 1000)
@@ -102,3 +103,70 @@ def test_a_streamed_call_is_held_back_and_sent_as_tool_call_deltas_and_text_stre
     first = text.on_delta(m.StreamDelta("r", "  It", [1]))
     assert [c["choices"][0]["delta"].get("content") for c in first][-1] == "  It"  # plainly text: streamed
     assert text.on_delta(m.StreamDelta("r", " is", [2]))[-1]["choices"][0]["delta"]["content"] == " is"
+
+
+# --- a template that renders tools itself: the Hermes format (gateway/tool_formats.py) ---------------------------
+
+HERMES_TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}{% for m in messages %}"
+                   "{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c | tojson }}"
+                   "</tool_call>{% endfor %}\n{% endfor %}")
+
+
+def test_the_format_is_hermes_only_for_a_template_that_takes_tools_and_writes_tool_call_blocks() -> None:
+    assert tool_format_for(HERMES_TEMPLATE) is HERMES_TAGS
+    assert tool_format_for("{{ messages }} <tool_call>") is JSON_CONVENTION  # no tools variable
+    assert tool_format_for("{% for t in tools %}{{ t }}{% endfor %}") is JSON_CONVENTION  # another call syntax
+    assert tool_format_for("{% generation %}{{ tools }}<tool_call>{% endgeneration %}") is HERMES_TAGS
+    assert tool_format_for("{% if tools %}<tool_call>") is JSON_CONVENTION  # does not parse
+    assert tool_format_for(None) is JSON_CONVENTION
+
+
+def test_a_native_format_renders_the_chat_in_the_gateway_with_structured_calls_and_the_tools() -> None:
+    seen = []
+
+    def render(messages, tools):  # type: ignore[no-untyped-def]
+        seen.append((messages, tools))
+        if any(msg["content"] == "refused" for msg in messages):
+            raise ValueError("the template refused it")
+        return [7, 8, 9]
+
+    ctx = ParseContext("tiny", 1000, tool_format=HERMES_TAGS, render_chat=render)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    plan = parse_chat({"model": "tiny", "messages": history, "tools": [WEATHER], "tool_choice": "required"}, ctx)
+    [req] = plan.requests
+    assert req.prompt_token_ids == [7, 8, 9] and req.messages is None
+    assert req.params["max_tokens"] == 1000 - 3  # the rest of the context after the rendered ids
+    messages, tools = seen[-1]
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert tools == [WEATHER] and len(messages) == 3  # the template describes the tools: no system text
+    lark = req.params["grammar"]
+    assert lark.startswith('start: call ("\\n" call)*') and "<tool_call>" in lark and '"const": "get_weather"' in lark
+    named = parse_chat({"model": "tiny", "messages": ASK, "tools": [WEATHER, TIME],
+                        "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, ctx)
+    assert named.requests[0].params["grammar"].startswith("start: call\n")
+    with pytest.raises(ApiError) as refused:
+        parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "refused"}], "tools": [WEATHER]}, ctx)
+    assert refused.value.status == 400 and "chat template" in str(refused.value)
+    # No tools and no earlier calls: the mesh renders the chat, as for any model.
+    assert parse_chat({"model": "tiny", "messages": ASK}, ctx).requests[0].messages == ASK
+
+
+def test_hermes_answers_are_calls_only_when_the_whole_answer_is_tool_call_blocks() -> None:
+    plan = parse_chat({"model": "tiny", "messages": ASK, "tools": [WEATHER, TIME]},
+                      ParseContext("tiny", 1000, tool_format=HERMES_TAGS, render_chat=lambda m, t: [1]))
+    two = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    choice = chat_choice(plan, 0, finished(two), lambda t: str(t))
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "get_time"]
+    assert choice["finish_reason"] == "tool_calls"
+    for text in ("Sure. " + two, two + " Done.", "<tool_call>\n{no json}\n</tool_call>",
+                 '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', "<tool_call>\n[1]\n</tool_call>",
+                 '<tool_call>{"name": "get_time"', "plain"):
+        assert chat_choice(plan, 0, finished(text), lambda t: str(t))["message"]["content"] == text, text
+    fmt = HERMES_TAGS
+    assert all(fmt.may_be_a_call(t) for t in ("", "  ", "<", " <tool", "<tool_call>", '<tool_call>\n{"na'))
+    assert not any(fmt.may_be_a_call(t) for t in ("Hello", "<tools>", "{", " <b>"))
