@@ -29,7 +29,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_hf_moe(variant: str, seed: int = 0) -> Any:
+def build_hf_moe(variant: str, seed: int = 0, vocab_size: int = VOCAB) -> Any:
     """The transformers model of `variant`, in eval mode, with weights that make every part count:
     projections (router and shared-expert gate included) ~ N(0, 1/fan_in) so activations stay O(1)
     and routing is decisive, norms 1 + N(0, 0.1), biases N(0, 0.5). Default init would leave biases
@@ -37,7 +37,7 @@ def build_hf_moe(variant: str, seed: int = 0) -> Any:
     import transformers
 
     cls_name, kwargs = VARIANTS[variant]
-    config = getattr(transformers, cls_name)(**{**COMMON, **kwargs})
+    config = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "vocab_size": vocab_size})
     model_cls = transformers.MixtralForCausalLM if cls_name == "MixtralConfig" else transformers.Qwen2MoeForCausalLM
     torch.manual_seed(seed)
     model = model_cls(config).eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ import pytest
 from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
+from deepinfer.grammar import ConstraintSpec
 from deepinfer.launch.mesh import InprocMesh
 from deepinfer.launch.topology import Topology
 from deepinfer.loading.fetch import fetch_smollm2_moe
@@ -40,6 +42,7 @@ from tests.engine.moe_models import build_hf_moe, save
 QUESTIONS = ["What is 2 + 2?", "Name a colour.", "Write one word about the sea.", "Who wrote Hamlet?"]
 MAX_TOKENS = 8
 KV_MB = 32
+WORDS = "[a-z]{1,4}( [a-z]{1,4}){1,2}"
 
 
 def test_expert_load_round_trips() -> None:
@@ -112,9 +115,9 @@ def test_an_expert_parallel_worker_answers_like_the_engine(moe_path, reference, 
 
 @pytest.fixture(scope="module")
 def tiny_moe_with_tokenizer(tmp_path_factory, moe_path) -> Path:
-    """A tiny random Mixtral (vocab 320) with smollm2-moe's tokenizer beside it: prompts go in as token
-    ids below 320, so the mesh runs end to end in seconds."""
-    path = save(build_hf_moe("mixtral-8e-top2"), tmp_path_factory.mktemp("tiny-moe"))
+    """A tiny random Mixtral with smollm2-moe's tokenizer beside it (and its vocabulary, so that constrained
+    output can be any of the tokenizer's tokens), so the mesh runs end to end in seconds."""
+    path = save(build_hf_moe("mixtral-8e-top2", vocab_size=49152), tmp_path_factory.mktemp("tiny-moe"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(moe_path / name, path / name)
     return path
@@ -170,7 +173,9 @@ def _free_master() -> str:
 def test_a_decode_worker_group_takes_handoffs(tiny_moe_with_tokenizer, tmp_path, prefill_ep):
     """P/D: a prefill worker (plain, or itself a 2-rank group) hands each request's KV to a decode worker
     that is a 2-rank group; the KV leaves from whichever prefill rank computed it, lands on whichever decode
-    rank reserved it, and the answers equal one engine's. One process can lead only one group (one
+    rank reserved it, and the answers equal one engine's. Every other request is constrained (a regex): its
+    grammar state crosses the handoff and the group's control channel to whichever rank decodes it, and its
+    answer equals one engine's under the same constraint and matches the regex. One process can lead only one group (one
     torch.distributed membership per process), so a prefill group runs as its own two processes, as `up`
     runs it, and the rest of the mesh in this one."""
     model = tiny_moe_with_tokenizer
@@ -185,7 +190,10 @@ def test_a_decode_worker_group_takes_handoffs(tiny_moe_with_tokenizer, tmp_path,
     prompts = [[5 + i, 40 + i, 41, 42, 43, 44, 45, 46, 47, 48, 49] for i in range(6)]
     engine = LLMEngine.load(model, EngineConfig(kv_cache_bytes=4 * 1024 * 1024, num_threads=1))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    reference = [o.token_ids for o in engine.generate(prompts, params)]
+    constrained = SamplingParams(max_tokens=10, ignore_eos=True, constraint=ConstraintSpec.regex(WORDS))
+    reference = [o.token_ids for o in engine.generate(prompts, [constrained if i % 2 else params
+                                                                 for i in range(len(prompts))])]
+
     def rank(name: str, r: int) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "deepinfer.launch.cli", "service", "worker", "--topology",
                                  str(path), "--name", name, *(["--rank", str(r)] if r else [])])
@@ -202,8 +210,9 @@ def test_a_decode_worker_group_takes_handoffs(tiny_moe_with_tokenizer, tmp_path,
             table = mesh.service("router").core.table
             await until(lambda: table.has_live("prefill", time.monotonic()), timeout_s=120)  # the group apart
             async with AsyncClient(topo.frontend, ctx=mesh.ctx, timeout_s=120) as c:
-                results = await asyncio.gather(*[c.generate(prompt_token_ids=p, max_tokens=10, ignore_eos=True)
-                                                 for p in prompts])
+                results = await asyncio.gather(*[
+                    c.generate(prompt_token_ids=p, max_tokens=10, ignore_eos=True, regex=WORDS if i % 2 else None)
+                    for i, p in enumerate(prompts)])
             await until(lambda: group.num_free_blocks == free and not group.has_unfinished())
             sent = None if apart else mesh.service(prefill.name).engine.stats.handoffs_out
             return results, group.stats.handoffs_in, group.local.stats.handoffs_in, sent
@@ -220,6 +229,7 @@ def test_a_decode_worker_group_takes_handoffs(tiny_moe_with_tokenizer, tmp_path,
             if f.poll() is None:
                 f.kill()
     assert [r.token_ids for r in results] == reference
+    assert all(re.fullmatch(WORDS, r.text) for r in results[1::2])
     assert handoffs == len(prompts) > on_rank0  # some went to the follower
     assert sent in (None, len(prompts))
     assert codes[:len(followers)] == [EXIT_STOPPED] * len(followers)
