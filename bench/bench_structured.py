@@ -14,7 +14,9 @@ with `--speculative ngram` (k = 4, controller off), where each step also masks t
 The JSON string's text is not the free text, and speculation's acceptance depends on the text. So a third arm,
 "same text", is constrained by a regex that every text without a NUL matches (`[^\x00]*`: the grammar walks the
 whole vocabulary each step, as in a JSON string) and generates exactly the free arm's tokens (checked): with
-speculation, its ratio to free is the masking's cost with the same drafts accepted.
+speculation, its ratio to free is the masking's cost with the same drafts accepted. That holds only for prompts
+whose free answer the regex allows whole and that has no EOS in it (the constraint ends a request at EOS, also
+with `ignore_eos`), so every arm runs on the prompts whose free greedy answer is such (found first, printed).
 
 Compile: each of the 50 schemas compiled from its text to a usable grammar with no cache (`deepinfer.grammar.
 compile_grammar`), `--repeats` times; p50 and p99 over all compiles. (bench/bench_grammar.py compares grammar
@@ -36,7 +38,7 @@ import torch
 from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
-from deepinfer.grammar import ConstraintSpec, compile_grammar, grammar_vocab
+from deepinfer.grammar import Constraint, ConstraintSpec, GrammarCache, compile_grammar, grammar_vocab
 from deepinfer.loading.fetch import fetch_smollm2
 from tests.structured_schemas import SCHEMAS
 
@@ -92,6 +94,21 @@ def measure(path: str, prompts: list[list[int]], tokens: int, repeats: int, thre
     return out
 
 
+def same_text_prompts(path: str, prompts: list[list[int]], tokens: int, threads: int) -> list[list[int]]:
+    """The prompts whose free greedy answer of `tokens` tokens ANY_TEXT allows whole, EOS-free (docstring)."""
+    engine = LLMEngine.load(path, EngineConfig(kv_cache_bytes=512 << 20, num_threads=threads))
+    assert engine.tokenizer is not None
+    eos = engine.tokenizer.eos_token_ids
+    cache = GrammarCache(grammar_vocab(engine.tokenizer, n_vocab=49152, eos_token_ids=eos))
+    answers = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    kept = []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = list(answer.token_ids)
+        if not set(ids) & set(eos) and Constraint(cache.compile(ANY_TEXT)).accept_many(ids) == len(ids):
+            kept.append(prompt)
+    return kept
+
+
 def compile_times(path: str, repeats: int) -> list[float]:
     engine_tok = LLMEngine.load(path, EngineConfig(kv_cache_bytes=16 << 20)).tokenizer
     assert engine_tok is not None
@@ -123,13 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert tok is not None
     prompts = [tok.encode_chat([{"role": "user", "content": f"Write a long text about {what}, as JSON."}])
                for what, _ in SCHEMAS]
+    prompts = same_text_prompts(path, prompts, args.tokens, args.threads)
+    print(f"{len(prompts)} of {len(SCHEMAS)} prompts have a free answer the same-text arm can give")
     report: dict[str, object] = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                                  "torch": torch.__version__, "args": vars(args), "decode": []}
     print(f"decode ms per token, constrained (JSON string) vs free, {args.tokens} tokens per request, medians of "
           f"{args.repeats}")
     for speculative in (None, "ngram"):
         for batch in (int(b) for b in args.batches.split(",")):
-            r = measure(path, (prompts * 2)[:batch], args.tokens, args.repeats, args.threads, speculative)
+            batch_prompts = (prompts * (batch // len(prompts) + 1))[:batch]
+            r = measure(path, batch_prompts, args.tokens, args.repeats, args.threads, speculative)
             print(f"  batch {batch:>3}, speculation {speculative or 'off':>5}: free {1e3 * r['free']:7.2f}  "
                   f"constrained {1e3 * r['constrained']:7.2f}  ratio {r['ratio']:.3f}  same text "
                   f"{1e3 * r['same_text']:7.2f}  ratio {r['same_text_ratio']:.3f}", flush=True)
