@@ -1,8 +1,8 @@
-"""Speculative decoding benchmark: tokens/s with vs without speculation on SmolLM2-135M (fp32), outputs checked
-equal token for token in the same run.
+"""Speculative decoding benchmark: tokens/s with vs without speculation on SmolLM2-135M (fp32 weights, or the GGUF's
+packed Q4_1 with `--weights native`), outputs checked equal token for token in the same run.
 
     python -m bench.bench_spec [--quick] [--concurrency 1,8,32] [--methods ngram,suffix] [--workloads ...]
-                               [--threads N] [--out bench/results/spec.json]
+                               [--weights fp32|native] [--threads N] [--out bench/results/spec.json]
 
 Four workloads built deterministically from text shipped in bench/data/spec/ (bench/spec_workloads.py): (a) code
 edits of this repository's files, (b) summaries quoting a document, (c) open-ended chat, (d) agentic repeats. For
@@ -11,6 +11,11 @@ the in-process LLMEngine once without speculation (the baseline) and once per me
 the same configuration except `speculative`, as a closed loop: c requests in flight, the next one submitted as
 one finishes, in workload order. Timed: first add_request → last request finished. Any method whose tokens differ
 from the baseline's is printed and makes the exit status 1. See bench/README.md (`bench_spec.py`).
+
+Decode alone: the steps in which no request waits for its first token are also timed apart (their seconds and
+tokens), which gives each method's decode speedup. Beside it, spec_bound's free-verification bound for the same k
+(`spec_bound.replay` of the method's guesser over the baseline's own answers of the workload, at concurrency 1),
+and the ratio of the two: how much of what the guesser allows the engine delivers once verification has its cost.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 
+from bench.spec_bound import make_proposer, replay
 from bench.spec_workloads import LABELS, WORKLOADS, WorkItem, build, max_tokens_for, requests_for
 from deepinfer.config.engine import EngineConfig
 from deepinfer.config.kv import KvSpec
@@ -60,6 +66,12 @@ TARGETS = [
     ("agentic", 1, "suffix", 3.0, "(d) agentic repeats >= 3x at concurrency 1 with the suffix index"),
 ]
 FLOOR = 0.97  # nothing below this at any workload, concurrency, method; (c) chat is the case to watch
+# Issue 34's, on decode alone: (workload or None = every workload, concurrency, minimum, on what, text).
+DECODE_TARGETS = [
+    (None, 1, 0.8, "of_bound", "decode speedup >= 0.8 of the free-verification bound at c = 1, every workload"),
+    ("code", 1, 2.0, "decode_speedup", "(a) code edits decode >= 2x at c = 1"),
+    ("code", 8, 1.25, "decode_speedup", "(a) code edits decode >= 1.25x at c = 8"),
+]
 
 
 @dataclass
@@ -83,6 +95,8 @@ class RunResult:
     verified_k: Counter[int] = field(default_factory=Counter)  # proposed tokens per verifying request-step
     accepted_run: Counter[int] = field(default_factory=Counter)  # accepted tokens per verifying request-step
     controller: dict[str, Any] = field(default_factory=dict)
+    decode_s: float = 0.0  # steps in which no request waited for its first token
+    decode_tokens: int = 0  # tokens those steps gave
 
 
 # -- the engine ------------------------------------------------------------------------------------------------
@@ -98,7 +112,7 @@ def engine_config(args: argparse.Namespace, method: str | None, prompts: list[li
     return EngineConfig(block_size=16, num_kv_blocks=blocks, max_num_seqs=max(128, concurrency),
                         num_threads=args.threads, enable_prefix_caching=args.prefix_caching,
                         speculative=method, num_speculative_tokens=args.num_speculative_tokens,
-                        adaptive_speculation=not args.no_adaptive)
+                        adaptive_speculation=not args.no_adaptive, weights=getattr(args, "weights", "fp32"))
 
 
 def _ints(values: Any) -> list[int]:
@@ -162,6 +176,8 @@ def run_closed_loop(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
     usage_prop = usage_acc = request_steps = decode_steps = verify_steps = verify_acc = 0
     per_step_usage = False
     in_flight = 0
+    awaiting: set[int] = set()  # requests added that have no token yet
+    decode_s, decode_tokens = 0.0, 0
     t0 = time.perf_counter()
     while pending or in_flight:
         while pending and in_flight < concurrency:
@@ -169,8 +185,14 @@ def run_closed_loop(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
             rid = f"spec-{i}"
             engine.add_request(rid, p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False))
             rid_index[rid], seen_prop[rid], seen_acc[rid], streamed[i] = i, 0, 0, 0
+            awaiting.add(i)
             in_flight += 1
+        decode_only = not awaiting
+        step_started = time.perf_counter()
         outs = engine.step()
+        if decode_only:
+            decode_s += time.perf_counter() - step_started
+            decode_tokens += sum(len(o.new_token_ids) for o in outs)
         if ctrl is not None:
             # last_choices is the latest choice: count it once per controller step, where a step counter says so
             n_choices = getattr(ctrl, "steps", None)
@@ -183,6 +205,8 @@ def run_closed_loop(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
             acc = int(getattr(o.usage, "spec_accepted_tokens", 0) or 0) if o.usage else seen_acc[o.request_id]
             dp, da = prop - seen_prop[o.request_id], acc - seen_acc[o.request_id]
             seen_prop[o.request_id], seen_acc[o.request_id] = prop, acc
+            if o.new_token_ids or o.finished:
+                awaiting.discard(i)
             if o.new_token_ids:
                 request_steps += 1
                 decode_steps += streamed[i] > 0
@@ -220,7 +244,8 @@ def run_closed_loop(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
         stats_proposed=stats.spec_proposed_tokens - prop0, stats_accepted=stats.spec_accepted_tokens - acc0,
         usage_proposed=usage_prop, usage_accepted=usage_acc, request_steps=request_steps,
         decode_request_steps=decode_steps, verify_steps=verify_steps, verify_accepted=verify_acc,
-        per_step_usage=per_step_usage, verified_k=verified_k, accepted_run=accepted_run, controller=controller)
+        per_step_usage=per_step_usage, verified_k=verified_k, accepted_run=accepted_run, controller=controller,
+        decode_s=decode_s, decode_tokens=decode_tokens)
 
 
 def warm_up(engine: LLMEngine, tok: Tokenizer) -> None:
@@ -259,7 +284,7 @@ def run_mesh(model: str, args: argparse.Namespace, method: str | None, prompts: 
     topo = Topology.local(model, "inproc", disaggregated=False, threads=args.threads, kv_cache_mb=kv_mb,
                           kvcache=False, prefix_caching=args.prefix_caching, speculative=method,
                           num_speculative_tokens=args.num_speculative_tokens,
-                          adaptive_speculation=not args.no_adaptive)
+                          adaptive_speculation=not args.no_adaptive, weights=getattr(args, "weights", "fp32"))
 
     async def main() -> RunResult:
         mesh = InprocMesh(topo)
@@ -316,12 +341,16 @@ def figures(r: RunResult, base: RunResult | None) -> dict[str, Any]:
     else:
         run_len, run_src = None, "no proposals"
     decode_tokens = r.output_tokens - sum(1 for t in r.outputs.values() if t)
+    decode_tok_s = r.decode_tokens / r.decode_s if r.decode_s > 0 else None
+    base_decode = base.decode_tokens / base.decode_s if base is not None and base.decode_s > 0 else None
     return {
         "output_tokens": r.output_tokens,
         "wall_s": r.wall_s,
         "tok_s": tok_s,
         "speedup": ratio(tok_s, base_tok_s) if base is not None else 1.0,
         "wall_speedup": ratio(base.wall_s, r.wall_s) if base is not None else 1.0,
+        "decode_tok_s": decode_tok_s,
+        "decode_speedup": ratio(decode_tok_s, base_decode) if base is not None else 1.0,
         "proposed": proposed,
         "accepted": accepted,
         "spec_counters_from": src,
@@ -381,6 +410,35 @@ def targets(rows: list[dict[str, Any]], methods: list[str], path: str = "engine"
     return out
 
 
+def decode_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 34's targets on the decode figures (engine path): the best method of each (workload, c) named."""
+    out = []
+    for workload, c, need, key, text in DECODE_TARGETS:
+        got = {f"{x['workload']} {x['method']}": x.get(key) for x in rows
+               if x["path"] == "engine" and x["method"] != BASELINE and x["concurrency"] == c
+               and (workload is None or x["workload"] == workload) and x.get(key) is not None}
+        best_by_workload: dict[str, float] = {}
+        for name, v in got.items():
+            w = name.split()[0]
+            best_by_workload[w] = max(best_by_workload.get(w, v), v)
+        worst = min(best_by_workload.values(), default=None)
+        out.append({"target": text, "minimum": need, "figures": got, "best": worst,
+                    "met": None if worst is None else worst >= need})
+    return out
+
+
+def bound_of(method: str, prompts: list[list[int]], base: RunResult, k: int) -> float | None:
+    """spec_bound's decode bound of `method` at `k` over the baseline's answers (None for a guesser it cannot
+    replay: a draft model)."""
+    try:
+        proposer = make_proposer(method)
+    except ValueError:
+        return None
+    pairs = [(prompts[i], base.outputs[i]) for i in range(len(prompts)) if base.outputs.get(i)]
+    r = replay(proposer, pairs, k)
+    return sum(len(a) for _, a in pairs) / r.steps if r.steps else None
+
+
 # -- printing --------------------------------------------------------------------------------------------------
 
 
@@ -400,13 +458,14 @@ def hist_text(h: Mapping[str, int]) -> str:
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    head = ["path", "workload", "c", "n", "method", "out tok", "wall s", "tok/s", "speedup", "accept", "acc/verify",
-            "tok/step", "steps", "k verified", "controller k"]
+    head = ["path", "workload", "c", "n", "method", "out tok", "wall s", "tok/s", "speedup", "decode x", "bound",
+            "of bound", "accept", "acc/verify", "tok/step", "steps", "k verified", "controller k"]
     body = []
     for x in rows:
         ctrl = x["controller"].get("histogram") or x["controller"].get("last_choices_histogram") or {}
         body.append([x["path"], x["workload"], str(x["concurrency"]), str(x["requests"]), x["method"],
                      str(x["output_tokens"]), fmt(x["wall_s"]), fmt(x["tok_s"], ".1f"), fmt(x["speedup"]) + "x",
+                     fmt(x.get("decode_speedup")) + "x", fmt(x.get("decode_bound")), fmt(x.get("of_bound")),
                      "-" if x["acceptance"] is None else f"{100 * x['acceptance']:.0f}%",
                      fmt(x["mean_accepted_run"]), fmt(x["tokens_per_decode_step"]), fmt(x["engine_steps"], "d"),
                      hist_text(x["verified_k"]), hist_text(ctrl)])
@@ -418,8 +477,11 @@ def print_report(r: dict[str, Any]) -> None:
     for name, text in r["timed_paths"].items():
         print(f"timed path '{name}': {text}")
     print_rows(r["runs"])
-    print("\ncolumns: speedup = tok/s / tok/s of the no-speculation run of the same prompts; accept = accepted / "
-          "proposed (engine stats; through the mesh, the requests' final usage); acc/verify = accepted tokens per "
+    print("\ncolumns: speedup = tok/s / tok/s of the no-speculation run of the same prompts; decode x = the same over "
+          "the steps in which no request waited for its first token; bound = spec_bound's free-verification decode "
+          "bound for the method at this k over the baseline's answers; of bound = decode x / bound; "
+          "accept = accepted / proposed (engine stats; through the mesh, the requests' final usage); "
+          "acc/verify = accepted tokens per "
           "request-step that verified a proposal (from per-step usage; 'approx' in the JSON when not derivable); "
           "tok/step = completion tokens after the first per step a request took part in; steps = engine steps; "
           "k verified = histogram of proposal sizes verified (k:count); controller k = the controller's own "
@@ -437,6 +499,10 @@ def print_report(r: dict[str, Any]) -> None:
             where = "-" if low is None else (f"lowest {fmt(low['speedup'])}x ({low['workload']}, "
                                              f"c={low['concurrency']}, {low['method']})")
             print(f"  {t['target']:<66} {where:<28} {met}")
+    print("\nissue 34's targets, decode alone (engine path; the best method of each workload):")
+    for t in r.get("decode_targets", []):
+        met = {None: "not run", True: "met", False: "NOT met"}[t["met"]]
+        print(f"  {t['target']:<78} worst {fmt(t['best'])}  {met}")
     if r["mismatches"]:
         print(f"\nOUTPUT MISMATCHES: {len(r['mismatches'])} request(s) differ from the no-speculation run")
         for x in r["mismatches"]:
@@ -484,7 +550,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["--quick"] if args.quick else []
     parts += ["--concurrency", ",".join(map(str, args.concurrency)), "--methods", ",".join(args.methods),
               "--workloads", ",".join(args.workloads), "--threads", str(args.threads),
-              "--num-speculative-tokens", str(args.num_speculative_tokens)]
+              "--num-speculative-tokens", str(args.num_speculative_tokens), "--weights", args.weights]
     parts += (["--no-adaptive"] if args.no_adaptive else []) + (["--prefix-caching"] if args.prefix_caching else [])
     parts += ["--mesh"] if args.mesh else []
     if args.max_tokens:
@@ -518,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="EngineConfig.num_speculative_tokens")
+    ap.add_argument("--weights", choices=("fp32", "native"), default="fp32", help="fp32 (the GGUF dequantised on "
+                    "load) or native (its Q4_1/Q8_0 blocks packed, as the CLI serves a GGUF by default)")
     ap.add_argument("--no-adaptive", action="store_true", help="adaptive_speculation=False (always propose the cap)")
     ap.add_argument("--prefix-caching", action="store_true", help="enable the device prefix cache (default off "
                     "everywhere; each run has a fresh engine either way)")
@@ -556,10 +624,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     path = fetch_smollm2()
-    loaded: LoadedModel = load_model_weights(path)
+    loaded: LoadedModel = load_model_weights(path, weights=args.weights)
     tok = Tokenizer.load(path)
     r: dict[str, Any] = {
-        "model": f"SmolLM2-135M-Instruct fp32 ({path.name})", "fingerprint": loaded.fingerprint, "command": command,
+        "model": f"SmolLM2-135M-Instruct {loaded.weights} ({path.name})", "fingerprint": loaded.fingerprint,
+        "command": command,
         "timed_paths": {"engine": PATH} | ({"mesh": MESH_PATH} if args.mesh else {}), "methods": args.methods,
         "concurrency": args.concurrency, "workloads": {}, "runs": [], "mismatches": [], "path_mismatches": [],
         "env": {"threads": args.threads, "torch": torch.__version__, "python": platform.python_version(),
@@ -598,15 +667,20 @@ def main(argv: list[str] | None = None) -> int:
                             r["mismatches"] += [tag | x for x in mismatches(tok, items, base, res)]
                         elif where != "engine" and engine_base is not None:
                             r["path_mismatches"] += [tag | x for x in mismatches(tok, items, engine_base, res)]
+                bounds = {m: bound_of(m, prompts, rounds[0][BASELINE], args.num_speculative_tokens)
+                          for m in args.methods}
                 for name in [m or BASELINE for m in order]:
                     row = {"path": where, "workload": w, "concurrency": c, "requests": n, "method": name,
                            "max_tokens": max_tokens} | median_round(rounds, name)
+                    row["decode_bound"] = bounds.get(name)
+                    row["of_bound"] = ratio(row["decode_speedup"], row["decode_bound"])
                     r["runs"].append(row)
                     each = " ".join(fmt(x) for x in row["round_speedups"])
                     print(f"  {where}: {w} c={c} {name}: {row['output_tokens']} tokens in {row['wall_s']:.2f} s = "
                           f"{fmt(row['tok_s'], '.1f')} tok/s, {fmt(row['speedup'])}x"
                           + (f" (rounds: {each})" if len(rounds) > 1 else ""), file=sys.stderr, flush=True)
     r["targets"] = [t for where in r["timed_paths"] for t in targets(r["runs"], args.methods, where)]
+    r["decode_targets"] = decode_targets(r["runs"])
     r["env"]["loadavg_end"] = os.getloadavg()
     r["elapsed_s"] = time.perf_counter() - started
     print_report(r)
