@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = "def rename(items):\n    return [item.strip().lower() for item in items if item]\n" * 40
         prompt = tok.encode(text)[: args.context]
         macs = macs_per_row(engines[1])
-        stack = engines[1].model_runner.model.decode_stack()
+        stack = engines[1].runner.model.decode_stack()
         paths = {r: "loop" if stack is not None and r <= stack.max_rows() else "per-op" for r in rows}
         for e in engines.values():  # warm-up: kernels, pages
             step_seconds(e, prompt, 4)
