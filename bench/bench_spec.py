@@ -485,7 +485,8 @@ def print_report(r: dict[str, Any]) -> None:
           "request-step that verified a proposal (from per-step usage; 'approx' in the JSON when not derivable); "
           "tok/step = completion tokens after the first per step a request took part in; steps = engine steps; "
           "k verified = histogram of proposal sizes verified (k:count); controller k = the controller's own "
-          "choices (k:count, 0 = no speculation for that request in that step), when it exposes them")
+          "choices (k:count, 0 = no speculation for that request in that step) over the offers whose guesser proposed "
+          "something, when it exposes them")
     print("\ntargets (from the issue; checked by the lead, not by this script's exit status):")
     for t in r["targets"]:
         if len(r["timed_paths"]) > 1:

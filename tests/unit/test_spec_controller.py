@@ -282,8 +282,9 @@ def test_acceptance_rate_counters_and_choices():
     assert ks == sc.last_choices == [4, 2, 0]
     sc.last_choices.append(9)  # a copy
     assert sc.last_choices == [4, 2, 0]
-    assert sc.k_histogram == [1, 0, 1, 0, 1]
-    assert sc.counters == {"steps": 1, "explorations": 0, "drafted": 6, "proposed": 12, "accepted": 7}
+    assert sc.k_histogram == [0, 0, 1, 0, 1]  # "z" proposed nothing: no choice, counted apart
+    assert sc.counters == {"steps": 1, "explorations": 0, "drafted": 6, "proposed": 12, "accepted": 7,
+                           "unproposed": 1}
     assert MIN_GAIN < 0.01
 
 

@@ -169,7 +169,9 @@ class SpecController:
         self._window: deque[tuple[int, int]] = deque(maxlen=window)
         self._win_proposed = self._win_accepted = 0
         self.steps = self.explorations = self.drafted = self.proposed = self.accepted = 0
-        self.k_histogram = [0] * (max_k + 1)  # chosen k over all offers so far
+        # Chosen k over the offers that proposed something (0: declined); offers of nothing are counted apart.
+        self.k_histogram = [0] * (max_k + 1)
+        self.unproposed = 0
         self._last: list[int] = []
 
     # -- estimates ---------------------------------------------------------------------------------
@@ -195,8 +197,11 @@ class SpecController:
         top = self.max_k
         caps = [(k if k < top else top) if k > 0 else 0 for _, k, _ in offers]  # min/max calls cost 2x here
         ks = self._allocate(offers, caps, max(1, base_rows), costly, base_tokens) if self.adaptive else caps
-        for k in ks:
-            self.k_histogram[k] += 1
+        for k, cap in zip(ks, caps):
+            if cap:
+                self.k_histogram[k] += 1
+            else:  # the guesser had nothing to propose: no choice was made
+                self.unproposed += 1
         self.drafted += sum(ks)
         self._last = ks
         return list(ks)
@@ -310,4 +315,4 @@ class SpecController:
     @property
     def counters(self) -> dict[str, int]:
         return {"steps": self.steps, "explorations": self.explorations, "drafted": self.drafted,
-                "proposed": self.proposed, "accepted": self.accepted}
+                "proposed": self.proposed, "accepted": self.accepted, "unproposed": self.unproposed}
