@@ -264,7 +264,37 @@ def test_forget_drops_a_requests_estimate():
     assert sc.acceptance("r0") > 0.9
     sc.forget("r0")
     sc.forget("never-seen")
-    assert sc.acceptance("r0") == 0.3
+    assert sc.acceptance("r0") == sc.prior_rate == sc.pooled_acceptance > 0.9  # back to the pooled rate
+
+
+def test_a_new_or_idle_request_starts_from_the_pooled_rate_never_below_the_prior():
+    # A 2-row step at 1.4x a 1-row one: one draft pays only above ~0.53 (with the draft value's shading).
+    sc = SpecController(4, explore_every=0)
+    for rows, ms in [(1, 10.0), (2, 14.0), (3, 18.0), (5, 26.0)]:
+        sc.record_step(rows, ms / 1e3)
+    for i in range(10):  # requests before this one accepted nearly everything
+        accept_all(sc, f"old{i}", times=3)
+    assert sc.pooled_acceptance > 0.9
+    assert sc.choose([("new", 4, None)], base_rows=1) == [4]  # starts at the pooled rate: worth the rows
+    for _ in range(3):  # one stretch of rejections pushes its own estimate below break-even
+        sc.record_acceptance("new", 4, 0)
+    assert sc.choose([("new", 4, None)], base_rows=1) == [0]
+    steps = 0
+    while sc.choose([("new", 4, None)], base_rows=1) == [0]:  # idle, it drifts back to the pooled rate
+        steps += 1
+        assert steps < 200
+    # With a fixed prior of 0.5 it would stay declined: its estimate drifts only to 0.5, below break-even.
+    fixed = SpecController(4, explore_every=0)
+    for rows, ms in [(1, 10.0), (2, 14.0), (3, 18.0), (5, 26.0)]:
+        fixed.record_step(rows, ms / 1e3)
+    for _ in range(3):
+        fixed.record_acceptance("new", 4, 0)
+    assert all(fixed.choose([("new", 4, None)], base_rows=1) == [0] for _ in range(400))
+    # A pool made low by other text never starts a request below the prior.
+    low = SpecController(4, prior_acceptance=0.5)
+    for i in range(10):
+        low.record_acceptance(f"chat{i}", 4, 0)
+    assert low.pooled_acceptance < 0.1 and low.acceptance("new") == low.prior_rate == 0.5
 
 
 def test_acceptance_rate_counters_and_choices():
@@ -276,8 +306,9 @@ def test_acceptance_rate_counters_and_choices():
     sc.record_acceptance("a", 2, 1)  # the first record leaves the window
     assert sc.acceptance_rate == pytest.approx(1 / 6)
     sc.record_acceptance("a", 0, 0)  # nothing proposed: nothing recorded
+    start = sc.prior_rate  # a new request's estimate starts at the prior rate, over PRIOR_WEIGHT pseudo-trials
     sc.record_acceptance("b", 2, 5)  # clipped to what was proposed
-    assert sc.acceptance("b") == pytest.approx((0.9 * 1.0 + 2) / (0.9 * 2.0 + 2))
+    assert sc.acceptance("b") == pytest.approx((0.9 * 2 * start + 2) / (0.9 * 2.0 + 2))
     ks = sc.choose([("x", 4, None), ("y", 2, None), ("z", 0, None)], base_rows=3)
     assert ks == sc.last_choices == [4, 2, 0]
     sc.last_choices.append(9)  # a copy
