@@ -25,13 +25,14 @@ from typing import Any
 
 import jinja2
 
+from deepinfer.grammar.spec import JSON_LAYOUT
 from deepinfer.text.tokenizer import template_variables
 
 # A call as a format reads it: the tool's name and its arguments (not yet checked against the request's tools).
 RawCall = tuple[Any, Any]
-# The one JSON layout of every constrained JSON answer (grammar.compile), and non-strict: keywords the grammar
-# engine cannot enforce in a tool's parameters are ignored rather than refused.
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+# Every constrained JSON answer's layout, non-strict: keywords the grammar engine cannot enforce in a tool's
+# parameters are ignored rather than refused.
+_LAYOUT = {**JSON_LAYOUT, "lenient": True}
 
 
 @dataclass(frozen=True)

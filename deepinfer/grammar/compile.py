@@ -11,16 +11,12 @@ import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
 
 import llguidance
 
-from deepinfer.grammar.spec import ConstraintSpec, GrammarError
+from deepinfer.grammar.spec import JSON_LAYOUT, ConstraintSpec, GrammarError
 from deepinfer.grammar.vocab import GrammarVocab
 
-# One fixed JSON layout: `{"a": 1, "b": [2, 3]}`. Flexible whitespace would let a model emit whitespace without
-# end (small models do), and one layout keeps outputs for a schema comparable across runs and engines.
-_JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = '{"type":"object"}'
 
 
@@ -29,10 +25,10 @@ def grammar_text(spec: ConstraintSpec) -> str:
     wrap; whether the grammar itself is valid is found when it is compiled. Raises GrammarError."""
     try:
         if spec.kind == "json_schema":
-            overrides = {**_JSON_LAYOUT, "lenient": not spec.strict}
+            overrides = {**JSON_LAYOUT, "lenient": not spec.strict}
             return llguidance.LLMatcher.grammar_from_json_schema(spec.canonical_text(), overrides=overrides)
         if spec.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, overrides=_JSON_LAYOUT)
+            return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, overrides=JSON_LAYOUT)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.text)
         # "grammar" takes Lark, and converts GBNF to Lark when the text is GBNF.

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar"]
+
+# The one layout of every constrained JSON answer: `{"a": 1, "b": [2, 3]}` (llguidance's JSON overrides; a schema
+# embedded in a grammar carries it as "x-guidance"). Flexible whitespace would let a model emit whitespace without
+# end (small models do), and one layout keeps outputs for a schema comparable across runs and engines.
+JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "grammar")
 
 
