@@ -202,8 +202,7 @@ class SpecController:
     @property
     def prior_rate(self) -> float:
         """Where a request's own estimate starts and drifts back to while idle (module docstring)."""
-        pooled = self._pool[0] / self._pool[1]
-        return pooled if pooled > self.prior else self.prior
+        return max(self.pooled_acceptance, self.prior)
 
     def step_cost(self, rows: int) -> float:
         return self.step_curve(rows)
