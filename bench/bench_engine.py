@@ -174,10 +174,15 @@ def linear_caps(cfg: ModelConfig, sd: dict[str, torch.Tensor], rows: list[int], 
     return caps
 
 
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of torch's n×n×n fp32 matmul, best of `repeats` (on the threads torch has been given)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / best_time(lambda: a @ b, repeats) / 1e9
+
+
 def matmul_ceiling(cfg: ModelConfig, sd: dict[str, torch.Tensor], n: int = 2048) -> dict[str, float]:
     """GFLOP/s of an n×n×n fp32 matmul, and the tokens/s it allows at 2 FLOPs per weight per token."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    gflops = 2 * n**3 / best_time(lambda: a @ b, 5) / 1e9
+    gflops = matmul_gflops(n)
     params = sum(t.numel() for k, t in sd.items() if k != "embed_tokens")
     if cfg.tie_word_embeddings:
         params += sd["embed_tokens"].numel()  # the lm_head matmul still runs once per token

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bench.bench_engine import matmul_gflops
 from deepinfer.config.engine import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.request import SamplingParams
@@ -83,18 +84,6 @@ def macs_per_row(engine: LLMEngine) -> int:
     return c.num_layers * per_layer + c.vocab_size * c.hidden_size
 
 
-def fma_peak_flops(threads: int) -> float:
-    """fp32 multiply-adds x 2 per second of torch's matmul on a 1024 square (the floor's divisor)."""
-    torch.set_num_threads(threads)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best = float("inf")
-    for _ in range(20):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-    return 2 * 1024**3 / best
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,3,5,9,17")
@@ -111,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = str(fetch_smollm2(progress=False))
     report: dict[str, object] = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                                  "torch": torch.__version__, "args": vars(args), "arms": []}
-    peak = fma_peak_flops(args.threads)
+    torch.set_num_threads(args.threads)
+    peak = matmul_gflops() * 1e9
     print(f"fp32 matmul peak here: {peak / 1e9:.0f} GFLOP/s ({args.threads} threads)")
     for weights in args.weights.split(","):
         engines = {r: engine_for(path, weights, r, args.threads) for r in rows}
