@@ -50,16 +50,19 @@ def kv_cache_dtype_name(value: str) -> str:
 
 
 # The `--speculative` grammar: a method is a kind, then the argument that kind takes after a colon —
-# none (""), a positive layer count ("L", as in self:8) or a path ("PATH", as in draft:/models/small).
+# none (""), a positive layer count ("L", as in self:8), a path ("PATH", as in draft:/models/small) or,
+# optionally, draft trees ("tree", as in ngram:tree or ngram:tree=8: up to that many leaves, DEFAULT_TREE_LEAVES
+# without a count; speculative/tree.py).
 # This layer knows only the grammar; the guesser each kind builds is registered with the engine
 # (deepinfer.engine.speculative.registry), which refuses a kind with none, and a test keeps the two sets equal.
-NO_ARGUMENT, LAYERS, PATH = "", "L", "PATH"
-KINDS: dict[str, str] = {"ngram": NO_ARGUMENT, "suffix": NO_ARGUMENT, "self": LAYERS, "draft": PATH}
+NO_ARGUMENT, LAYERS, PATH, TREE = "", "L", "PATH", "tree"
+KINDS: dict[str, str] = {"ngram": TREE, "suffix": TREE, "self": LAYERS, "draft": PATH}
+DEFAULT_TREE_LEAVES, MAX_TREE_LEAVES = 4, 16
 
 
 def speculative_methods() -> str:
-    """The methods the grammar accepts, for messages and help: "ngram, suffix, self:L or draft:PATH"."""
-    forms = [f"{kind}:{arg}" if arg else kind for kind, arg in KINDS.items()]
+    """The methods the grammar accepts, for messages and help: "ngram[:tree[=N]], ..., self:L or draft:PATH"."""
+    forms = [f"{kind}[:tree[=N]]" if arg == TREE else f"{kind}:{arg}" if arg else kind for kind, arg in KINDS.items()]
     return f"{', '.join(forms[:-1])} or {forms[-1]}" if len(forms) > 1 else forms[0]
 
 
@@ -70,8 +73,11 @@ class SpeculativeSpec:
     kind: str
     num_layers: int | None = None  # a LAYERS kind's count (self:L)
     path: str | None = None  # a PATH kind's path (draft:PATH)
+    tree_leaves: int = 1  # a TREE kind's most leaves per draft tree (1: chains)
 
     def __str__(self) -> str:
+        if self.tree_leaves > 1:
+            return f"{self.kind}:tree={self.tree_leaves}"
         if KINDS.get(self.kind) == LAYERS:
             return f"{self.kind}:{self.num_layers}"
         if KINDS.get(self.kind) == PATH:
@@ -84,7 +90,13 @@ def parse_speculative(text: str) -> SpeculativeSpec:
     kind, _, arg = str(text).partition(":")
     if kind not in KINDS:
         raise ConfigError(f"unknown speculative method {text!r}; expected {speculative_methods()}")
-    if KINDS[kind] == NO_ARGUMENT:
+    if KINDS[kind] == TREE and arg:
+        word, eq, count = arg.partition("=")
+        if word != "tree" or (eq and not (count.isdigit() and 2 <= int(count) <= MAX_TREE_LEAVES)):
+            raise ConfigError(f"{kind} takes no argument or tree[=N], N in [2, {MAX_TREE_LEAVES}] leaves "
+                              f"(got {text!r})")
+        return SpeculativeSpec(kind, tree_leaves=int(count) if eq else DEFAULT_TREE_LEAVES)
+    if KINDS[kind] in (NO_ARGUMENT, TREE):
         if arg:
             raise ConfigError(f"speculative method {kind!r} takes no argument (got {text!r})")
         return SpeculativeSpec(kind)

@@ -28,9 +28,10 @@ The contract between a step's callers and this module is `layout(segments)`: eac
 of consecutive tokens of one sequence with its block table. A one-token segment, or one marked
 `rows` (speculative verification, a draft's catch-up that must stay on the kernel), becomes decode
 rows — one per token, each with context up to its own position, sharing the sequence's block table:
-every row's K/V is written before attention, so a row sees the rows before it and none after. Any
-other segment is a prefill chunk. `layout` builds the token tensors, the metadata and the logits
-rows; the model runner and the draft models both step through it.
+every row's K/V is written before attention, so a row sees the rows before it and none after. A segment
+with a draft `tree` (speculative/tree.py) is a prefill chunk whose rows sit at their nodes' depths and see
+their ancestors only (`PrefillChunk.mask`). Any other segment is a prefill chunk. `layout` builds the token
+tensors, the metadata and the logits rows; the model runner and the draft models both step through it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.engine.attention_backend import NATIVE, AttentionBackend, backend_for
+from deepinfer.engine.speculative.tree import depths, tree_mask
 
 if TYPE_CHECKING:
     from deepinfer.engine.models.rope import RotaryTable
@@ -56,6 +58,16 @@ class PrefillChunk:
     q_len: int
     context_len: int
     block_ids: torch.Tensor  # int64, the blocks covering context_len tokens
+    # [q_len, context_len] bool, which keys each query sees: a draft tree's (tree.tree_mask). None: causal, the
+    # query i at slot context_len - q_len + i seeing every key up to it.
+    mask: torch.Tensor | None = None
+
+    def attention_mask(self, device: torch.device) -> torch.Tensor:
+        """The mask to attend with when the chunk reads earlier context (for a fresh chunk, causal is implied)."""
+        if self.mask is not None:
+            return self.mask.to(device)
+        return torch.ones(self.q_len, self.context_len, dtype=torch.bool, device=device).tril(
+            self.context_len - self.q_len)
 
 
 @dataclass
@@ -89,6 +101,9 @@ class Segment:
     block_ids: Sequence[int]  # the sequence's block table, covering start + len(token_ids) positions
     rows: bool = False  # lay out as decode rows even when longer than one token
     num_logits: int = 0  # logits wanted for this many trailing tokens
+    # A draft tree's parents for token_ids[1:] (speculative/tree.py): token i + 1 is node i, at slot start + 1 + i,
+    # rotary position start + its depth, attending to its ancestors only.
+    tree: Sequence[int] | None = None
 
 
 @dataclass
@@ -105,11 +120,12 @@ def layout(segments: Sequence[Segment], block_size: int, backend: AttentionBacke
     runner's (a bool picks the native or the torch backend, for callers that still choose by flag)."""
     if isinstance(backend, bool):
         backend = backend_for(backend)
-    as_rows = [s for s in segments if len(s.token_ids) == 1 or s.rows]
-    chunks = [s for s in segments if len(s.token_ids) > 1 and not s.rows]
+    as_rows = [s for s in segments if (len(s.token_ids) == 1 or s.rows) and s.tree is None]
+    chunks = [s for s in segments if len(s.token_ids) > 1 and (not s.rows or s.tree is not None)]
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    slot_positions: list[int] = []
     tables: list[Sequence[int]] = []
     prefills: list[PrefillChunk] = []
     first_row: dict[int, int] = {}
@@ -118,15 +134,22 @@ def layout(segments: Sequence[Segment], block_size: int, backend: AttentionBacke
         first_row[id(seg)] = len(ids)
         if is_chunk:
             context = start + n
+            mask = None if seg.tree is None else tree_mask(seg.tree, start)
             prefills.append(PrefillChunk(len(ids), n, context,
-                                         torch.tensor(list(blocks[: -(-context // block_size)]), dtype=torch.int64)))
+                                         torch.tensor(list(blocks[: -(-context // block_size)]), dtype=torch.int64),
+                                         mask))
         else:
             tables.extend([blocks] * n)
         ids.extend(seg.token_ids)
-        positions.extend(range(start, start + n))
+        if seg.tree is None:
+            positions.extend(range(start, start + n))
+        else:
+            positions.extend([start] + [start + d for d in depths(seg.tree)])
+        slot_positions.extend(range(start, start + n))  # a tree's nodes too: slots in node order
         slots.extend(blocks[p // block_size] for p in range(start, start + n))
     pos = torch.tensor(positions, dtype=torch.int64)
-    meta = AttentionMetadata(slot_blocks=torch.tensor(slots, dtype=torch.int64), slot_offsets=pos % block_size,
+    meta = AttentionMetadata(slot_blocks=torch.tensor(slots, dtype=torch.int64),
+                             slot_offsets=torch.tensor(slot_positions, dtype=torch.int64) % block_size,
                              num_decode=len(tables), prefills=prefills, backend=backend)
     if tables:
         contexts = [p + 1 for p in positions[: len(tables)]]
@@ -187,12 +210,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for chunk in meta.prefills:
         rows = slice(chunk.q_start - start, chunk.q_start - start + chunk.q_len)
         qh = q[rows].transpose(0, 1)  # [heads, q_len, D]
-        if chunk.context_len == chunk.q_len:
+        if chunk.context_len == chunk.q_len and chunk.mask is None:
             kh, vh = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
             kh = _gather(k_cache, chunk, block_size, q.dtype)
             vh = _gather(v_cache, chunk, block_size, q.dtype)
-        backend.prefill_attention(qh, kh, vh, scale, out[rows])
+        backend.prefill_attention(qh, kh, vh, scale, out[rows], chunk.mask)
     return out
 
 

@@ -54,9 +54,10 @@ class AttentionBackend:
     * `decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=None)` — one query per
       row, q [B, heads, D], over its paged context (K/V already stored); returns out [B, heads, D].
       MLA's absorbed decode runs on it with one latent K/V head.
-    * `prefill_attention(q, k, v, scale, out)` — one prefill chunk's causal attention: q [heads, q_len, D]
-      are the last q_len positions of the context k, v [kv_heads, context_len, D] (query i sees the keys
-      up to context_len - q_len + i); writes out [q_len, heads, D].
+    * `prefill_attention(q, k, v, scale, out, mask=None)` — one prefill chunk's causal attention: q [heads,
+      q_len, D] are the last q_len positions of the context k, v [kv_heads, context_len, D] (query i sees the
+      keys up to context_len - q_len + i); writes out [q_len, heads, D]. A `mask` ([q_len, context_len] bool, a
+      draft tree's) says instead which keys each query sees.
     * `layer_loop(model)` — the native fast path: the C loop that runs a step of decode rows through every
       layer of `model` in one call (`kernels.decode_layers.DecodeStack`; it calls this backend's kernels in
       the per-op order, so the same bits), or None: the model takes its per-op path.
@@ -95,7 +96,7 @@ class AttentionBackend:
         raise NotImplementedError
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -129,8 +130,8 @@ class TorchAttention(AttentionBackend):
         return kernels.paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, out)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          out: torch.Tensor) -> None:
-        _sdpa_prefill(q, k, v, scale, out)
+                          out: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        _sdpa_prefill(q, k, v, scale, out, mask)
 
 
 class NativeAttention(AttentionBackend):
@@ -166,20 +167,26 @@ class NativeAttention(AttentionBackend):
         return kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          out: torch.Tensor) -> None:
-        # AMX tiles (fp32's accuracy, ~1.8x SDPA on a 1,024-token chunk) where the CPU and the shape allow.
-        if q.dtype == torch.float32 and q.is_cpu and attention_amx.supports(q.shape[2], q.shape[0], k.shape[0]):
+                          out: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        # AMX tiles (fp32's accuracy, ~1.8x SDPA on a 1,024-token chunk) where the CPU and the shape allow; the
+        # tiles are causal only, so a draft tree's mask takes SDPA.
+        if (mask is None and q.dtype == torch.float32 and q.is_cpu
+                and attention_amx.supports(q.shape[2], q.shape[0], k.shape[0])):
             attention_amx.prefill_attention(q, k, v, scale, out=out)
         else:
-            _sdpa_prefill(q, k, v, scale, out)
+            _sdpa_prefill(q, k, v, scale, out, mask)
 
 
-def _sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+def _sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> None:
     """`AttentionBackend.prefill_attention` with torch's SDPA."""
     q_len, context_len = q.shape[1], k.shape[1]
     # SDPA takes its fused (flash) CPU path only for 4-D inputs; 3-D falls back to the math
     # path, which materialises every score and ran ~7x slower on a 1k-token prefill.
-    if context_len == q_len:
+    if mask is not None:
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           attn_mask=mask.to(q.device), scale=scale, enable_gqa=True)
+    elif context_len == q_len:
         o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                            scale=scale, enable_gqa=True)
     else:

@@ -64,6 +64,7 @@ from deepinfer.engine.request import (
 )
 from deepinfer.engine.sampler import Sampler, token_logprobs
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from deepinfer.engine.speculative import tree
 from deepinfer.engine.speculative.speculator import Speculator, build_proposer
 from deepinfer.engine.speculative.verify import VerifyGroup, VerifyResult, verify
 from deepinfer.engine.structured import StepMasks, StructuredOutput
@@ -437,7 +438,7 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
         probs = self.speculator.draft_probs(chunk) if self.speculator is not None else None
         rows, num_masked = masks.get(r.request_id, (None, 0))
         return VerifyGroup(r.params, r.prompt_token_ids, r.output_token_ids, self._generators[r.request_id],
-                           chunk.draft_token_ids, probs, rows, num_masked)
+                           chunk.draft_token_ids, probs, rows, num_masked, chunk.draft_parents)
 
     def _commit(self, chunk: ScheduledChunk, result: VerifyResult) -> tuple[list[int], FinishReason | None]:
         """Append the verified run to the request, token by token, stopping at the first stop; set the
@@ -455,6 +456,9 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
             if reason is not None:
                 break
         self.stats.tokens_generated += len(new_tokens)
+        if result.walked:  # a draft tree: the walked nodes' K/V to the chain positions their tokens now hold
+            root = chunk.start + 1
+            self.runner.move_slots(req.block_ids, [(root + node, root + j) for node, j in tree.moves(result.walked)])
         end = chunk.start + chunk.num_new_tokens
         # KV exists for the step's positions up to the last accepted draft; of those, a position stays
         # only if its token was committed and is not the last one (whose KV the next step computes).
@@ -464,7 +468,7 @@ class LLMEngine(HandoffMixin, PrefixCacheMixin, ExpertParallelMixin, OutputsMixi
             self.stats.spec_proposed_tokens += chunk.num_spec
             committed_drafts = min(result.num_accepted, len(new_tokens) - 1)
             self.stats.spec_accepted_tokens += committed_drafts
-            self.speculator.record(chunk, result.num_accepted, committed_drafts)
+            self.speculator.record(chunk, result.num_accepted, committed_drafts, result.walked)
         return new_tokens, reason
 
     def _hold(self, req: Request) -> None:

@@ -14,6 +14,7 @@ step's metadata carries to the model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,8 @@ class ModelRunner:
             else:
                 sample_rows.extend(range(row, row + logits))
             row += logits
-            segments.append(Segment(tokens, start, req.block_ids, rows=chunk.num_spec > 0, num_logits=logits))
+            segments.append(Segment(tokens, start, req.block_ids, rows=chunk.num_spec > 0, num_logits=logits,
+                                    tree=chunk.draft_parents if chunk.num_spec else None))
             if chunk.samples:
                 sampled.append(chunk)
         step = layout(segments, self.block_size, self.backend)
@@ -123,6 +125,13 @@ class ModelRunner:
         sample_logits = logits.index_select(0, torch.tensor(inputs.sample_rows, dtype=torch.long,
                                                             device=logits.device))
         return inputs.sampled, sample_logits, prompt
+
+    def move_slots(self, block_ids: Sequence[int], moves: Sequence[tuple[int, int]]) -> None:
+        """Copy the K/V of position `src` to position `dst` of a sequence, in every layer, for each (src, dst) in
+        order (a verified draft tree's walked nodes taking their chain positions: speculative/tree.py)."""
+        bs = self.block_size
+        for src, dst in moves:
+            self.kv[block_ids[dst // bs], :, :, dst % bs] = self.kv[block_ids[src // bs], :, :, src % bs]
 
     def execute_empty(self) -> None:
         """A forward of zero tokens, for a rank of an expert-parallel group with nothing scheduled. Of an

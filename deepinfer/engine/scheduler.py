@@ -82,6 +82,8 @@ class ScheduledChunk:
     # Draft tokens among num_new_tokens (the chunk's last ones); their ids, filled in by the engine.
     num_spec: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # A draft tree's parents (speculative/tree.py), None for a chain.
+    draft_parents: list[int] | None = None
     # Set by the engine before `update`: trailing tokens of the chunk whose KV is not kept.
     num_rejected: int = 0
     # len(request.block_ids) before this step allocated for it (a rollback never goes below it).

@@ -46,11 +46,12 @@ def speculation_options(f):  # type: ignore[no-untyped-def]
     opts = [
         click.option("--speculative", metavar="METHOD", default=None, callback=_check_speculative,
                      help="Speculative decoding: ngram, suffix, self:L (the model's first L layers as the draft) or "
-                          "draft:PATH (a smaller model with the same tokenizer). Runs where decoding does: "
+                          "draft:PATH (a smaller model with the same tokenizer); ngram:tree[=N] and suffix:tree[=N] "
+                          "propose draft trees of up to N (4) branches. Runs where decoding does: "
                           "on decode and co-located workers. Greedy output does not change. Default: off."),
         click.option("--num-speculative-tokens", type=click.IntRange(MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS),
                      default=DEFAULT_NUM_SPECULATIVE_TOKENS, show_default=True,
-                     help="The most draft tokens proposed per request per step."),
+                     help="The most draft tokens (a tree's nodes) verified per request per step."),
         click.option("--no-adaptive-speculation", is_flag=True,
                      help="Always propose up to --num-speculative-tokens instead of letting the controller "
                           "choose each step's count from measured costs and acceptance."),

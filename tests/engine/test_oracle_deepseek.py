@@ -176,6 +176,23 @@ def test_self_draft_keeps_greedy_output(ds_case):  # type: ignore[no-untyped-def
     assert_whole(e)
 
 
+def test_draft_trees_keep_greedy_output(ds_case):  # type: ignore[no-untyped-def]
+    """A draft tree's rows attend through the latent cache with the tree's mask (mla.py), and walked branch nodes'
+    latents move to their chain positions: greedy output stays transformers'."""
+    from tests.engine.test_spec_tree import ScriptedTreeProposer
+
+    _, hf, loaded, oracle = ds_case
+    e = LLMEngine(loaded, None, EngineConfig(block_size=BLOCK, num_kv_blocks=256, speculative="ngram",
+                                             num_speculative_tokens=6, adaptive_speculation=False))
+    batch = prompts()[2:6]
+    assert e.speculator is not None
+    e.speculator.proposer = ScriptedTreeProposer({tuple(p): oracle(p) for p in batch}, vocab=VOCAB)
+    for p, out in zip(batch, run(e, batch, stagger=False)):
+        assert_same_greedy(hf, p, out.token_ids, oracle(p))
+    assert e.stats.spec_accepted_tokens > 0
+    assert_whole(e)
+
+
 def test_router_chooses_and_weighs_like_transformers(ds_case):  # type: ignore[no-untyped-def]
     """Every sparse layer's routing of random hidden states, against transformers' gate: the same expert
     sets with the same weights (exactly: same calls, same order). In the tied layer every choice is a tie."""

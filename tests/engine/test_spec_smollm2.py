@@ -1,7 +1,8 @@
 """Speculative decoding on SmolLM2-135M-Instruct against transformers on the same weights: every
-guesser keeps greedy output token for token, on prompts whose answers repeat their input (so the
-lookup guessers are accepted) and on one that does not; with forced chunked prefill and preemption;
-and a stop string that falls inside an accepted run cuts it exactly where plain decoding stops."""
+guesser (and the lookup guessers' draft trees) keeps greedy output token for token, on prompts whose
+answers repeat their input (so the lookup guessers are accepted) and on one that does not; with forced
+chunked prefill and preemption; and a stop string that falls inside an accepted run cuts it exactly
+where plain decoding stops."""
 
 from __future__ import annotations
 
@@ -37,21 +38,23 @@ def run(loaded, tok, prompts, speculative, params, **kw):  # type: ignore[no-unt
     return e.generate(prompts, params), e
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "self:8"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "self:8", "ngram:tree", "suffix:tree=8"])
 def test_every_guesser_matches_transformers(smollm2, method):
     loaded, tok, hf, prompts, refs = smollm2
+    k = 8 if "tree" in method else 4  # room for branches beside the main chain
     outs, e = run(loaded, tok, prompts, method, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
-                  **MODES["ample"])
+                  num_speculative_tokens=k, **MODES["ample"])
     for p, out, ref in zip(prompts, outs, refs):
         assert_same_greedy(hf, p, out.token_ids, ref)
     assert e.stats.spec_accepted_tokens > 0
     assert e.num_free_blocks == e.pool.num_blocks
 
 
+@pytest.mark.parametrize("method", ["ngram", "ngram:tree"])
 @pytest.mark.parametrize("mode", ["chunked", "preempt"])
-def test_ngram_under_chunking_and_preemption(smollm2, mode):
+def test_ngram_under_chunking_and_preemption(smollm2, mode, method):
     loaded, tok, hf, prompts, refs = smollm2
-    outs, e = run(loaded, tok, prompts, "ngram", SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+    outs, e = run(loaded, tok, prompts, method, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
                   **MODES[mode])
     for p, out, ref in zip(prompts, outs, refs):
         assert_same_greedy(hf, p, out.token_ids, ref)

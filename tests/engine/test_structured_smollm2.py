@@ -128,6 +128,30 @@ def test_drafts_the_constraint_allows_are_accepted_and_one_it_forbids_is_not(smo
     assert 0 < e.stats.spec_accepted_tokens < e.stats.spec_proposed_tokens
 
 
+def test_a_tree_guesser_is_cut_to_its_main_chains_under_a_constraint(smollm2_oracle) -> None:  # type: ignore[no-untyped-def]
+    # The prompt branches ("The quick brown fox ..." / "The quick brown cat ..."), so lookup proposes trees; the
+    # constraint's masks follow a chain, so a constrained request is offered each tree's main chain only.
+    o = smollm2_oracle
+    [prompt] = o.chat(["Copy these two sentences: The quick brown fox jumps over the lazy dog. "
+                       "The quick brown cat sleeps on the warm mat."])
+    spec = ConstraintSpec.regex(r"The quick brown (fox|cat)[a-z .]*")
+    params = SamplingParams(max_tokens=24, constraint=spec)
+    e = engine(o, speculative="ngram:tree", adaptive_speculation=False, num_speculative_tokens=8)
+    assert e.speculator is not None
+    proposer, trees = e.speculator.proposer, [0]
+    propose = proposer.propose
+
+    def counting(batch, ks):  # type: ignore[no-untyped-def]
+        out = propose(batch, ks)
+        trees[0] += sum(p.parents is not None for p in out)
+        return out
+
+    proposer.propose = counting  # type: ignore[method-assign]
+    fast = run(e, list(prompt), params)
+    assert fast.token_ids == masked_greedy(o, list(prompt), spec, 24)
+    assert trees[0] > 0 and e.stats.spec_accepted_tokens > 0
+
+
 def test_seeded_sampling_gives_valid_json_and_regex_a_full_match(case) -> None:  # type: ignore[no-untyped-def]
     o, prompt = case
     e = engine(o)

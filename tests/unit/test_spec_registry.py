@@ -63,9 +63,13 @@ def test_each_kind_builds_its_guesser_and_says_whether_it_runs_a_model():
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("nope", "unknown speculative method 'nope'; expected ngram, suffix, self:L or draft:PATH"),
-    ("ngram:3", "speculative method 'ngram' takes no argument (got 'ngram:3')"),
-    ("suffix:x", "speculative method 'suffix' takes no argument (got 'suffix:x')"),
+    ("nope", "unknown speculative method 'nope'; expected ngram[:tree[=N]], suffix[:tree[=N]], self:L or "
+             "draft:PATH"),
+    ("ngram:3", "ngram takes no argument or tree[=N], N in [2, 16] leaves (got 'ngram:3')"),
+    ("suffix:x", "suffix takes no argument or tree[=N], N in [2, 16] leaves (got 'suffix:x')"),
+    ("ngram:tree=1", "ngram takes no argument or tree[=N], N in [2, 16] leaves (got 'ngram:tree=1')"),
+    ("ngram:tree=17", "ngram takes no argument or tree[=N], N in [2, 16] leaves (got 'ngram:tree=17')"),
+    ("ngram:trees", "ngram takes no argument or tree[=N], N in [2, 16] leaves (got 'ngram:trees')"),
     ("self:0", "self-draft needs a positive layer count, as in self:8 (got 'self:0')"),
     ("self:x", "self-draft needs a positive layer count, as in self:8 (got 'self:x')"),
     ("self", "self-draft needs a positive layer count, as in self:8 (got 'self')"),
@@ -78,12 +82,17 @@ def test_the_grammar_refuses_with_the_same_messages(text, message):
 
 
 def test_the_grammar_parses_each_argument_and_prints_it_back():
-    assert speculative_methods() == "ngram, suffix, self:L or draft:PATH"
+    assert speculative_methods() == "ngram[:tree[=N]], suffix[:tree[=N]], self:L or draft:PATH"
     for text, kind, layers, path in [("ngram", "ngram", None, None), ("suffix", "suffix", None, None),
                                      ("self:8", "self", 8, None), ("draft:/m/a:b", "draft", None, "/m/a:b")]:
         spec = parse_speculative(text)
-        assert (spec.kind, spec.num_layers, spec.path) == (kind, layers, path)
+        assert (spec.kind, spec.num_layers, spec.path, spec.tree_leaves) == (kind, layers, path, 1)
         assert str(spec) == text
+    for text, leaves, printed in [("ngram:tree", 4, "ngram:tree=4"), ("suffix:tree=16", 16, "suffix:tree=16"),
+                                  ("ngram:tree=2", 2, "ngram:tree=2")]:
+        spec = parse_speculative(text)
+        assert spec.tree_leaves == leaves and str(spec) == printed
+        assert parse_speculative(printed) == spec
 
 
 def test_a_kind_registers_once(monkeypatch):

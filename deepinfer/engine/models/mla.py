@@ -165,13 +165,13 @@ class MLAttention:
         the chunk's own latents, used as the cache holds them (rounded through its dtype); a chunk with
         earlier context reads all of it from the cache, widened to the queries' dtype."""
         H, N, C = self.num_heads, self.nope, self.kv_lora
-        if chunk.context_len == chunk.q_len:
+        if chunk.context_len == chunk.q_len and chunk.mask is None:
             lat, mask = fresh.to(cache.dtype).to(fresh.dtype), None
         else:
             lat = cache.index_select(0, chunk.block_ids).flatten(0, 1)[: chunk.context_len].to(fresh.dtype)
-            # Query i sits at absolute position context_len - q_len + i and sees keys up to there.
-            mask = torch.ones(chunk.q_len, chunk.context_len, dtype=torch.bool, device=lat.device).tril(
-                chunk.context_len - chunk.q_len)
+            # Causal (query i sits at absolute position context_len - q_len + i and sees keys up to there), or a
+            # draft tree's mask.
+            mask = chunk.attention_mask(lat.device)
         ctx = lat.shape[0]
         kv = linear(lat[:, :C], self.kv_b_proj).view(ctx, H, N + self.v_dim)
         k = torch.cat([kv[..., :N], lat[:, None, C:].expand(ctx, H, self.rope)], dim=-1)

@@ -12,6 +12,9 @@ Two kinds of proposer, told apart by `Proposer.cheap`:
 * costly (a draft model, an MTP or EAGLE head): proposing runs a model, so the controller chooses
   each request's k first and the proposer produces at most that many.
 
+A cheap proposer may propose a tree of continuations where the history branches (`Proposal.parents`,
+tree.py); the controller then chooses how many of its nodes to verify and the speculator which ones.
+
 A proposal is either a point mass at each proposed token (`Proposal.probs is None`: a lookup, or a
 draft model that proposes its argmax) or, for a draft model that samples, the distribution q it drew
 each token from; verification applies the matching acceptance rule. A model head that predicts
@@ -51,16 +54,23 @@ class SpecContext:
 
 @dataclass
 class Proposal:
-    """Up to k proposed tokens for one request.
+    """Up to k proposed tokens for one request, as a chain or a tree.
 
     `probs` is None for a point-mass proposal (each token proposed with certainty), else
     [len(token_ids), vocab] fp32 rows, each the distribution the token was drawn from. `confidence`
     optionally estimates, per token, the probability that it is accepted given the ones before it
-    were (a suffix match's frequency); the controller may use it in place of its own estimate."""
+    were (a suffix match's frequency); the controller may use it in place of its own estimate.
+
+    A tree (point mass only) also has `parents` and `shares` (tree.py): token i follows token parents[i] (-1: the
+    last committed token), and shares[i] is the fraction of the guesser's evidence behind token i among its
+    siblings'. A tree is at most k deep; its main chain is what the chain proposal would have been. None: a
+    chain."""
 
     token_ids: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None
     confidence: list[float] | None = None
+    parents: list[int] | None = None
+    shares: list[float] | None = None
 
 
 class Proposer(ABC):

@@ -47,6 +47,12 @@ Model:
   toward the prior rate's pseudo-trials (weight 1 - idle_decay per step), so it is retried in time (text
   that turned repetitive); the cost curve's equivalent is the exploration above.
 
+* Trees. An offer may be a draft tree (tree.py: its parents and shares). Its nodes' gains are the chances that
+  verification walks to them (`tree.node_gains`, each first child's chance the chain's p_j above); sorted in
+  decreasing order they are the offer's marginal gains, so the scan above allocates nodes like chain tokens. The
+  chosen k_i nodes are the k_i first of `tree_order(i)`: the most valuable nodes, a valid tree (a child never
+  outranks its parent). Non-adaptive mode ranks them the same way and takes its cap of them.
+
 Invariants: 0 <= k_i <= min(max_k, offered_i); non-adaptive mode returns exactly that bound; the result
 depends only on the calls made (no clocks, no randomness).
 """
@@ -60,6 +66,8 @@ from collections.abc import Sequence
 from itertools import accumulate, repeat
 from operator import add, mul, truediv
 
+from deepinfer.engine.speculative.tree import node_gains
+
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior: a couple of verified steps outweigh it
 MIN_GAIN = 1e-3  # a draft token expected to commit less than this never pays for its row
 EXPLORE_MIN_GAIN = 0.05  # exploration spends rows on plausible tokens only
@@ -68,7 +76,8 @@ SAMPLES = 8  # a bucket's cost is the lower median of its last this many steps
 DRAFT_VALUE = 0.75  # a draft token counts as this fraction of its expected value (see Objective)
 _BUCKETS = [1] + [b for p in range(1, 21) for b in (1 << p, 3 << (p - 1))]
 
-Offer = tuple[str, int, list[float] | None]
+# (request id, most tokens it can take, per-token confidences or None[, (tree parents, tree shares)])
+Offer = tuple[str, int, list[float] | None] | tuple[str, int, list[float] | None, tuple[list[int], list[float]]]
 
 
 class CostCurve:
@@ -184,6 +193,7 @@ class SpecController:
         self.k_histogram = [0] * (max_k + 1)
         self.unproposed = 0
         self._last: list[int] = []
+        self._tree_orders: dict[int, list[int]] = {}  # offer index -> its tree's nodes, most valuable first
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -216,8 +226,15 @@ class SpecController:
         proposes (its cost counts); base_tokens: useful work of the step without speculation (base_rows)."""
         self.steps += 1
         top = self.max_k
-        caps = [(k if k < top else top) if k > 0 else 0 for _, k, _ in offers]  # min/max calls cost 2x here
-        ks = self._allocate(offers, caps, max(1, base_rows), costly, base_tokens) if self.adaptive else caps
+        caps = [(o[1] if o[1] < top else top) if o[1] > 0 else 0 for o in offers]  # min/max calls cost 2x here
+        self._tree_orders = {}
+        if self.adaptive:
+            ks = self._allocate(offers, caps, max(1, base_rows), costly, base_tokens)
+        else:
+            ks = caps
+            for i, offer in enumerate(offers):  # a tree's k nodes are still its most valuable ones
+                if caps[i] and len(offer) > 3:
+                    self._gains(i, offer, caps[i], self.prior_rate)
         for k, cap in zip(ks, caps):
             if cap:
                 self.k_histogram[k] += 1
@@ -231,20 +248,11 @@ class SpecController:
                   base_tokens: float | None) -> list[int]:
         gains: list[float] = []
         owners: list[int] = []
-        w, prior, acc = self.confidence_weight, self.prior_rate, self._acc
+        prior, acc = self.prior_rate, self._acc
         for i, cap in enumerate(caps):
             if not cap:
                 continue
-            rid, _, conf = offers[i]
-            st = acc.get(rid)  # self.acceptance(rid), inlined: this loop runs for every request every step
-            a = prior if st is None else st[0] / st[1]
-            if conf:
-                wa = (1.0 - w) * a
-                ps = [w * (0.0 if c < 0.0 else 1.0 if c > 1.0 else c) + wa for c in conf[:cap]]
-                ps += [a] * (cap - len(ps))
-            else:
-                ps = [a] * cap
-            gains += accumulate(ps, mul)  # gain of the j-th token: P(it and all before it are accepted)
+            gains += self._gains(i, offers[i], cap, prior)
             owners += [i] * cap
         order = sorted(range(len(gains)), key=gains.__getitem__, reverse=True)  # stable: ties keep position order
         g = list(map(gains.__getitem__, order))
@@ -288,6 +296,26 @@ class SpecController:
                     st[1] = d * st[1] + (1.0 - d) * PRIOR_WEIGHT
         return ks
 
+    def _gains(self, i: int, offer: Offer, cap: int, prior: float) -> list[float]:
+        """Offer i's cap largest marginal gains, in decreasing order; for a tree, its ranking goes to tree_order."""
+        st = self._acc.get(offer[0])  # self.acceptance(rid), inlined: this runs for every request every step
+        a = prior if st is None else st[0] / st[1]
+        conf, tree = offer[2], offer[3] if len(offer) > 3 else None  # type: ignore[misc]
+        n = cap if tree is None else len(tree[0])
+        if conf:
+            w = self.confidence_weight
+            wa = (1.0 - w) * a
+            ps = [w * (0.0 if c < 0.0 else 1.0 if c > 1.0 else c) + wa for c in conf[:n]]
+            ps += [a] * (n - len(ps))
+        else:
+            ps = [a] * n
+        if tree is None:
+            return list(accumulate(ps, mul))  # gain of the j-th token: P(it and all before it are accepted)
+        node = node_gains(tree[0], tree[1], ps)
+        order = sorted(range(n), key=node.__getitem__, reverse=True)  # stable: parents before children
+        self._tree_orders[i] = order
+        return [node[j] for j in order[:cap]]
+
     # -- measurements ------------------------------------------------------------------------------
 
     def record_step(self, rows: int, seconds: float) -> None:
@@ -330,6 +358,11 @@ class SpecController:
     def acceptance_rate(self) -> float:
         """Accepted / proposed draft tokens over the last `window` verified steps (0.0 before any)."""
         return self._win_accepted / self._win_proposed if self._win_proposed else 0.0
+
+    def tree_order(self, index: int) -> list[int] | None:
+        """The nodes of the last `choose` call's offer `index`, most valuable first, when it offered a tree; its
+        chosen k nodes are the first k."""
+        return self._tree_orders.get(index)
 
     @property
     def last_choices(self) -> list[int]:

@@ -21,6 +21,10 @@ That check is O(1) (length, first, middle and last indexed token), not a full co
 never changes output, verification only accepts tokens the target agrees with, so a missed rewrite
 would cost acceptance at worst, and checking 2,000 tokens every step would cost more than the lookup.
 
+With `tree_leaves` > 1 it proposes a tree (tree.py) where the history branches: every occurrence matching as
+long a suffix as the best one (of the `max_candidates` most recent) contributes its continuation, the best
+occurrence's is the main chain, and each node's share is the fraction of occurrences through it.
+
 Its proposals carry no confidence: one occurrence has no frequency to report, and the controller's
 measured acceptance rate for the request is a better estimate than any fixed guess.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
+from deepinfer.engine.speculative import tree
 from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
 from deepinfer.engine.speculative.registry import register_proposer
 
@@ -102,15 +107,27 @@ class NgramIndex:
             return [], 0
         return toks[best_e:best_e + k], best_m
 
+    def continuations(self, k: int, m: int) -> list[list[int]]:
+        """Up to k tokens after each of the `max_candidates` most recent occurrences of the sequence's last m
+        tokens (m from `lookup`), newest first: the branches of a tree proposal."""
+        toks = self.tokens
+        size = len(toks)
+        if k <= 0 or m < self.min_n:
+            return []
+        want = toks[size - m:]
+        ends = self._ends.get(tuple(toks[size - self.min_n:]), [])
+        return [toks[e:e + k] for e in islice(reversed(ends), 1, self.max_candidates + 1)
+                if e >= m and toks[e - m:e] == want]
+
 
 class NgramProposer(Proposer):
     """Prompt lookup within each request: a cheap proposer with one `NgramIndex` per request id."""
 
     cheap = True
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, tree_leaves: int = 1) -> None:
         NgramIndex(min_n, max_n)  # validate the arguments now, not on the first request
-        self.min_n, self.max_n = min_n, max_n
+        self.min_n, self.max_n, self.tree_leaves = min_n, max_n, tree_leaves
         self._indexes: dict[str, NgramIndex] = {}
 
     def index_for(self, ctx: SpecContext) -> NgramIndex:
@@ -124,9 +141,18 @@ class NgramProposer(Proposer):
     def propose(self, batch: Sequence[SpecContext], ks: Sequence[int]) -> list[Proposal]:
         out = []
         for ctx, k in zip(batch, ks, strict=True):
-            tokens = self.index_for(ctx).lookup(k)[0] if k > 0 else []
-            out.append(Proposal(token_ids=tokens))
+            out.append(self.propose_one(self.index_for(ctx), k) if k > 0 else Proposal())
         return out
+
+    def propose_one(self, index: NgramIndex, k: int) -> Proposal:
+        """The chain, or with `tree_leaves` > 1 the tree, that `index` proposes (empty when there is none)."""
+        tokens, m = index.lookup(k)
+        if self.tree_leaves < 2 or not tokens:
+            return Proposal(token_ids=tokens)
+        nodes, parents, shares = tree.build(index.continuations(k, m), k, self.tree_leaves, main=tokens)
+        if tree.is_chain(parents):
+            return Proposal(token_ids=nodes)
+        return Proposal(token_ids=nodes, parents=parents, shares=shares)
 
     def finished(self, ctx: SpecContext) -> None:
         self._indexes.pop(ctx.request_id, None)
@@ -141,4 +167,5 @@ class NgramProposer(Proposer):
         return set(self._indexes)
 
 
-register_proposer("ngram", NgramProposer, lambda a: NgramProposer(a.config.ngram_min, a.config.ngram_max))
+register_proposer("ngram", NgramProposer,
+                  lambda a: NgramProposer(a.config.ngram_min, a.config.ngram_max, a.spec.tree_leaves))

@@ -40,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
 
+from deepinfer.engine.speculative import tree
 from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
 from deepinfer.engine.speculative.ngram import NgramProposer
 from deepinfer.engine.speculative.registry import register_proposer
@@ -130,17 +131,16 @@ class SuffixIndex:
         if not table:
             del self._tables[tenant]
 
-    def lookup(self, tenant: str | None, token_ids: Sequence[int], k: int) -> tuple[list[int], list[float], int]:
-        """(tokens, per-token confidence, match length) continuing `token_ids` from the tenant's stored
-        sequences; ([], [], 0) when there is nothing to propose."""
+    def _match(self, tenant: str | None, token_ids: Sequence[int]) -> tuple[int, list[tuple[array[int], int]]]:
+        """(best match length, its occurrences as (document, end), newest first); (0, []) when none."""
         table = self._tables.get(tenant)
-        if table is None or k <= 0 or len(token_ids) < self.min_n:
-            return [], [], 0
+        if table is None or len(token_ids) < self.min_n:
+            return 0, []
         tail = array("i", token_ids[-self.max_n:])
         t, n = len(tail), self.min_n
         lst = table.get(hash(tuple(tail[t - n:])))
         if lst is None:
-            return [], [], 0
+            return 0, []
         docs = self._tokens
         # Only occurrences matching at least best_m tokens matter: one slice comparison (in C) rejects
         # the others, and checks the hashed min_n-gram too (a collision is not a match).
@@ -156,6 +156,20 @@ class SuffixIndex:
                 best_m, want, occ = m, tail[t - m:], [(doc, e)]
             elif occ:  # m == best_m >= n
                 occ.append((doc, e))
+        return best_m, occ
+
+    def continuations(self, tenant: str | None, token_ids: Sequence[int], k: int) -> list[list[int]]:
+        """Up to k tokens after each occurrence `lookup` would build on, newest first: a tree's branches."""
+        if k <= 0:
+            return []
+        return [list(doc[e:e + k]) for doc, e in self._match(tenant, token_ids)[1]]
+
+    def lookup(self, tenant: str | None, token_ids: Sequence[int], k: int) -> tuple[list[int], list[float], int]:
+        """(tokens, per-token confidence, match length) continuing `token_ids` from the tenant's stored
+        sequences; ([], [], 0) when there is nothing to propose."""
+        if k <= 0:
+            return [], [], 0
+        best_m, occ = self._match(tenant, token_ids)
         tokens: list[int] = []
         conf: list[float] = []
         depth = 0
@@ -218,13 +232,18 @@ class SuffixProposer(Proposer):
     answers to other documents, while this one quotes its own prompt) loses to the other; a source doing
     well is not boosted. A tie goes to the request's own text. The winner keeps its confidence; a
     prompt-lookup proposal reports none (see `ngram`). Measured (bench_spec, c = 1, suffix): summaries
-    1.12x -> 1.53x, agentic repeats unchanged (2.41 tokens a step either way)."""
+    1.12x -> 1.53x, agentic repeats unchanged (2.41 tokens a step either way).
+
+    With `tree_leaves` > 1 the winner comes as a tree (tree.py): prompt lookup's as `NgramProposer` builds it, the
+    index's from every occurrence it matched, around its majority chain."""
 
     cheap = True
 
-    def __init__(self, index: SuffixIndex | None = None, ngram_min_n: int = 1, ngram_max_n: int = 4) -> None:
+    def __init__(self, index: SuffixIndex | None = None, ngram_min_n: int = 1, ngram_max_n: int = 4,
+                 tree_leaves: int = 1) -> None:
         self.index = SuffixIndex() if index is None else index
-        self._local = NgramProposer(ngram_min_n, ngram_max_n)
+        self.tree_leaves = tree_leaves
+        self._local = NgramProposer(ngram_min_n, ngram_max_n, tree_leaves)
         # request id -> [local successes, local trials, cross successes, cross trials]; and which source
         # the request's last non-empty proposal came from (0 local, 2 cross: the offset in that list).
         self._stats: dict[str, list[float]] = {}
@@ -241,18 +260,32 @@ class SuffixProposer(Proposer):
                 out.append(Proposal())
                 continue
             rid = ctx.request_id
-            local, m = self._local.index_for(ctx).lookup(k)
-            cross, conf, _ = self.index.lookup(ctx.tenant, ctx.token_ids, k)
+            index = self._local.index_for(ctx)
+            local, m = index.lookup(k)
+            cross, conf, cross_m = self.index.lookup(ctx.tenant, ctx.token_ids, k)
             a_local, a_cross = self._alpha(rid, 0), self._alpha(rid, 2)
             local_score = _discounted([(m + i) / (m + i + 1) for i in range(len(local))], a_local)
             if cross and _discounted(conf, a_cross) > local_score:
-                out.append(Proposal(token_ids=cross, confidence=conf))
+                out.append(self._cross_tree(ctx, k, cross, conf, cross_m) if self.tree_leaves > 1
+                           else Proposal(token_ids=cross, confidence=conf))
                 self._last[rid] = 2
             else:
-                out.append(Proposal(token_ids=local))
+                out.append(self._local.propose_one(index, k))
                 if local:
                     self._last[rid] = 0
         return out
+
+    def _cross_tree(self, ctx: SpecContext, k: int, chain: list[int], conf: list[float], m: int) -> Proposal:
+        """The index's tree around its chain proposal: the chain's nodes keep its confidences; a branch node's is
+        its share shaded by its match length, as `SuffixIndex.lookup` scores a token."""
+        branches = self.index.continuations(ctx.tenant, ctx.token_ids, k)
+        nodes, parents, shares = tree.build(branches, k, self.tree_leaves, main=chain)
+        if tree.is_chain(parents):
+            return Proposal(token_ids=chain, confidence=conf)
+        confidence = [s * (m + d - 1) / (m + d) for s, d in zip(shares, tree.depths(parents))]
+        for j, node in enumerate(tree.main_chain(parents)):
+            confidence[node] = conf[j]
+        return Proposal(token_ids=nodes, confidence=confidence, parents=parents, shares=shares)
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         source = self._last.get(request_id)
@@ -279,4 +312,5 @@ class SuffixProposer(Proposer):
 
 
 register_proposer("suffix", SuffixProposer,
-                  lambda a: SuffixProposer(ngram_min_n=a.config.ngram_min, ngram_max_n=a.config.ngram_max))
+                  lambda a: SuffixProposer(ngram_min_n=a.config.ngram_min, ngram_max_n=a.config.ngram_max,
+                                           tree_leaves=a.spec.tree_leaves))

@@ -19,6 +19,12 @@ exactly those of plain decoding at that position.
   p_k. The committed tokens are distributed exactly as the target's; the draws come from the row's
   seeded streams (ACCEPT and RESIDUAL purposes), so a seeded request repeats itself for the same drafts.
 
+* Draft trees (point mass only, tree.py): row 0 is the root's, row 1 + i node i's, each a `SamplingRow` whose
+  output holds that node's path; every row samples as plain decoding would there, and the walk from the root
+  follows the child equal to each row's token (`tree.accepted_path`). The committed tokens are the walked
+  nodes' and the last walked row's own; `VerifyResult.walked` names the nodes, whose K/V the engine moves to
+  their chain positions.
+
 Every row's logits get the request's logit_bias, penalties and output constraint's mask first, exactly as in
 plain decoding, so greedy output with speculation equals output without it (a draft the constraint forbids is
 never accepted: its row's masked pick, or p(d) = 0, rejects it). Logprobs of committed tokens are the target's
@@ -35,6 +41,7 @@ import torch
 
 from deepinfer.engine.request import Logprob, SamplingParams
 from deepinfer.engine.sampler import ACCEPT, RESIDUAL, Sampler, SamplingRow, exponential_noise
+from deepinfer.engine.speculative import tree
 
 
 @dataclass
@@ -51,10 +58,17 @@ class VerifyGroup:
     # the constraint forbids are not needed (that draft is rejected: its row's pick or p(d) never allows it).
     masks: torch.Tensor | None = None
     num_masked: int = 0  # rows of `masks` that were written
+    draft_parents: Sequence[int] | None = None  # a draft tree's (tree.py); None: a chain
 
     def rows(self) -> list[SamplingRow]:
         out = list(self.output_token_ids)
         drafts = list(self.draft_token_ids)
+        if self.draft_parents is not None:
+            if self.masks is not None or self.draft_probs is not None:
+                raise ValueError("a draft tree is verified as a point mass, without output constraints")
+            paths = [tree.path(self.draft_parents, j - 1) for j in range(len(drafts) + 1)]
+            return [SamplingRow(self.params, self.prompt_token_ids, out + [drafts[n] for n in p], self.generator)
+                    for p in paths]
         return [SamplingRow(self.params, self.prompt_token_ids, out + drafts[:j], self.generator,
                             self.masks[j] if self.masks is not None and j < self.num_masked else None)
                 for j in range(len(drafts) + 1)]
@@ -65,6 +79,7 @@ class VerifyResult:
     token_ids: list[int]  # accepted drafts, then one token of the target's own
     logprobs: list[Logprob | None]
     num_accepted: int
+    walked: list[int] | None = None  # a draft tree's accepted nodes, in path order
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, groups: Sequence[VerifyGroup]) -> list[VerifyResult]:
@@ -87,7 +102,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: Sequence[VerifyGroup]
             picks = sampler(part, rows)
             at = 0
             for i in members:
-                results[i] = _accept_point_mass(groups[i].draft_token_ids, picks[at : at + sizes[i]])
+                results[i] = _accept_point_mass(groups[i].draft_token_ids, picks[at : at + sizes[i]],
+                                                groups[i].draft_parents)
                 at += sizes[i]
         else:
             for i, result in zip(members, _verify_distributions(sampler, part, rows, [groups[i] for i in members])):
@@ -95,7 +111,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, groups: Sequence[VerifyGroup]
     return [r for r in results if r is not None]
 
 
-def _accept_point_mass(drafts: Sequence[int], picks: list[tuple[int, Logprob | None]]) -> VerifyResult:
+def _accept_point_mass(drafts: Sequence[int], picks: list[tuple[int, Logprob | None]],
+                       parents: Sequence[int] | None = None) -> VerifyResult:
+    if parents is not None:
+        walked = tree.accepted_path(parents, drafts, [t for t, _ in picks])
+        kept = [picks[0]] + [picks[1 + n] for n in walked]
+        return VerifyResult([t for t, _ in kept], [lp for _, lp in kept], len(walked), walked)
     accepted = 0
     while accepted < len(drafts) and picks[accepted][0] == drafts[accepted]:
         accepted += 1
