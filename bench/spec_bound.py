@@ -29,6 +29,7 @@ from pathlib import Path
 
 from deepinfer.engine.request import SamplingParams
 from deepinfer.engine.speculative.base import Proposer, SpecContext
+from deepinfer.engine.speculative.tree import accepted_path, depths, main_chain_acceptance
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)  # what the contexts carry; guessers here ignore it
 
@@ -47,10 +48,18 @@ class Replay:
         return self.tokens / self.steps if self.steps else 0.0
 
 
+def _walk(parents: Sequence[int], tokens: Sequence[int], rest: Sequence[int]) -> list[int]:
+    """The nodes a greedy target whose next tokens are `rest` walks through a draft tree: every node row's pick is
+    the answer's token at that node's depth (only nodes on the answer's path are ever reached)."""
+    picks = [rest[0]] + [rest[d] if d < len(rest) else -1 for d in depths(parents)]
+    return accepted_path(parents, tokens, picks)
+
+
 def replay(proposer: Proposer, answers: Sequence[tuple[Sequence[int], Sequence[int]]], k: int,
            tenant: str | None = None) -> Replay:
     """Replay `proposer` over (prompt, answer) pairs in order, up to `k` drafts a step. A step commits the
-    longest proposed prefix that matches the answer, then the answer's next token (the target's own)."""
+    longest proposed prefix that matches the answer, then the answer's next token (the target's own). A tree
+    proposal (`ngram:tree`) is verified whole, every node (at most k deep): its bound is the tree's."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     tokens = steps = proposed = accepted = 0
@@ -61,11 +70,17 @@ def replay(proposer: Proposer, answers: Sequence[tuple[Sequence[int], Sequence[i
         ctx = list(prompt) + [answer[0]]
         pos, steps = 1, steps + 1
         while pos < len(answer):
-            draft = proposer.propose([SpecContext(rid, ctx, len(prompt), GREEDY, tenant)], [k])[0].token_ids[:k]
-            a = 0
-            while a < len(draft) and pos + a < len(answer) and draft[a] == answer[pos + a]:
-                a += 1
-            proposer.observe(rid, len(draft), a)
+            proposal = proposer.propose([SpecContext(rid, ctx, len(prompt), GREEDY, tenant)], [k])[0]
+            if proposal.parents is None:
+                draft = proposal.token_ids[:k]
+                a = 0
+                while a < len(draft) and pos + a < len(answer) and draft[a] == answer[pos + a]:
+                    a += 1
+                proposer.observe(rid, len(draft), a)
+            else:  # a tree, whole: the walk follows the answer through it (tree.accepted_path with its picks)
+                draft, walked = proposal.token_ids, _walk(proposal.parents, proposal.token_ids, answer[pos:])
+                a = len(walked)
+                proposer.observe(rid, *main_chain_acceptance(proposal.parents, walked))
             take = min(a + 1, len(answer) - pos)
             ctx += answer[pos:pos + take]
             pos, steps = pos + take, steps + 1
@@ -77,11 +92,11 @@ def replay(proposer: Proposer, answers: Sequence[tuple[Sequence[int], Sequence[i
 
 def make_proposer(method: str) -> Proposer:
     """A fresh guesser as the engine builds it by default (`speculator.build_proposer`'s defaults)."""
-    from deepinfer.config.engine import EngineConfig
+    from deepinfer.config.engine import EngineConfig, parse_speculative
     from deepinfer.engine.speculative.speculator import build_proposer
 
-    if method not in ("ngram", "suffix"):
-        raise ValueError(f"spec_bound replays the model-free guessers (ngram, suffix), not {method!r}")
+    if parse_speculative(method).kind not in ("ngram", "suffix"):
+        raise ValueError(f"spec_bound replays the model-free guessers (ngram, suffix, with :tree), not {method!r}")
     return build_proposer(EngineConfig(speculative=method))
 
 

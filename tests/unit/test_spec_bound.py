@@ -68,3 +68,36 @@ def test_bad_arguments() -> None:
         replay(make_proposer("ngram"), [], k=0)
     with pytest.raises(ValueError):
         make_proposer("self:1")
+
+
+class ScriptedTree(Scripted):
+    """Proposes one fixed tree, then nothing."""
+
+    def __init__(self, tokens: list[int], parents: list[int]) -> None:
+        super().__init__([])
+        self.tree: tuple[list[int], list[int]] | None = (tokens, parents)
+
+    def propose(self, batch: Sequence[SpecContext], ks: Sequence[int]) -> list[Proposal]:
+        self.seen.append(list(batch[0].token_ids))
+        tree, self.tree = self.tree, None
+        return [Proposal(tree[0], parents=tree[1]) if tree else Proposal()]
+
+
+def test_a_tree_is_walked_along_the_answer_through_any_branch() -> None:
+    # Answer 10..14. The tree: 11 -> 99 on the main chain, 11 -> 12 -> 13 on a branch, and 50 from the root.
+    # The walk takes 11, 12, 13 (off the main chain after 11) and the target's 14 ends the answer.
+    p = ScriptedTree([11, 99, 12, 13, 50], [-1, 0, 0, 2, -1])
+    r = replay(p, [([1], [10, 11, 12, 13, 14])], k=3)
+    assert (r.tokens, r.steps, r.proposed, r.accepted) == (5, 2, 5, 3)
+    assert p.observed == [(2, 1)]  # the main chain (11, 99): its first node accepted
+
+
+def test_tree_methods_replay_and_never_walk_fewer_tokens_than_their_main_chain() -> None:
+    unit = list(range(200, 206))
+    answer = (unit + [7]) * 3 + (unit + [8]) * 3 + unit
+    pairs = [([1, 2, 3, *unit, 9, *unit, 7], answer)]
+    chain = replay(make_proposer("ngram"), pairs, k=8)
+    tree = replay(make_proposer("ngram:tree"), pairs, k=8)
+    assert tree.tokens == chain.tokens and tree.steps <= chain.steps
+    with pytest.raises(ValueError):
+        make_proposer("self:2")
