@@ -185,31 +185,13 @@ def test_a_bucket_shrugs_off_a_slow_step_and_follows_a_lasting_change():
     c = CostCurve(0.02, 0.0005)
     for _ in range(SAMPLES):
         c.record(4, 0.010)
-        c.record(12, 0.030)
     c.record(4, 0.200)  # one step descheduled for 190 ms
-    assert c(4) == pytest.approx(0.010) and c.speed == 1.0
-    for _ in range(3):  # a burst of them: the whole machine is slow for now; the curve's shape stays
+    assert c(4) == pytest.approx(0.010)
+    for _ in range(SAMPLES // 2 - 1):
         c.record(4, 0.200)
-    assert c.speed == pytest.approx(20.0) and c(12) / c(4) == pytest.approx(3.0)
-    for _ in range(3):
-        c.record(4, 0.010)
-    assert c(4) == pytest.approx(0.010) and c(12) == pytest.approx(0.030)  # and back, nothing learned from it
-    for _ in range(2 * SAMPLES):  # one bucket's own cost changes for good: the curve follows
-        c.record(4, 0.020)
-        c.record(12, 0.030)
-    assert c(12) / c(4) == pytest.approx(1.5)
-
-
-def test_a_bucket_learns_its_new_cost_in_either_order_of_measurement():
-    for first in (4, 12):
-        c = CostCurve(0.02, 0.0005)
-        for _ in range(SAMPLES):
-            c.record(4, 0.010)
-            c.record(12, 0.030)
-        for _ in range(2 * SAMPLES):
-            for rows in (first, 16 - first):
-                c.record(rows, 0.020 if rows == 4 else 0.030)
-        assert c(12) / c(4) == pytest.approx(1.5)
+    assert c(4) == pytest.approx(0.010)  # half the window slow: still the typical step
+    c.record(4, 0.020)  # a majority of steps now cost more: the curve follows
+    assert c(4) == pytest.approx(0.020)
 
 
 def test_one_slow_verification_step_does_not_turn_speculation_off():
@@ -355,39 +337,3 @@ def _timed(fn, n: int = 50) -> float:
     for _ in range(n):
         fn()
     return (time.process_time() - t0) / n
-
-
-def test_the_curve_keeps_its_shape_when_the_whole_machine_slows():
-    # Rows 1 and 5 measured at speed 1 (a 5-row step 1.4x a 1-row one); then the machine runs 2x slower for a
-    # stretch in which only 1-row steps are measured. A curve of raw seconds would put c(1) = 20 ms beside a stale
-    # c(5) = 14 ms — five rows as cheap as one (the monotone fix flattens it) — and speculate as if rows were free.
-    c = CostCurve(0.02, 0.0005)
-    for _ in range(SAMPLES):
-        c.record(1, 0.010)
-        c.record(5, 0.014)
-    assert c(5) / c(1) == pytest.approx(1.4)
-    one_slow = CostCurve(0.02, 0.0005)
-    for _ in range(SAMPLES):
-        one_slow.record(1, 0.010)
-    one_slow.record(1, 0.200)  # one descheduled step moves neither the bucket nor the speed
-    assert one_slow.speed == 1.0 and one_slow(1) == pytest.approx(0.010)
-    for _ in range(2 * SAMPLES):
-        c.record(1, 0.020)
-    assert c.speed == pytest.approx(2.0)
-    assert c(1) == pytest.approx(0.020) and c(5) / c(1) == pytest.approx(1.4)
-    for _ in range(2 * SAMPLES):  # and back
-        c.record(5, 0.014)
-    assert c.speed == pytest.approx(1.0) and c(5) / c(1) == pytest.approx(1.4)
-
-
-def test_a_slow_stretch_does_not_change_the_controllers_choice():
-    def choices(slow: float) -> list[int]:
-        sc = SpecController(4, explore_every=0, prior_acceptance=0.7)
-        for r in BUCKET_ROWS:
-            for _ in range(3):
-                sc.record_step(r, 0.010 + 4e-3 * r)  # a row costs 40% of a 1-row step
-        for _ in range(3 * SAMPLES):
-            sc.record_step(1, slow * (0.010 + 4e-3))
-        return sc.choose(offers(1, 4), base_rows=1)
-
-    assert choices(slow=2.0) == choices(slow=1.0)

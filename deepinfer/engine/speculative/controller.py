@@ -25,13 +25,6 @@ Model:
   only re-measured once stale (below), which would hold speculation off for a hundred steps. Outside
   the measured range c follows the prior c(T) = step_seconds + row_seconds * T, scaled to meet the
   nearest measurement (above it, the steeper of that and the last measured slope).
-  The machine's speed drifts (a VM slowed by its neighbours for minutes, turbo, thermal limits), and buckets
-  are measured at different times: the base bucket every step, a speculating bucket now and then. So the
-  curve is kept in the machine's units of its first measurements: each step is divided by the current speed
-  before it joins its bucket, and every cost multiplied by it. The speed is the lower median of the last
-  SPEED_WINDOW ratios of a step's seconds to its bucket's stored cost (once SPEED_MIN are known): a lasting
-  slowdown of every step moves it, and with it the whole curve, while the curve's shape — what a choice
-  depends on — keeps what each bucket measured; one slow step moves neither.
   A costly proposer adds max_k * d(n_spec): max_k sequential draft forwards over the n_spec requests
   that speculate, d learned the same way from `record_draft`.
 * Objective. Maximise (base_tokens + v * sum_i (E_i(k_i) - 1)) / (c(T_base + sum_i k_i) + draft) — useful
@@ -80,10 +73,6 @@ MIN_GAIN = 1e-3  # a draft token expected to commit less than this never pays fo
 EXPLORE_MIN_GAIN = 0.05  # exploration spends rows on plausible tokens only
 STALE_STEPS = 128  # a bucket not measured in this many records is worth measuring again
 SAMPLES = 8  # a bucket's cost is the lower median of its last this many steps
-# The machine's speed: the lower median of this many recent ratios (once at least SPEED_MIN are known). It must
-# follow a lasting change before a bucket's own window does (3 slow steps here, 5 of SAMPLES there), or the bucket
-# absorbs the change and the speed never sees it.
-SPEED_WINDOW, SPEED_MIN = 5, 3
 DRAFT_VALUE = 0.75  # a draft token counts as this fraction of its expected value (see Objective)
 _BUCKETS = [1] + [b for p in range(1, 21) for b in (1 << p, 3 << (p - 1))]
 
@@ -103,10 +92,6 @@ class CostCurve:
         self._window = samples
         self.records = 0
         self._knots: tuple[list[float], list[float]] | None = None
-        # The machine's speed: seconds now per second of the stored curve (the lower median of recent steps'
-        # ratios to their bucket's knot). Samples are stored divided by it and costs multiplied by it.
-        self.speed = 1.0
-        self._speeds: deque[float] = deque(maxlen=SPEED_WINDOW)
 
     def record(self, rows: int, seconds: float) -> None:
         if rows <= 0 or not 0 < seconds < math.inf:  # also drops NaN
@@ -114,16 +99,7 @@ class CostCurve:
         self.records += 1
         b = _bucket(rows)
         window = self._samples.setdefault(b, deque(maxlen=self._window))
-        window.append((rows, seconds / self.speed))
-        pt = self.points.get(b)
-        # A bucket measured before tells how fast the machine runs now against then. The step just stored was
-        # divided by the speed of the steps before it, not its own: a bucket whose real cost changed then learns
-        # the change instead of having it explained away as the machine's speed.
-        if pt is not None:
-            self._speeds.append(seconds / pt[1])
-            if len(self._speeds) >= SPEED_MIN:
-                ordered = sorted(self._speeds)
-                self.speed = ordered[(len(ordered) - 1) // 2]
+        window.append((rows, float(seconds)))
         ordered = sorted(s for _, s in window)
         # The knot sits at the rows measured, not at the bucket's edge.
         self.points[b] = [sum(r for r, _ in window) / len(window), ordered[(len(ordered) - 1) // 2], self.records]
@@ -144,7 +120,7 @@ class CostCurve:
                 r, s, _ = self.points[b]
                 xs.append(r)
                 ys.append(max(s, ys[-1]) if ys else s)  # noise must never make more rows look cheaper
-            self._knots = (xs, [self.speed * y for y in ys])  # in seconds now
+            self._knots = (xs, ys)
         return self._knots
 
     def __call__(self, rows: int) -> float:
