@@ -156,3 +156,22 @@ def test_real_tree_guessers_keep_greedy_output(tiny_llama, method, adaptive):
     # The controller verifies branch nodes only where it measures them worth their rows (timing-dependent).
     assert e.stats.spec_proposed_tokens > 0 and (adaptive or trees[0] > 0)
     assert_whole(e)
+
+
+def test_blocks_written_by_tree_steps_serve_later_prefix_hits(tiny_llama):
+    """Blocks holding tree-verified tokens are named in the prefix cache; a later prompt that extends an earlier
+    answer reuses them, and its answer is the one a fresh engine gives: the moved K/V is the chain's."""
+    batch = prompts(6, seed=5)
+    ref = run(engine(tiny_llama), batch, GREEDY)
+    e = engine(tiny_llama, "ngram", num_speculative_tokens=8)
+    assert e.speculator is not None
+    e.speculator.proposer = ScriptedTreeProposer({tuple(p): o.token_ids for p, o in zip(batch, ref)}, seed=6)
+    moved = count_moves(e)
+    same(run(e, batch, GREEDY), ref)
+    assert moved[0] > 0
+    follow = [p + o.token_ids for p, o in zip(batch, ref)]
+    e.speculator = None  # plain decoding now: only the cached blocks carry the tree steps' work
+    hits_before = e.stats.prefix_hit_tokens
+    same(run(e, follow, GREEDY), run(engine(tiny_llama), follow, GREEDY))
+    assert e.stats.prefix_hit_tokens - hits_before > sum(len(p) for p in batch)
+    assert_whole(e)
