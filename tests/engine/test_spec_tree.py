@@ -175,3 +175,27 @@ def test_blocks_written_by_tree_steps_serve_later_prefix_hits(tiny_llama):
     same(run(e, follow, GREEDY), run(engine(tiny_llama), follow, GREEDY))
     assert e.stats.prefix_hit_tokens - hits_before > sum(len(p) for p in batch)
     assert_whole(e)
+
+
+class MalformedTreeProposer(Proposer):
+    """Proposes trees whose parents point forward, or whose lengths disagree: a guesser's bug."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, batch: Sequence[SpecContext], ks: Sequence[int]) -> list[Proposal]:
+        self.calls += 1
+        bad = [Proposal([5, 6, 7], parents=[-1, 2, 0]), Proposal([5, 6], parents=[-1]),
+               Proposal([5, 6], parents=[-1, 0], shares=[1.0])]
+        return [bad[(self.calls + i) % len(bad)] for i in range(len(batch))]
+
+
+def test_a_malformed_tree_costs_its_drafts_never_the_step(tiny_llama):
+    batch = prompts(4, seed=9)
+    ref = run(engine(tiny_llama), batch, GREEDY)
+    e = engine(tiny_llama, "ngram", num_speculative_tokens=8)
+    assert e.speculator is not None
+    e.speculator.proposer = MalformedTreeProposer()
+    same(run(e, batch, GREEDY), ref)
+    assert e.stats.spec_proposed_tokens == 0
+    assert_whole(e)

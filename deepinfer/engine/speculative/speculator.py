@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import structlog
 import torch
 
 from deepinfer.config.engine import EngineConfig, parse_speculative
@@ -27,6 +28,8 @@ from deepinfer.engine.speculative import tree
 from deepinfer.engine.speculative.base import Proposal, Proposer, SpecContext
 from deepinfer.engine.speculative.controller import Offer, SpecController
 from deepinfer.engine.speculative.registry import ProposerArgs, registration
+
+log = structlog.get_logger("deepinfer.engine")
 
 
 def context_of(req: Request) -> SpecContext:
@@ -59,6 +62,7 @@ class Speculator:
         offers: list[Offer]
         if self.proposer.cheap:
             proposals = self.proposer.propose([context_of(r) for r in candidates], caps)
+            proposals = [_checked_tree(p, self.proposer) if p.parents is not None else p for p in proposals]
             proposals = [p if p.parents is None or r.params.constraint is None else _main_chain(p)
                          for r, p in zip(candidates, proposals)]
             offers = [(r.request_id, len(p.token_ids), p.confidence) if p.parents is None else
@@ -145,6 +149,21 @@ class Speculator:
         # The step commits up to k + 1 tokens: never draft past max_tokens or the context limit.
         left = req.params.max_tokens - len(req.output_token_ids) - 1
         return max(0, min(self.max_k, left, self.max_model_len - req.num_tokens))
+
+
+def _checked_tree(p: Proposal, proposer: Proposer) -> Proposal:
+    """`p` if its tree is well formed (tree.validate, one parent and share per token), else no proposal: a guesser's
+    malformed tree costs its request this step's drafts, never the step (logged, as it is a guesser's bug)."""
+    assert p.parents is not None
+    try:
+        tree.validate(p.parents)
+        if len(p.parents) != len(p.token_ids) or (p.shares is not None and len(p.shares) != len(p.parents)):
+            raise ValueError(f"{len(p.token_ids)} tokens, {len(p.parents)} parents, "
+                             f"{'no' if p.shares is None else len(p.shares)} shares")
+    except ValueError as exc:
+        log.error("malformed draft tree dropped", guesser=type(proposer).__name__, error=str(exc))
+        return Proposal()
+    return p
 
 
 def _main_chain(p: Proposal) -> Proposal:
