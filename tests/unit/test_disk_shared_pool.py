@@ -334,11 +334,18 @@ def test_two_processes_writing_the_same_blocks_never_show_a_reader_a_torn_file(t
     assert reader.exitcode == 0
     assert problems == [] and quarantined == 0
     assert hits >= RACE_BLOCKS  # at least the last pass, after both writers finished, found every block
-    # Every block ends as one whole file, by one writer or the other, and no temp file is left.
+    # Every block ends as one whole file, by one writer or the other, or as no file: an eviction's check-then-unlink
+    # can delete the other writer's copy that landed in between (pool_files.unlink_if_same: a cache may lose a
+    # block, never serve a wrong one; CI hit that window once in ~2,600-test runs). No temp file is left.
     tier = make(tmp_path)
+    whole = 0
     for i in range(RACE_BLOCKS):
         path = tier.path_of(h(i))
+        if not path.exists():
+            continue
         payload = bytes(bf.verify(path.read_bytes(), NS_ID, h(i), N))
         assert payload in (payload_for(h(i), 0), payload_for(h(i), 1))
+        whole += 1
+    assert whole >= RACE_BLOCKS - 2  # the window is narrow: losing more than the last evictions' would be a bug
     assert [p for p in tmp_path.rglob("*") if p.name.endswith(pf.TEMP_SUFFIX)] == []
     assert list((tmp_path / dt.QUARANTINE_DIR / NS_ID).iterdir()) == []
